@@ -1,0 +1,37 @@
+"""disttrain: distributed training of PyTorch models, every strategy behind one API.
+
+This module only re-exports the public API; see docs/design.md for the layers.
+"""
+
+from disttrain import data, testing
+from disttrain.runtime import (
+    backend,
+    device,
+    init,
+    is_initialized,
+    local_rank,
+    local_world_size,
+    print0,
+    rank,
+    role,
+    shutdown,
+    world_size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backend",
+    "data",
+    "device",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_world_size",
+    "print0",
+    "rank",
+    "role",
+    "shutdown",
+    "testing",
+    "world_size",
+]
