@@ -26,6 +26,7 @@ __all__ = [
     "local_rank",
     "local_world_size",
     "role",
+    "num_servers",
     "device",
     "backend",
     "print0",
@@ -152,9 +153,19 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
 
 
+def num_servers() -> int:
+    """Parameter-server processes in this job (`disttrain run --servers S`), 0 otherwise."""
+    return int(os.environ.get("DISTTRAIN_SERVERS", 0))
+
+
 def role() -> str:
-    """'worker' or 'server' (parameter-server jobs); 'worker' unless the launcher says so."""
-    return os.environ.get("DISTTRAIN_ROLE", "worker")
+    """'worker' or 'server'.
+
+    NOTE: in a job started with `--workers W --servers S` the last S global ranks are
+    servers and ranks 0..W-1 are workers, so worker ranks are the same numbers a plain
+    data-parallel job would use.
+    """
+    return "server" if rank() >= world_size() - num_servers() else "worker"
 
 
 def device() -> torch.device:
