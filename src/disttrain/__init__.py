@@ -4,6 +4,7 @@ This module only re-exports the public API; see docs/design.md for the layers.
 """
 
 from disttrain import data, testing
+from disttrain.parallel import DataParallel
 from disttrain.runtime import (
     backend,
     device,
@@ -21,6 +22,7 @@ from disttrain.runtime import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel",
     "backend",
     "data",
     "device",

@@ -1,0 +1,25 @@
+"""Communication building blocks: gradient buckets, wire compression, group helpers."""
+
+from disttrain.comm.buckets import BucketSizeTuner, BucketSpec, FlatBucket, assign_buckets
+from disttrain.comm.collectives import broadcast_tensors, global_rank
+from disttrain.comm.compression import (
+    BF16Compression,
+    Compression,
+    FP16Compression,
+    NoCompression,
+    resolve_compression,
+)
+
+__all__ = [
+    "BF16Compression",
+    "BucketSizeTuner",
+    "BucketSpec",
+    "Compression",
+    "FP16Compression",
+    "FlatBucket",
+    "NoCompression",
+    "assign_buckets",
+    "broadcast_tensors",
+    "global_rank",
+    "resolve_compression",
+]

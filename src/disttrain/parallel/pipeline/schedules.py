@@ -1,0 +1,220 @@
+"""Pipeline schedules as pure functions: per-stage ordered lists of F/B actions.
+
+A schedule says, for each pipeline stage, in which order it runs the forward (F) and
+backward (B) of each micro-batch on each of its model chunks. Nothing here talks to
+another process; `runtime.py` executes the lists with point-to-point send/recv, and
+`simulate()` computes their timing from the same dependencies, so bubble formulas can
+be checked in unit tests.
+
+- GPipe (Huang et al. 2019, https://arxiv.org/abs/1811.06965): all forwards, then all
+  backwards. Bubble (p-1)/(m+p-1) of total time; every stage holds m activations.
+- 1F1B (PipeDream-Flush, Narayanan et al. 2021, https://arxiv.org/abs/2006.09503):
+  stage i warms up with p-i-1 forwards, then alternates one F and one B. Same bubble as
+  GPipe, but stage i holds at most p-i micro-batches' activations.
+- Interleaved 1F1B (Narayanan et al. 2021, https://arxiv.org/abs/2104.04473, Megatron-LM
+  `forward_backward_pipelining_with_interleaving`): each stage holds v chunks; chunk c of
+  stage s is virtual stage c*p + s. Bubble (p-1)/(v*m) of the ideal time.
+
+Dataflow: F of virtual stage j needs F of j-1 (same micro-batch); B of j needs B of j+1,
+and B of the last virtual stage needs its own F (the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "make_schedule",
+    "check_schedule", "simulate", "Simulation", "peak_in_flight", "SCHEDULES",
+]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a stage: run `kind` ("F" or "B") of `microbatch` on model `chunk`."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def _check_sizes(num_stages: int, num_microbatches: int, num_virtual: int = 1) -> None:
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("num_virtual", num_virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """GPipe: every stage runs F0..F(m-1), then B0..B(m-1)."""
+    _check_sizes(num_stages, num_microbatches)
+    m = num_microbatches
+    stage = [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+    return [list(stage) for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """1F1B: stage i runs min(p-i-1, m) warm-up forwards, then F/B pairs, then the rest of B."""
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    out = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        acts = [Action("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [Action("F", warmup + i), Action("B", i)]
+        acts += [Action("B", i) for i in range(m - warmup, m)]
+        out.append(acts)
+    return out
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, num_virtual: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B with `num_virtual` chunks per stage.
+
+    Micro-batches go through the chunks in groups of p (so m must be a multiple of p).
+    """
+    _check_sizes(num_stages, num_microbatches, num_virtual)
+    p, m, v = num_stages, num_microbatches, num_virtual
+    if m % p != 0:
+        raise ValueError(
+            f"interleaved 1F1B runs micro-batches in groups of num_stages: num_microbatches "
+            f"({m}) must be a multiple of num_stages ({p}); use e.g. {p * max(1, -(-m // p))}"
+        )
+    total = m * v
+
+    def unit(k: int, forward: bool) -> Action:
+        chunk = (k % (p * v)) // p
+        mb = (k // (p * v)) * p + k % p
+        return Action("F", mb, chunk) if forward else Action("B", mb, v - 1 - chunk)
+
+    out = []
+    for s in range(p):
+        # NOTE: same warm-up rule as Megatron-LM; with m == p every forward is warm-up.
+        warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
+        acts = [unit(k, True) for k in range(warmup)]
+        for i in range(total - warmup):
+            acts += [unit(warmup + i, True), unit(i, False)]
+        acts += [unit(k, False) for k in range(total - warmup, total)]
+        out.append(acts)
+    return out
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int,
+                  num_virtual: int = 1) -> list[list[Action]]:
+    """Schedule by name ("gpipe", "1f1b", "interleaved"), statically checked."""
+    if name == "gpipe":
+        sched = gpipe(num_stages, num_microbatches)
+    elif name == "1f1b":
+        sched = one_f_one_b(num_stages, num_microbatches)
+    elif name == "interleaved":
+        if num_virtual < 2:
+            raise ValueError("schedule 'interleaved' needs num_virtual >= 2 chunks per stage")
+        sched = interleaved_1f1b(num_stages, num_microbatches, num_virtual)
+    else:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name != "interleaved" and num_virtual != 1:
+        raise ValueError(f"schedule {name!r} runs one chunk per stage; num_virtual must be 1")
+    check_schedule(sched, num_stages, num_microbatches, num_virtual)
+    return sched
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Most (micro-batch, chunk) activations a stage holds at once (F done, B not yet)."""
+    live = peak = 0
+    for a in actions:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def check_schedule(schedule: list[list[Action]], num_stages: int, num_microbatches: int,
+                   num_virtual: int = 1) -> None:
+    """Reject an impossible schedule with a clear message, before anything runs.
+
+    Checks: one list per stage; each stage runs F and B of every (micro-batch, chunk)
+    exactly once, F before B; every receive is matched by a send that can happen (a
+    dependency-respecting execution exists, i.e. no deadlock).
+    """
+    if len(schedule) != num_stages:
+        raise ValueError(f"schedule has {len(schedule)} stage lists for {num_stages} stages")
+    want = {(k, mb, c) for k in "FB" for mb in range(num_microbatches) for c in range(num_virtual)}
+    for s, acts in enumerate(schedule):
+        got = [(a.kind, a.microbatch, a.chunk) for a in acts]
+        if len(got) != len(set(got)) or set(got) != want:
+            missing = sorted(want - set(got))[:4]
+            extra = sorted(set(got) - want)[:4]
+            raise ValueError(
+                f"stage {s} must run F and B of each of {num_microbatches} micro-batches on "
+                f"{num_virtual} chunk(s) exactly once; missing {missing}, unexpected {extra}"
+            )
+        pos = {g: i for i, g in enumerate(got)}
+        for mb in range(num_microbatches):
+            for c in range(num_virtual):
+                if pos[("B", mb, c)] < pos[("F", mb, c)]:
+                    raise ValueError(f"stage {s} runs B{mb} of chunk {c} before its F")
+    simulate(schedule, num_stages, num_virtual)  # raises on deadlock
+
+
+@dataclass
+class Simulation:
+    """Timing of a schedule: per-stage spans (start, end, action), makespan, busy time."""
+
+    spans: list[list[tuple[float, float, Action]]]
+    makespan: float
+
+    @property
+    def busy(self) -> float:
+        return sum(e - b for stage in self.spans for b, e, _ in stage)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of total stage-time: 1 - busy / (stages * makespan)."""
+        return 1.0 - self.busy / (len(self.spans) * self.makespan)
+
+
+def simulate(schedule: list[list[Action]], num_stages: int, num_virtual: int = 1,
+             t_f: float = 1.0, t_b: float = 1.0) -> Simulation:
+    """Run the action lists on a model where each stage does one action at a time.
+
+    A chunk's F takes `t_f / num_virtual`, its B `t_b / num_virtual`; sends are free and
+    asynchronous. Raises ValueError naming the stuck actions if the lists deadlock.
+    """
+    p, v = num_stages, num_virtual
+    last = p * v - 1
+    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> finish
+    ptr, clock = [0] * p, [0.0] * p
+    spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
+    remaining = sum(len(a) for a in schedule)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while ptr[s] < len(schedule[s]):
+                a = schedule[s][ptr[s]]
+                j = a.chunk * p + s
+                if a.kind == "F":
+                    dep = ("F", a.microbatch, j - 1) if j > 0 else None
+                else:
+                    dep = ("F", a.microbatch, j) if j == last else ("B", a.microbatch, j + 1)
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[s], done[dep] if dep else 0.0)
+                end = start + (t_f if a.kind == "F" else t_b) / v
+                done[(a.kind, a.microbatch, j)] = clock[s] = end
+                spans[s].append((start, end, a))
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [f"stage {s} at {schedule[s][ptr[s]]}" for s in range(p)
+                     if ptr[s] < len(schedule[s])]
+            raise ValueError(
+                "schedule deadlocks: every stage waits for a send that never comes ("
+                + "; ".join(stuck) + "); reorder the actions so each receive's sender runs first"
+            )
+    return Simulation(spans, max(clock))

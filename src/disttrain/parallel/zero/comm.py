@@ -1,0 +1,106 @@
+"""The three collectives ZeRO needs, each counting the bytes this rank sends.
+
+ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054, sec. 7) prices communication in
+bytes each rank sends under bandwidth-optimal (ring) algorithms on a group of N:
+
+    all_reduce(B bytes)       2 (N-1)/N B     (= reduce-scatter + all-gather)
+    reduce_scatter(in B)        (N-1)/N B
+    all_gather(out B)           (N-1)/N B
+    broadcast(B)                (N-1)/N B     (pipelined; counted as setup, not per step)
+
+`CommStats` adds those numbers up from the calls actually issued, so a test can check
+the paper's claim: stages 1-2 move what data parallelism moves (2 Psi per step), stage 3
+1.5x (3 Psi). They are algorithmic bytes, not socket bytes: gloo may pick another
+algorithm internally. On a torch without reduce-scatter/all-gather into a flat tensor,
+`reduce_scatter` falls back to all_reduce + slice and is counted as the all_reduce it is.
+
+Who talks to whom: flat.py and stage3.py call these; these call torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommStats", "all_gather", "all_reduce", "reduce_scatter"]
+
+_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent, per operation name (bookkeeping only; never blocks)."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, op: str, nbytes: float) -> None:
+        self.sent[op] += int(round(nbytes))
+        self.calls[op] += 1
+
+    def total(self, exclude: tuple[str, ...] = ("broadcast",)) -> int:
+        """Bytes sent by all ops except `exclude` (setup broadcasts by default)."""
+        return sum(v for k, v in self.sent.items() if k not in exclude)
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.calls.clear()
+
+
+class _Done:
+    """Stand-in handle for a collective that already completed (fallback path)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def all_reduce(t: torch.Tensor, group, stats: CommStats, async_op: bool = False):
+    """Sum `t` in place over `group`; returns a handle when `async_op` (else blocks)."""
+    n = dist.get_world_size(group)
+    stats.add("all_reduce", 2 * _ring(n) * t.numel() * t.element_size())
+    return dist.all_reduce(t, group=group, async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
+                   async_op: bool = False):
+    """out (numel/N,) <- this rank's chunk of sum over ranks of inp (numel,).
+
+    `out` may alias this rank's chunk of `inp` (in place). Handle when `async_op`.
+    """
+    n = dist.get_world_size(group)
+    if _RS is None:  # old torch: all_reduce a copy, keep our chunk
+        tmp = inp.clone()
+        all_reduce(tmp, group, stats)
+        r = dist.get_rank(group)
+        out.copy_(tmp[r * out.numel():(r + 1) * out.numel()])
+        return _Done() if async_op else None
+    stats.add("reduce_scatter", _ring(n) * inp.numel() * inp.element_size())
+    return _RS(out, inp, group=group, async_op=async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
+               async_op: bool = False):
+    """out (N*numel,) <- every rank's inp (numel,) in rank order; `inp` may alias out."""
+    n = dist.get_world_size(group)
+    stats.add("all_gather", _ring(n) * out.numel() * out.element_size())
+    if _AG is None:
+        parts = list(out.chunk(n))
+        work = dist.all_gather(parts, inp.clone(), group=group, async_op=async_op)
+        return work
+    return _AG(out, inp, group=group, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, group, stats: CommStats, src_in_group: int = 0) -> None:
+    """Overwrite `t` with group rank `src_in_group`'s copy (blocks)."""
+    n = dist.get_world_size(group)
+    src = src_in_group if group is None else dist.get_global_rank(group, src_in_group)
+    stats.add("broadcast", _ring(n) * t.numel() * t.element_size())
+    dist.broadcast(t, src=src, group=group)
