@@ -1,0 +1,38 @@
+"""Parameter-server training: sharded servers, push/pull, consistency policies.
+
+`connect(model, policy=..., optimizer=...)` is the whole user surface; see worker.py and
+server.py. Placement is `HashRing`, consistency is a policy object (policy.py), the wire
+is transport.py (ZeroMQ, msgpack headers, raw tensor buffers, HMAC-SHA256).
+"""
+
+from disttrain.ps.policy import (
+    SSP,
+    Async,
+    Decision,
+    KAsync,
+    KBatchAsync,
+    KBatchSync,
+    KSync,
+    Policy,
+    Sync,
+    backup_workers,
+)
+from disttrain.ps.ring import HashRing, chunk_tensor
+from disttrain.ps.straggler import Straggler, parse_straggler
+
+__all__ = [
+    "SSP",
+    "Async",
+    "Decision",
+    "HashRing",
+    "KAsync",
+    "KBatchAsync",
+    "KBatchSync",
+    "KSync",
+    "Policy",
+    "Straggler",
+    "Sync",
+    "backup_workers",
+    "chunk_tensor",
+    "parse_straggler",
+]

@@ -1,0 +1,270 @@
+"""Consistency policies of a parameter server: pure objects fed events, answering decisions.
+
+A server owns one policy object. It feeds it events (a complete push from worker w of a
+gradient computed on version v, a pull, a worker leaving or lost) and carries out the
+returned `Decision`: average and apply these pushes, drop those, tell these workers that
+their in-flight work is cancelled, answer these parked pulls, or stop with an error.
+No sockets, no tensors, no clocks: every rule is unit-tested with scripted arrivals.
+
+The family, as the user's documents and the papers describe it:
+
+- `Sync` (BSP): apply once every live worker pushed for the round.
+- `KSync(k)`: apply the first k gradients of the round (one per worker); the other
+  workers are cancelled and pull the new version; their late gradients are dropped.
+  Backup workers (Chen et al. 2016, "Revisiting distributed synchronous SGD") are
+  `KSync(P - b)`: see `backup_workers`.
+- `KBatchSync(k)`: apply after the first k minibatches from any workers; a worker that
+  finished a minibatch keeps computing on the same, un-updated version; when the round
+  closes every worker still computing on the old version is cancelled.
+- `KAsync(k)`, `KBatchAsync(k)` (Dutta et al. 2018, "Slow and stale gradients can win the
+  race"): as above, but nothing is cancelled: stale gradients count in later rounds.
+- `Async`: apply every push at once (`KBatchAsync(1)`).
+- `SSP(s)` (Ho et al. 2013, stale synchronous parallel): apply every push at once, but a
+  worker that has finished c iterations may start the next only while
+  c - (slowest live worker's count) <= s.
+
+Staleness of an applied gradient = server version at apply time minus the version it was
+computed on; every policy keeps the histogram.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Decision",
+    "Policy",
+    "Sync",
+    "KSync",
+    "KBatchSync",
+    "Async",
+    "KAsync",
+    "KBatchAsync",
+    "SSP",
+    "backup_workers",
+]
+
+
+@dataclass
+class Decision:
+    """What the server must do after one event, in this order."""
+
+    apply: list[int] = field(default_factory=list)
+    """push ids whose gradients are averaged and applied as one optimizer step."""
+    drop: list[int] = field(default_factory=list)
+    """push ids thrown away (computed on a version whose round already closed)."""
+    cancel: list[int] = field(default_factory=list)
+    """workers whose in-flight work on an old version must be abandoned."""
+    release: list[int] = field(default_factory=list)
+    """workers whose parked pull may now be answered with the current parameters."""
+    error: str | None = None
+    """the job cannot go on (e.g. Sync lost a worker); the server stops with this."""
+
+
+class Policy:
+    """Base policy: bookkeeping shared by every mode. Subclasses set the rules.
+
+    Rules are three class attributes plus `_need()`: `cancels` (close a round by
+    cancelling the others and dropping late gradients), `per_batch` (a worker may push
+    several minibatches per version and never waits after a push), `tolerates_loss`.
+    """
+
+    cancels = False
+    per_batch = False
+    tolerates_loss = True
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.live: set[int] = set()
+        self.clock: Counter[int] = Counter()
+        self.last_version: dict[int, int] = {}
+        self.parked: set[int] = set()
+        self.buffer: list[tuple[int, int, int]] = []  # (push id, worker, version)
+        self.staleness: Counter[int] = Counter()
+        self.dropped = 0
+        self.applied = 0
+        self.lost_workers: list[int] = []
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self._args().items())
+        return f"{type(self).__name__}({args})"
+
+    def _args(self) -> dict[str, int]:
+        return {}
+
+    # ---- events -------------------------------------------------------------------
+    def start(self, workers: list[int]) -> None:
+        """The job's workers; called once by the server before any other event."""
+        if not workers:
+            raise ValueError("a parameter server needs at least one worker")
+        self.live = set(workers)
+
+    def push(self, pid: int, worker: int, version: int) -> Decision:
+        """Worker `worker` pushed a complete gradient computed on `version` (id `pid`)."""
+        self.clock[worker] += 1
+        self.last_version[worker] = version
+        if self.cancels and version < self.version:
+            self.dropped += 1
+            return Decision(drop=[pid], release=self._releasable())
+        self.buffer.append((pid, worker, version))
+        return self._maybe_close()
+
+    def pull(self, worker: int) -> Decision:
+        """Worker asks for parameters; answered now (release) or parked until allowed."""
+        self.parked.add(worker)
+        return Decision(release=self._releasable())
+
+    def leave(self, worker: int) -> Decision:
+        """Worker finished its work cleanly and will push no more."""
+        self.live.discard(worker)
+        self.parked.discard(worker)
+        return self._maybe_close()
+
+    def lost(self, worker: int) -> Decision:
+        """Worker stopped answering (killed, crashed, partitioned)."""
+        if worker not in self.live:
+            return Decision()
+        self.lost_workers.append(worker)
+        if not self.tolerates_loss:
+            self.live.discard(worker)
+            return Decision(error=(
+                f"worker {worker} was lost and {self!r} needs every worker each round; "
+                "use KSync/KBatchSync/Async/SSP to tolerate lost workers"))
+        return self.leave(worker)
+
+    # ---- rules ----------------------------------------------------------------------
+    def _need(self) -> int:
+        """Gradients that close a round."""
+        raise NotImplementedError
+
+    def _may_start(self, worker: int) -> bool:
+        """May `worker` get parameters now (for its next computation)?"""
+        if self.per_batch:
+            return True
+        last = self.last_version.get(worker)
+        return last is None or self.version > last
+
+    def _maybe_close(self) -> Decision:
+        out = Decision()
+        if self.buffer and len(self.buffer) >= self._need():
+            out.apply = [pid for pid, _, _ in self.buffer]
+            contributors = {w for _, w, _ in self.buffer}
+            for _, _, v in self.buffer:
+                self.staleness[self.version - v] += 1
+            self.applied += len(self.buffer)
+            self.buffer = []
+            self.version += 1
+            if self.cancels:
+                others = self.live if self.per_batch else self.live - contributors
+                out.cancel = sorted(others)
+        out.release = self._releasable()
+        return out
+
+    def _releasable(self) -> list[int]:
+        ready = sorted(w for w in self.parked if self._may_start(w))
+        self.parked.difference_update(ready)
+        return ready
+
+    def stats(self) -> dict:
+        """Counters for the job report (plain types, msgpack/JSON-safe)."""
+        return {"policy": repr(self), "version": self.version, "applied": self.applied,
+                "dropped": self.dropped, "lost_workers": list(self.lost_workers),
+                "staleness": {int(k): int(v) for k, v in sorted(self.staleness.items())}}
+
+
+def _check_k(k: int) -> int:
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    return k
+
+
+class _KPolicy(Policy):
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = _check_k(k)
+
+    def _args(self) -> dict[str, int]:
+        return {"k": self.k}
+
+    def start(self, workers: list[int]) -> None:
+        super().start(workers)
+        if not self.per_batch and self.k > len(workers):
+            raise ValueError(f"{self!r} waits for {self.k} workers per round but the job has "
+                             f"{len(workers)}; use k <= {len(workers)} (or more --workers)")
+
+    def _need(self) -> int:
+        # NOTE: once workers are lost or done, a round closes with those still live.
+        return max(1, min(self.k, len(self.live))) if not self.per_batch else self.k
+
+
+class Sync(Policy):
+    """Fully synchronous (BSP): apply once every live worker pushed; a lost worker is an error."""
+
+    cancels = True
+    tolerates_loss = False
+
+    def _need(self) -> int:
+        return max(1, len(self.live))
+
+
+class KSync(_KPolicy):
+    """Apply the first k gradients of a round; cancel the other workers (Dutta et al. 2018)."""
+
+    cancels = True
+
+
+class KBatchSync(_KPolicy):
+    """Apply after k minibatches from any workers; finished workers keep going on the same
+    version; the round's close cancels everyone still on the old version."""
+
+    cancels = True
+    per_batch = True
+
+
+class KAsync(_KPolicy):
+    """Apply the first k gradients (any version); nobody is cancelled (Dutta et al. 2018)."""
+
+
+class KBatchAsync(_KPolicy):
+    """Apply every k minibatches (any version); workers never wait, nobody is cancelled."""
+
+    per_batch = True
+
+
+class Async(KBatchAsync):
+    """Apply every push at once (Hogwild-style ASGD on a server); staleness is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def _args(self) -> dict[str, int]:
+        return {}
+
+
+class SSP(Policy):
+    """Stale synchronous parallel (Ho et al. 2013): apply at once; a worker that finished c
+    iterations starts the next only while c - min(live workers' counts) <= s."""
+
+    def __init__(self, s: int):
+        super().__init__()
+        if not isinstance(s, int) or s < 0:
+            raise ValueError(f"SSP staleness bound s must be an integer >= 0, got {s!r}")
+        self.s = s
+
+    def _args(self) -> dict[str, int]:
+        return {"s": self.s}
+
+    def _need(self) -> int:
+        return 1
+
+    def _may_start(self, worker: int) -> bool:
+        slowest = min((self.clock[w] for w in self.live), default=self.clock[worker])
+        return self.clock[worker] - slowest <= self.s
+
+
+def backup_workers(workers: int, backups: int) -> KSync:
+    """Synchronous SGD with `backups` backup workers (Chen et al. 2016): KSync(P - b)."""
+    if not 0 <= backups < workers:
+        raise ValueError(f"backups must be in [0, workers) = [0, {workers}), got {backups}")
+    return KSync(workers - backups)

@@ -1,0 +1,151 @@
+"""Consistency policies driven by scripted arrival orders (no processes, no tensors)."""
+
+import pytest
+
+from disttrain.ps.policy import (
+    SSP,
+    Async,
+    KAsync,
+    KBatchAsync,
+    KBatchSync,
+    KSync,
+    Sync,
+    backup_workers,
+)
+
+
+def started(policy, workers=(0, 1, 2, 3)):
+    policy.start(list(workers))
+    return policy
+
+
+@pytest.mark.timeout(10)
+def test_sync_waits_for_every_worker_and_parks_pulls():
+    p = started(Sync())
+    for w in range(4):
+        assert p.pull(w).release == [w]  # version 0 available to everyone
+    for pid, w in enumerate([2, 0, 3]):
+        d = p.push(pid, w, 0)
+        assert d.apply == [] and d.cancel == []
+        assert p.pull(w).release == []  # must wait for the round
+    d = p.push(3, 1, 0)
+    assert d.apply == [0, 1, 2, 3] and p.version == 1
+    assert d.release == [0, 2, 3]  # the parked pulls
+    assert p.pull(1).release == [1]
+    assert p.staleness == {0: 4}
+
+
+@pytest.mark.timeout(10)
+def test_sync_lost_worker_is_an_error_naming_it():
+    p = started(Sync())
+    p.push(0, 0, 0)
+    d = p.lost(2)
+    assert d.error and "worker 2" in d.error and d.apply == []
+
+
+@pytest.mark.timeout(10)
+def test_ksync_applies_first_k_cancels_others_drops_late():
+    p = started(KSync(2))
+    assert p.push(0, 3, 0).apply == []
+    d = p.push(1, 1, 0)
+    assert d.apply == [0, 1] and d.cancel == [0, 2] and p.version == 1
+    d = p.push(2, 0, 0)  # worker 0 finished before hearing the cancel: dropped
+    assert d.drop == [2] and p.dropped == 1 and d.apply == []
+    assert p.pull(0).release == [0]  # late worker pulls the new version at once
+    assert p.pull(3).release == [3]
+
+
+@pytest.mark.timeout(10)
+def test_ksync_all_equals_sync_and_backup_workers():
+    a, b = started(KSync(4)), started(Sync())
+    for pid, w in enumerate([1, 3, 0, 2]):
+        assert a.push(pid, w, 0).apply == b.push(pid, w, 0).apply
+    assert a.version == b.version == 1
+    assert repr(backup_workers(4, 1)) == "KSync(k=3)"
+    with pytest.raises(ValueError, match="backups"):
+        backup_workers(4, 4)
+    with pytest.raises(ValueError, match="k <= 4"):
+        started(KSync(5))
+
+
+@pytest.mark.timeout(10)
+def test_ksync_survives_lost_worker_by_closing_with_those_left():
+    p = started(KSync(3), workers=(0, 1, 2))
+    p.push(0, 0, 0)
+    p.push(1, 1, 0)
+    d = p.lost(2)
+    assert d.error is None and d.apply == [0, 1] and p.lost_workers == [2]
+
+
+@pytest.mark.timeout(10)
+def test_kbatch_sync_counts_minibatches_from_any_worker():
+    p = started(KBatchSync(3))
+    assert p.push(0, 0, 0).apply == []
+    assert p.pull(0).release == [0]  # keeps computing on the same version 0
+    assert p.push(1, 0, 0).apply == []  # worker 0's second minibatch on version 0
+    d = p.push(2, 1, 0)
+    assert d.apply == [0, 1, 2] and p.version == 1
+    assert d.cancel == [0, 1, 2, 3]  # everyone still computing on version 0
+    assert p.push(3, 2, 0).drop == [3]
+
+
+@pytest.mark.timeout(10)
+def test_kasync_never_cancels_and_counts_stale_gradients():
+    p = started(KAsync(2))
+    p.push(0, 0, 0)
+    d = p.push(1, 1, 0)
+    assert d.apply == [0, 1] and d.cancel == [] and p.version == 1
+    assert p.push(2, 2, 0).apply == []  # stale, kept for the next round
+    d = p.push(3, 0, 1)
+    assert d.apply == [2, 3] and p.staleness == {0: 3, 1: 1}
+    assert p.pull(2).release == [2]
+
+
+@pytest.mark.timeout(10)
+def test_kbatch_async_and_async():
+    p = started(KBatchAsync(2))
+    p.push(0, 0, 0)
+    assert p.push(1, 0, 0).apply == [0, 1]
+    assert p.pull(3).release == [3]
+    a = started(Async())
+    for pid, (w, v) in enumerate([(0, 0), (1, 0), (2, 1), (3, 0)]):
+        d = a.push(pid, w, v)
+        assert d.apply == [pid] and d.drop == [] and d.cancel == []
+    assert a.version == 4 and a.staleness == {0: 1, 1: 2, 3: 1}
+    assert a.pull(1).release == [1]
+
+
+@pytest.mark.timeout(10)
+def test_ssp_bounds_the_clock_gap():
+    p = started(SSP(1), workers=(0, 1))
+    assert p.push(0, 0, 0).apply == [0]  # applied at once
+    assert p.pull(0).release == [0]  # clock 1 vs slowest 0: gap 1 <= 1
+    p.push(1, 0, 1)
+    assert p.pull(0).release == []  # gap 2 > 1: parked
+    d = p.push(2, 1, 0)  # the slow worker catches up one clock
+    assert d.release == [0]
+    d = p.leave(1)
+    assert p.pull(0).release == [0]
+    with pytest.raises(ValueError, match=">= 0"):
+        SSP(-1)
+
+
+@pytest.mark.timeout(10)
+def test_ssp_zero_is_lockstep():
+    p = started(SSP(0), workers=(0, 1))
+    p.push(0, 0, 0)
+    assert p.pull(0).release == []
+    assert p.push(1, 1, 0).release == [0]
+
+
+@pytest.mark.timeout(10)
+def test_leaving_workers_shrink_sync_rounds_and_stats_are_plain():
+    p = started(Sync(), workers=(0, 1))
+    p.push(0, 0, 0)
+    d = p.leave(1)
+    assert d.apply == [0]
+    stats = p.stats()
+    assert stats["policy"] == "Sync()" and stats["applied"] == 1
+    assert stats["staleness"] == {0: 1}
+    with pytest.raises(ValueError, match="k must be"):
+        KSync(0)
