@@ -1,0 +1,92 @@
+"""Run one rank of `disttrain run`: the user's script as `__main__`, its failure recorded.
+
+The elastic agent (disttrain/launch.py) starts every rank as
+`python -u <this file> script.py [args...]`. This file runs the script exactly as
+`python script.py args` would (sys.argv, sys.path[0], `__name__ == "__main__"`), and
+when the script raises, writes the exception, with the traceback trimmed to the user's
+frames, to TORCHELASTIC_ERROR_FILE in the JSON layout torch elastic's ErrorHandler uses.
+The launcher reads that file and prints the traceback with this rank's prefix.
+
+NOTE: it is started by path, not with `-m disttrain._entry`, so it imports nothing but
+the standard library: a rank pays for torch only if the script imports it, and no
+module of the disttrain package can shadow a module of the user's script directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+USAGE = "usage: python _entry.py script.py [args...]  (started by `disttrain run`)"
+
+
+def user_traceback(exc: BaseException, script: str) -> str:
+    """The traceback text from the script's first frame on (runpy/_entry frames dropped)."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
+        tb = tb.tb_next
+    # NOTE: tb is None for errors raised before the script ran (SyntaxError while
+    # compiling it); format_exception then prints just the exception and its location.
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def record(exc: BaseException, script: str, error_file: str) -> bool:
+    """Write `exc` to `error_file` (torch elastic's layout); False if that failed."""
+    now = time.time()
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": user_traceback(exc, script),
+                "timestamp": str(int(now)),
+                # finer than torch's whole seconds: the launcher orders failures by it
+                "disttrain_time": repr(now),
+            },
+        }
+    }
+    try:
+        with open(error_file, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        return False
+    return True
+
+
+def _restart_follows() -> bool:
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    script = os.path.abspath(argv[0])
+    sys.argv = [argv[0], *argv[1:]]
+    # NOTE: `python script.py` puts the script's folder first on sys.path; replace this
+    # file's folder (the disttrain package) so the script imports what it would alone.
+    sys.path[0] = os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except KeyboardInterrupt:
+        return 130  # the launcher is shutting the job down and says so itself
+    except Exception as exc:  # noqa: BLE001 - everything the script raises is reported
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+        recorded = bool(error_file) and record(exc, script, error_file)
+        # The launcher prints the recorded traceback once the job ends; print it here
+        # too when nothing will (no error file) or when a restart follows (the job
+        # goes on, and this attempt's error would otherwise never be seen).
+        if not recorded or _restart_follows():
+            sys.stderr.write(user_traceback(exc, script))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,307 @@
+"""`disttrain run`: start a job's ranks with PyTorch's elastic launcher (the torchrun agent).
+
+Who talks to whom: `cli.py` turns flags into a `RunConfig`; `run()` builds a torch
+`LaunchConfig` from it and hands it to `elastic_launch`, whose agent starts one
+`python -u disttrain/_entry.py script.py args` per local rank, watches them, restarts
+the group up to `max_restarts` times, and stops every rank when one fails or the
+launcher gets SIGINT/SIGTERM. `_entry.py` records a failing rank's traceback to its
+TORCHELASTIC_ERROR_FILE; `run()` prints it with that rank's prefix.
+
+Rendezvous follows torchrun: on one node without --master-addr a c10d store on
+`localhost:0` (the OS picks a free port, so a busy 29500 never matters); otherwise
+the static rendezvous at --master-addr:--master-port with --node-rank.
+
+Output: global rank 0 writes straight to the terminal (progress bars keep working);
+every other rank's stdout/stderr is tee'd through a log file and printed as
+`[rank3]: line` by the agent's log tailer.
+
+Parameter-server jobs (`--workers W --servers S`) start W+S ranks and set
+DISTTRAIN_SERVERS=S; `disttrain.role()` makes the last S global ranks servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+__all__ = ["RunConfig", "run", "rank_prefix"]
+
+ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_entry.py")
+PREFIX_TEMPLATE = "[rank${rank}]: "
+MIN_SECRET_CHARS = 16
+
+
+def rank_prefix(rank: int) -> str:
+    """The prefix on every output line of `rank` (and of its traceback on failure)."""
+    return PREFIX_TEMPLATE.replace("${rank}", str(rank))
+
+
+@dataclass
+class RunConfig:
+    """One `disttrain run` invocation; validated on construction, nothing started yet."""
+
+    script: str
+    """Path of the Python script every rank runs as `__main__`."""
+    script_args: list[str] = field(default_factory=list)
+    """Arguments after the script, passed to it unchanged."""
+    nproc: int | None = None
+    """Processes per node (data-parallel job); default 1. Excludes workers/servers."""
+    workers: int | None = None
+    """Parameter-server job: worker processes in the whole job (with `servers`)."""
+    servers: int | None = None
+    """Parameter-server job: server processes in the whole job (the last global ranks)."""
+    nnodes: int = 1
+    """Machines in the job; each runs `disttrain run` with its own node_rank."""
+    node_rank: int = 0
+    """This machine's index, 0..nnodes-1; node 0 hosts the rendezvous store."""
+    master_addr: str | None = None
+    """Address of node 0, reachable from every node (needed when nnodes > 1)."""
+    master_port: int = 29500
+    """Port of the rendezvous store on node 0 (multi-node or with master_addr)."""
+    max_restarts: int = 0
+    """Times the whole group of ranks is restarted after a failure before giving up."""
+    timeout: float | None = None
+    """Collective timeout in seconds for the ranks (DISTTRAIN_TIMEOUT); runtime default if None."""
+    log_dir: str | None = None
+    """Keep every rank's stdout/stderr/error files here; default: a temp folder, removed."""
+
+    def __post_init__(self) -> None:
+        self.script_args = list(self.script_args)
+        if not os.path.isfile(self.script):
+            where = "" if os.path.isabs(self.script) else f" (relative to {os.getcwd()})"
+            raise ValueError(f"script {self.script!r} not found{where}; give the path of a .py file")
+        ps_mode = self.workers is not None or self.servers is not None
+        if ps_mode and self.nproc is not None:
+            raise ValueError(
+                "--nproc and --workers/--servers are mutually exclusive: use --nproc N for a "
+                "data-parallel job or --workers W --servers S for a parameter-server job"
+            )
+        if ps_mode:
+            if self.workers is None or self.servers is None:
+                raise ValueError("a parameter-server job needs both --workers W and --servers S")
+            if self.workers < 1 or self.servers < 1:
+                raise ValueError(
+                    f"--workers ({self.workers}) and --servers ({self.servers}) must both be >= 1"
+                )
+            if (self.workers + self.servers) % self.nnodes:
+                raise ValueError(
+                    f"workers({self.workers}) + servers({self.servers}) must divide evenly over "
+                    f"nnodes({self.nnodes}); every node runs the same number of processes"
+                )
+        elif self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError(
+                f"a {self.nnodes}-node job needs --master-addr: the address of node 0 that "
+                "every node can reach (and the same --master-port on every node)"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
+
+    @property
+    def nproc_per_node(self) -> int:
+        if self.workers is not None:
+            return (self.workers + self.servers) // self.nnodes
+        return self.nproc or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def rank_env(cfg: RunConfig, environ: dict[str, str]) -> dict[str, str]:
+    """Variables the ranks get on top of `environ` (the launcher's own environment).
+
+    NOTE: the secret travels by environment only, never on a command line (visible
+    to every user via ps). A user-set DISTTRAIN_SECRET is kept; one node draws a fresh
+    one. Multi-node jobs get none unless the user exports the same one on every node
+    (required for parameter-server jobs, whose frames it authenticates).
+    """
+    env = {"DISTTRAIN_SERVERS": str(cfg.servers or 0)}
+    secret = environ.get("DISTTRAIN_SECRET")
+    if secret is not None and len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"DISTTRAIN_SECRET has {len(secret)} characters, fewer than {MIN_SECRET_CHARS}; "
+            "use e.g. `export DISTTRAIN_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')`"
+        )
+    if secret is None and cfg.nnodes > 1 and cfg.servers:
+        raise ValueError(
+            "a multi-node parameter-server job needs the same DISTTRAIN_SECRET on every node: "
+            "run `export DISTTRAIN_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')` "
+            "once and set that value on every node"
+        )
+    if secret is None and cfg.nnodes == 1:
+        # NOTE: only one node can draw the job's secret; several would draw different ones.
+        env["DISTTRAIN_SECRET"] = secrets.token_hex(32)
+    if cfg.timeout is not None:
+        env["DISTTRAIN_TIMEOUT"] = repr(float(cfg.timeout))
+    if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in environ:
+        # NOTE: like torchrun, keep N ranks from each starting one thread per core; unlike
+        # torchrun's flat 1, share the cores this launcher may use among its ranks.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        env["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // cfg.nproc_per_node))
+    return env
+
+
+def launch_config(cfg: RunConfig, log_dir: str) -> LaunchConfig:
+    """The torch elastic LaunchConfig for `cfg`, as torchrun would build it."""
+    n = cfg.nproc_per_node
+    if cfg.nnodes == 1 and cfg.master_addr is None:
+        backend, endpoint, run_id, rdzv_configs = "c10d", "localhost:0", uuid.uuid4().hex, {}
+    else:
+        backend, endpoint = "static", f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port}"
+        run_id, rdzv_configs = "disttrain", {"rank": cfg.node_rank}
+    # Global rank 0 (local rank 0 of node 0) keeps the terminal; all others are prefixed.
+    first_teed = 1 if cfg.node_rank == 0 else 0
+    tee = {local: Std.ALL for local in range(first_teed, n)}
+    return LaunchConfig(
+        min_nodes=cfg.nnodes,
+        max_nodes=cfg.nnodes,
+        nproc_per_node=n,
+        run_id=run_id,
+        role="default",
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=cfg.max_restarts,
+        monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
+        log_line_prefix_template=PREFIX_TEMPLATE,
+        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 10)),
+    )
+
+
+def run(cfg: RunConfig) -> int:
+    """Run the job to its end (blocks); return the exit code for the launcher process.
+
+    0 when every rank exited 0; otherwise the root-cause rank's exit code (128+signal
+    for a rank killed by a signal, 130 when the launcher itself was interrupted).
+    """
+    env = rank_env(cfg, dict(os.environ))
+    log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="disttrain-run-")
+    try:
+        with _environ(env), _quiet_elastic_logs():
+            elastic_launch(launch_config(cfg, log_dir), sys.executable)(
+                "-u", ENTRY, cfg.script, *cfg.script_args
+            )
+        return 0
+    except ChildFailedError as err:
+        return report_failures(err.failures, sys.stderr)
+    except SignalException as sig:
+        print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
+        return 128 + int(sig.sigval)
+    except KeyboardInterrupt:  # before the agent installed its handlers: no rank started
+        print("disttrain run: interrupted before the ranks started", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
+    finally:
+        if cfg.log_dir is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _order(item: tuple[int, ProcessFailure]) -> tuple:
+    rank, failure = item
+    extra = _extra_info(failure)
+    when = float(extra.get("disttrain_time", failure.timestamp))
+    # Ranks with a recorded exception first: a killed rank is usually a consequence.
+    return ("py_callstack" not in extra, when, rank)
+
+
+def _extra_info(failure: ProcessFailure) -> dict:
+    message = failure.error_file_data.get("message")
+    return message.get("extraInfo", {}) if isinstance(message, dict) else {}
+
+
+def _describe_exit(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"was killed by signal {failure.signal_name()}"
+    return f"exited with code {failure.exitcode}"
+
+
+def report_failures(failures: dict[int, ProcessFailure], out) -> int:
+    """Print the first failure's traceback, rank-prefixed, and one line per other failure.
+
+    Returns the exit code for the launcher (the first failing rank's, at least 1).
+    """
+    ordered = sorted(failures.items(), key=_order)
+    rank, first = ordered[0]
+    prefix = rank_prefix(rank)
+    out.write(f"disttrain run: rank {rank} {_describe_exit(first)} (pid {first.pid})\n")
+    callstack = _extra_info(first).get("py_callstack")
+    if callstack:
+        out.writelines(prefix + line + "\n" for line in callstack.rstrip("\n").split("\n"))
+    else:
+        out.write(f"{prefix}no Python exception was recorded (sys.exit, os._exit or a crash); see this rank's output above\n")
+    stopped = []
+    for other_rank, failure in ordered[1:]:
+        message = failure.error_file_data.get("message")
+        if isinstance(message, dict):
+            out.write(f"disttrain run: rank {other_rank} also failed: {message['message']}\n")
+        elif failure.exitcode == -signal.SIGTERM:
+            stopped.append(str(other_rank))  # the agent's own shutdown signal
+        else:
+            out.write(f"disttrain run: rank {other_rank} also {_describe_exit(failure)}\n")
+    if stopped:
+        out.write(f"disttrain run: stopped rank(s) {', '.join(stopped)} after rank {rank} failed\n")
+    out.flush()
+    code = first.exitcode
+    return code if code > 0 else (128 - code if code < 0 else 1)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """Set `extra` in os.environ (the agent copies it into every rank), then restore."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs():
+    """Hide the agent's routine log lines (run() reports failures itself).
+
+    NOTE: elastic's loggers carry their own levels, so the parent's level would not
+    stop them; cutting propagation at the parent does. LOGLEVEL=INFO (torchrun's own
+    switch) keeps them.
+    """
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    sink = logging.NullHandler()
+    saved = [lg.propagate for lg in loggers]
+    for lg in loggers:
+        lg.propagate = False
+        lg.addHandler(sink)
+    try:
+        yield
+    finally:
+        for lg, propagate in zip(loggers, saved):
+            lg.propagate = propagate
+            lg.removeHandler(sink)
