@@ -1,0 +1,31 @@
+"""Layout-independent, verified, atomically committed checkpoints.
+
+`Checkpointer(directory, keep=3)`: every rank calls `save(step, model=, optimizer=,
+loader=, extra=)` and `load(...) -> step`. Files are safetensors plus a JSON manifest
+(manifest.py) recording each tensor's global shape and the slice each file holds, so a
+checkpoint saved under one layout loads under another (reshard.py). See
+docs/design.md, "Checkpoints", for the format and the `sharded_state_dict()` protocol.
+"""
+
+from disttrain.checkpoint.checkpointer import Checkpointer
+from disttrain.checkpoint.manifest import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWarning,
+    CorruptCheckpointError,
+    Manifest,
+)
+from disttrain.checkpoint.reshard import ShardedTensor, Slice, even_slice, shard_of
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointWarning",
+    "CorruptCheckpointError",
+    "Manifest",
+    "ShardedTensor",
+    "Slice",
+    "even_slice",
+    "shard_of",
+]

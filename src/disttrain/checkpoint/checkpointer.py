@@ -1,0 +1,248 @@
+"""`Checkpointer`: every rank calls save/load; the library decides who writes what.
+
+Save (a collective over `group`; every rank must call it with the same step):
+
+1. each rank turns model, optimizer, extra into a JSON skeleton + named tensors
+   (state.py); replicated tensors are pieces covering their whole global shape,
+   `ShardedTensor`s are the rank's slice; its RNG state is row `rank` of a
+   `(world, n)` tensor, so RNG states are just another sharded tensor;
+2. ranks exchange the piece lists as JSON (io.all_gather_json, no pickle); every rank
+   derives the same plan: each distinct piece is written by the lowest rank holding it
+   (so replicated state is written once, by rank 0);
+3. each rank writes `rankNNNNN.safetensors` into `.tmp-step_XXXXXXXX-<nonce>/` and
+   fsyncs it; they exchange the SHA-256 of what they wrote;
+4. rank 0 writes the manifest, fsyncs, renames the folder to `step_XXXXXXXX`
+   (the commit point), points `latest` at it (atomic replace) and prunes to `keep`;
+   it then tells the others whether that worked.
+
+NOTE: a failure on any rank in steps 3-4 is sent to all ranks, which all raise; no rank
+is left waiting in a collective that will never come.
+
+Load is in reader.py: verify checksums, fall back to the previous good checkpoint,
+reslice into the current layout, then apply. Who talks to whom: the user's training
+loop -> Checkpointer -> state/reshard (pure), io (files, JSON collectives) -> the
+filesystem shared by all ranks and torch.distributed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disttrain.checkpoint import io, reader, state
+from disttrain.checkpoint.manifest import (
+    CheckpointError,
+    Manifest,
+    Piece,
+    TensorEntry,
+    dtype_name,
+)
+from disttrain.checkpoint.reshard import ShardedTensor, Slice, check_tiling
+
+__all__ = ["Checkpointer"]
+
+
+def _rank_world(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return step
+
+
+class Checkpointer:
+    """Save and resume training state in `directory`, keeping the newest `keep` saves.
+
+    directory: a folder every rank can read and write (local disk on one machine, a
+        shared filesystem across machines); created if missing.
+    keep: how many committed checkpoints to keep (older ones are deleted after a save).
+    group: the process group that saves together (None = all ranks).
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, group=None):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (checkpoints to keep), got {keep!r}")
+        self.directory = os.fspath(directory)
+        self.keep = keep
+        self.group = group
+        self.extra: dict[str, Any] = {}
+        self.loaded_from: str | None = None
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, newest (as `load` tries them) first."""
+        return [int(n.split("_")[1]) for n in io.checkpoint_dirs(self.directory)]
+
+    def save(self, step: int, *, model: Any = None, optimizer: Any = None,
+             loader: Any = None, extra: dict[str, Any] | None = None) -> str:
+        """Save a checkpoint of `step`; returns its folder. Blocks: a collective.
+
+        model/optimizer: anything with `state_dict()` or `sharded_state_dict()`.
+        loader: anything with a JSON-able `state_dict()` (the sampler position).
+        extra: a dict of numbers, strings, tensors... (rank 0's copy is saved).
+        """
+        step = _check_step(step)
+        rank, world = _rank_world(self.group)
+        trees, tensors = {}, {}
+        for key, obj in (("model", model), ("optimizer", optimizer)):
+            if obj is not None:
+                trees[key], found = state.encode(state.state_of(obj), key)
+                tensors.update(found)
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+            trees["extra"], found = state.encode(extra, "extra")
+            tensors.update(found if rank == 0 else {})
+        rank_state, rng = state.capture_rng()
+        rank_state = {"rng": rank_state}
+        if loader is not None:
+            rank_state["loader"] = _json_only(loader.state_dict(), "loader.state_dict()")
+        for name, t in rng.items():
+            tensors[f"rng/{name}"] = ShardedTensor(t[None], (world, t.numel()), (rank, 0))
+        pieces = {p: _describe(t) for p, t in tensors.items()}
+        replicated = {k: v for k, v in trees.items() if k != "extra"}
+        digest = hashlib.sha256(json.dumps(replicated, sort_keys=True).encode()).hexdigest()
+        nonce = os.urandom(6).hex()
+        gathered = io.all_gather_json(
+            {"pieces": pieces, "digest": digest, "state": rank_state, "nonce": nonce}, self.group)
+        _check_replicas_agree(gathered, trees)
+        entries, writers = _plan(gathered, rank)
+        final = io.step_dir_name(step)
+        tmp = os.path.join(self.directory, f".tmp-{final}-{gathered[0]['nonce']}")
+        mine = {p: _local(tensors[p]) for p, r in writers.items() if r == rank}
+        report = _write_mine(tmp, rank, mine)
+        reports = io.all_gather_json(report, self.group)
+        errors = [r["error"] for r in reports if "error" in r]
+        outcome = None
+        if rank == 0:
+            outcome = self._commit(step, tmp, final, entries, reports, trees, gathered, errors)
+        outcome = io.broadcast_json(outcome, self.group)
+        if errors or outcome != "ok":
+            raise CheckpointError(f"saving step {step} failed: " + "; ".join(errors or [outcome]))
+        return os.path.join(self.directory, final)
+
+    def _commit(self, step, tmp, final, entries, reports, trees, gathered, errors) -> str:
+        """Rank 0: manifest, rename, `latest`, prune; returns 'ok' or the error text."""
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return "failed"
+        try:
+            files = {r["file"]: r["entry"] for r in reports if r.get("file")}
+            manifest = Manifest(step=step, world_size=len(gathered), files=files,
+                                tensors=entries, trees=trees,
+                                ranks=[g["state"] for g in gathered])
+            os.makedirs(tmp, exist_ok=True)
+            io.write_durable(os.path.join(tmp, "manifest.json"), manifest.to_json().encode())
+            io.fsync_dir(tmp)
+            target = os.path.join(self.directory, final)
+            if os.path.exists(target):  # re-saving a step: move the old one aside first
+                os.rename(target, os.path.join(self.directory, f".replaced-{final}"))
+            os.rename(tmp, target)
+            io.fsync_dir(self.directory)
+            io.write_latest(self.directory, final)
+            io.prune(self.directory, self.keep, final)
+        except OSError as err:
+            return f"rank 0 could not commit {final}: {err}"
+        return "ok"
+
+    def load(self, *, model: Any = None, optimizer: Any = None, loader: Any = None,
+             extra: dict[str, Any] | None = None, rng: bool = True) -> int:
+        """Restore the newest good checkpoint into the given objects; returns its step.
+
+        Returns 0 (and changes nothing) when the folder holds no checkpoint. A
+        checkpoint with a missing, truncated or altered file is skipped with a
+        CheckpointWarning naming the file, and the previous one is tried; when none is
+        good, raises CorruptCheckpointError. A checkpoint of another model raises
+        CheckpointMismatchError naming the keys. `extra` (if given) is updated in place
+        and `self.extra` holds the saved extra. Blocks: a collective over `group`.
+        """
+        targets = reader.Targets(model=model, optimizer=optimizer, loader=loader, rng=rng)
+        found = reader.load_newest_good(self.directory, targets, self.group)
+        if found is None:
+            return 0
+        step, folder, loaded_extra = found
+        self.loaded_from, self.extra = folder, loaded_extra
+        if extra is not None:
+            extra.update(loaded_extra)
+        return step
+
+
+def _json_only(value: Any, what: str) -> Any:
+    skeleton, tensors = state.encode(value, what)
+    if tensors:
+        raise TypeError(f"{what} must be JSON-able (no tensors), found {sorted(tensors)}")
+    return skeleton
+
+
+def _describe(t: torch.Tensor | ShardedTensor) -> list:
+    if isinstance(t, ShardedTensor):
+        return [dtype_name(t.local.dtype), list(t.global_shape), list(t.offsets),
+                list(t.local.shape)]
+    return [dtype_name(t.dtype), list(t.shape), [0] * t.dim(), list(t.shape)]
+
+
+def _local(t: torch.Tensor | ShardedTensor) -> torch.Tensor:
+    return t.local if isinstance(t, ShardedTensor) else t
+
+
+def _check_replicas_agree(gathered: list[dict], trees: dict) -> None:
+    """Model/optimizer skeletons (keys and non-tensor values) must match on every rank."""
+    bad = [r for r, g in enumerate(gathered) if g["digest"] != gathered[0]["digest"]]
+    if bad:
+        raise CheckpointError(
+            f"ranks {bad} hold a different model/optimizer structure (keys, param_groups "
+            f"or step counts) than rank 0 ({sorted(trees)}); every rank must save the "
+            "same kind of state (did replicas diverge, or did only some ranks pass optimizer=?)"
+        )
+
+
+def _plan(gathered: list[dict], rank: int) -> tuple[dict[str, TensorEntry], dict[str, int]]:
+    """The manifest's tensor table, and {path: rank} of the pieces the *caller* may write.
+
+    Every rank computes the same plan from the same gathered data. The returned writer
+    map holds, for each path, the rank that writes the piece `rank` holds.
+    """
+    entries: dict[str, TensorEntry] = {}
+    owners: dict[tuple[str, Slice], int] = {}
+    for r, g in enumerate(gathered):
+        for path, (dtype, gshape, offsets, shape) in g["pieces"].items():
+            e = entries.setdefault(path, TensorEntry(dtype, tuple(gshape), []))
+            if (e.dtype, e.global_shape) != (dtype, tuple(gshape)):
+                raise CheckpointError(
+                    f"{path}: rank {r} holds {dtype}{list(gshape)} but a lower rank holds "
+                    f"{e.dtype}{list(e.global_shape)}; all ranks must agree on global shapes"
+                )
+            piece = Slice(tuple(offsets), tuple(shape))
+            if piece.numel and (path, piece) not in owners:
+                owners[(path, piece)] = r
+                e.pieces.append(Piece(f"rank{r:05d}.safetensors", piece))
+    for path, e in entries.items():
+        check_tiling(path, e.global_shape, [p.slice for p in e.pieces])
+    mine = gathered[rank]["pieces"]
+    writers = {}
+    for path, (_, _, offsets, shape) in mine.items():
+        piece = Slice(tuple(offsets), tuple(shape))
+        if piece.numel:
+            writers[path] = owners[(path, piece)]
+    return entries, writers
+
+
+def _write_mine(tmp: str, rank: int, mine: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if not mine:
+        return {}
+    name = f"rank{rank:05d}.safetensors"
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        entry = io.write_tensors(os.path.join(tmp, name), mine)
+    except (OSError, ValueError, RuntimeError) as err:
+        return {"error": f"rank {rank} could not write {name}: {err}"}
+    return {"file": name, "entry": entry}
