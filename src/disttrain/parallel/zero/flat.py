@@ -1,0 +1,210 @@
+"""ZeRO stages 0-2: full parameters in flat buckets, optimizer over this rank's shard.
+
+Rajbhandari et al. 2019 (arXiv 1910.02054), sec. 5.1-5.2. Parameters that need
+gradients are packed (reverse registration order, `comm.buckets.assign_buckets`) into
+flat buffers padded to a multiple of N = group size; each module parameter becomes a
+view of its bucket, and rank r owns the contiguous chunk [r S, (r+1) S) of every
+bucket (S = numel / N). The optimizer is built over one flat `nn.Parameter` per bucket
+that is a view of the owned chunk, so its state covers Psi/N elements.
+
+    stage 0  plain data parallelism: each bucket's gradient is all-reduced (averaged)
+             as soon as backward has produced it; the optimizer covers everything.
+    stage 1  the full gradient buffer stays (4 Psi bytes in fp32), but only the owned
+             chunk is reduced (in-place reduce-scatter, launched from the same hooks);
+             after the step every rank's updated chunk is all-gathered in place.
+    stage 2  gradients are sharded too: when a bucket's gradients are ready they are
+             copied into a transient flat buffer, the per-parameter .grad is dropped,
+             and a reduce-scatter adds this rank's chunk into a Psi/N shard gradient.
+
+Bytes sent per step: stage 0 all-reduce 2 (N-1)/N Psi; stages 1-2 reduce-scatter +
+all-gather, also 2 (N-1)/N Psi (sec. 7.2.1).
+
+NOTE: stages 1-2 keep gradient *sums* until `step()` divides by N, so several
+backward passes before a step accumulate correctly (stage 1 zeroes the chunks it does
+not own once reduced). Every rank must produce gradients for the same parameters.
+
+Who talks to whom: api.Zero drives this; this calls comm.py; the module's parameters'
+post-accumulate-grad hooks call back into `_on_grad`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from disttrain.comm.buckets import assign_buckets
+from disttrain.parallel.zero import comm
+
+__all__ = ["FlatShards"]
+
+
+class _Bucket:
+    """One flat buffer of parameters and its gradient state (bookkeeping, no comm)."""
+
+    def __init__(self, params, offsets, numel, lo, hi, stage):
+        self.params, self.offsets = params, offsets
+        p0 = params[0]
+        self.data = torch.zeros(numel, dtype=p0.dtype, device=p0.device)  # (numel,)
+        with torch.no_grad():
+            for p, off in zip(params, offsets):
+                self.data[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.data[off:off + p.numel()].view_as(p)
+        self.lo, self.hi = lo, hi  # owned chunk [lo, hi) of the flat buffer
+        self.shard = nn.Parameter(self.data[lo:hi])  # a view: no extra memory
+        self.grad = None  # stages 0-1: (numel,) buffer the .grad views live in
+        if stage < 2:
+            self.grad = torch.zeros_like(self.data)
+            for p, off in zip(params, offsets):
+                p.grad = self.grad[off:off + p.numel()].view_as(p)
+            self.shard.grad = self.grad[lo:hi]
+        self.ready = 0
+        self.pending = None  # (work, buffer) of the collective in flight
+
+    def _view(self, p: torch.Tensor) -> torch.Tensor:
+        off = self.offsets[[id(q) for q in self.params].index(id(p))]
+        return self.grad[off:off + p.numel()].view_as(p)
+
+    def grad_view_ptr(self, p: torch.Tensor) -> int:
+        return self._view(p).data_ptr()
+
+    @torch.no_grad()
+    def rebind_grad(self, p: torch.Tensor) -> None:
+        view = self._view(p)
+        view.copy_(p.grad)
+        p.grad = view
+
+
+class FlatShards:
+    """Stages 0-2 over `params` (a deduplicated list); see the module docstring."""
+
+    def __init__(self, params: list[nn.Parameter], stage: int, group, bucket_bytes: int,
+                 stats: comm.CommStats):
+        import torch.distributed as dist
+
+        if stage not in (0, 1, 2):
+            raise ValueError(f"FlatShards handles stages 0-2, got {stage}")
+        self.stage, self.group, self.stats = stage, group, stats
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        pad = 1 if stage == 0 else self.world
+        specs = assign_buckets(
+            [p.numel() for p in params], [p.element_size() for p in params], bucket_bytes,
+            keys=[(p.dtype, p.device) for p in params], pad_to=pad)
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        for spec in specs:
+            if stage == 0:
+                lo, hi = 0, spec.numel
+            else:
+                size = spec.numel // self.world
+                lo, hi = self.rank * size, (self.rank + 1) * size
+            members = [params[i] for i in spec.indices]
+            b = _Bucket(members, list(spec.offsets), spec.numel, lo, hi, stage)
+            self.buckets.append(b)
+            for p in members:
+                self._bucket_of[id(p)] = b
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def shard_parameters(self) -> list[nn.Parameter]:
+        """One flat parameter per bucket: what this rank's optimizer updates."""
+        return [b.shard for b in self.buckets]
+
+    # ---- backward: reduce each bucket as soon as its gradients exist -------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b = self._bucket_of[id(p)]
+        if b.grad is not None and p.grad.data_ptr() != b.grad_view_ptr(p):
+            # the user set .grad to None (e.g. module.zero_grad()): move it back in place
+            b.rebind_grad(p)
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        """Start bucket `b`'s gradient collective (does not block)."""
+        b.ready = 0
+        if b.pending is not None:  # a second backward before step: finish the first
+            self._wait(b)
+        if self.stage == 0:
+            b.pending = (comm.all_reduce(b.grad, self.group, self.stats, async_op=True), None)
+        elif self.stage == 1:
+            work = comm.reduce_scatter(b.grad[b.lo:b.hi], b.grad, self.group, self.stats,
+                                       async_op=True)
+            b.pending = (work, None)
+        else:
+            flat = torch.zeros_like(b.data)  # (numel,) transient full gradient
+            for p, off in zip(b.params, b.offsets):
+                if p.grad is not None:
+                    flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+            out = torch.empty_like(b.shard)  # (numel/N,)
+            work = comm.reduce_scatter(out, flat, self.group, self.stats, async_op=True)
+            b.pending = (work, (flat, out))
+
+    @torch.no_grad()
+    def _wait(self, b: _Bucket) -> None:
+        work, bufs = b.pending
+        work.wait()
+        b.pending = None
+        if self.stage == 0:
+            b.grad.div_(self.world)  # NOTE: average now (DDP semantics) so re-reduce is right
+        elif self.stage == 1:
+            b.grad[:b.lo].zero_()  # chunks we do not own are never read again
+            b.grad[b.hi:].zero_()
+        else:
+            _, out = bufs
+            if b.shard.grad is None:
+                b.shard.grad = out
+            else:
+                b.shard.grad.add_(out)
+
+    def finish(self) -> None:
+        """Reduce buckets whose hooks did not all fire, then wait for all (blocks)."""
+        for b in self.buckets:
+            if b.ready:  # some parameters got no gradient this backward: they count as 0
+                self._launch(b)
+        for b in self.buckets:
+            if b.pending is not None:
+                self._wait(b)
+
+    # ---- step --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prepare_step(self) -> None:
+        """Wait for reductions and turn gradient sums into means (blocks)."""
+        self.finish()
+        if self.stage == 0:
+            return
+        for b in self.buckets:
+            if b.shard.grad is not None:
+                b.shard.grad.div_(self.world)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """All-gather every rank's updated chunk into the full buffers (blocks)."""
+        if self.stage == 0:
+            return
+        works = [comm.all_gather(b.data, b.data[b.lo:b.hi], self.group, self.stats,
+                                 async_op=True) for b in self.buckets]
+        for w in works:
+            w.wait()
+
+    def zero_grad(self) -> None:
+        """Forget gradients: zero the flat buffers (stages 0-1) or drop shards (stage 2)."""
+        self.finish()
+        for b in self.buckets:
+            if self.stage < 2:
+                b.grad.zero_()
+            else:
+                b.shard.grad = None
+                for p in b.params:
+                    p.grad = None
+
+    # ---- what this rank holds (for disttrain.memory) ------------------------------
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank keeps between steps: parameters and gradients."""
+        grads = [b.grad for b in self.buckets if b.grad is not None]
+        grads += [b.shard.grad for b in self.buckets if self.stage == 2 and b.shard.grad is not None]
+        grads += [p.grad for b in self.buckets for p in b.params
+                  if self.stage == 2 and p.grad is not None]
+        return {"params": [b.data for b in self.buckets], "grads": grads}

@@ -1,0 +1,269 @@
+"""ZeRO stage 3: parameters sharded too, gathered per layer just in time.
+
+Rajbhandari et al. 2019 (arXiv 1910.02054), sec. 5.3; the mechanics follow FSDP
+(Zhao et al. 2023, "PyTorch FSDP", sec. 3-4). Every submodule that directly owns
+trainable parameters is a *unit*: its parameters are flattened into one buffer padded
+to a multiple of N, and rank r keeps only the chunk [r S, (r+1) S) as a flat
+`nn.Parameter` (the optimizer's). The full buffer's storage is freed between uses:
+
+    forward pre-hook    all-gather the unit (or wait for its prefetch), bind the module's
+                        parameters as views of it, prefetch the next unit in forward order
+    forward post-hook   free the unit; hook the outputs so backward gathers it again
+    output grad hook    (backward reached this module) all-gather again, prefetch the
+                        unit before it in forward order
+    full.grad hook      (all of the unit's gradients summed) reduce-scatter this rank's
+                        chunk into the shard gradient and free the full buffer and grad
+
+Bytes sent per step: all-gather forward + all-gather backward + reduce-scatter =
+3 (N-1)/N Psi, 1.5x data parallelism (sec. 7.2.2).
+
+NOTE: autograd saves views of the full buffer (e.g. a linear layer's weight) during
+forward. Freeing resizes the *storage* to 0 and gathering resizes it back and writes
+through a separate alias tensor, so those saved views read the gathered values in
+backward and their version counters are untouched (FSDP's flat-parameter trick).
+
+Who talks to whom: api.Zero drives this; module hooks call back into `_pre_forward`,
+`_post_forward`, `_pre_backward` and `_on_full_grad`; those call comm.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from disttrain.parallel.zero import comm
+
+__all__ = ["ParamShards"]
+
+_MAX_INFLIGHT = 2  # reduce-scatters in flight during backward (bounds transient grads)
+
+
+class _Unit:
+    """One module's own trainable parameters as a sharded flat buffer."""
+
+    def __init__(self, params, world, rank):
+        self.numels = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]
+        payload = sum(self.numels)
+        numel = -(-payload // world) * world
+        self.pad = numel - payload
+        p0 = params[0]
+        flat = torch.zeros(numel, dtype=p0.dtype, device=p0.device)  # (numel,)
+        torch.cat([p.detach().reshape(-1) for p in params], out=flat[:payload])
+        size = numel // world
+        self.shard = nn.Parameter(flat[rank * size:(rank + 1) * size].clone())  # (S,)
+        self.full = torch.empty(numel, dtype=p0.dtype, device=p0.device).requires_grad_()
+        self.numel, self.nbytes = numel, numel * flat.element_size()
+        self.work = None  # all-gather in flight
+        self.views: list[torch.Tensor] = []
+        self.make_views()  # NOTE: views need a real storage to be made; free after
+        self.full.untyped_storage().resize_(0)  # (numel,) leaf; storage only while in use
+
+    def make_views(self) -> None:
+        """Fresh per-parameter views of `full` (new autograd edges for this forward)."""
+        parts = self.full.split(self.numels + [self.pad])
+        self.views = [t.view(s) for t, s in zip(parts, self.shapes)]
+
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+
+class ParamShards:
+    """Stage 3 over `module` (its trainable parameters become per-unit shards)."""
+
+    def __init__(self, module: nn.Module, group, stats: comm.CommStats):
+        self.group, self.stats = group, stats
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.units: list[_Unit] = []
+        self.binds: dict[nn.Module, list[tuple[str, _Unit, int]]] = {}
+        self.names: list[tuple[str, nn.Module, str]] = []  # (state_dict key, module, attr)
+        self._build(module)
+        self._fwd_order: list[_Unit] = []
+        self._recording = True
+        self._pending: list[tuple] = []
+        self.live = self.peak = 0  # bytes of full buffers/grads this engine holds now, max
+        self._handles = []
+        for m in self.binds:
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward))
+
+    def _build(self, module: nn.Module) -> None:
+        seen: dict[int, tuple[_Unit, int]] = {}
+        for prefix, m in module.named_modules(remove_duplicate=False):
+            own = [(n, p) for n, p in m._parameters.items() if p is not None and p.requires_grad]
+            new = [p for _, p in own if id(p) not in seen]
+            if new:
+                unit = _Unit(new, self.world, self.rank)
+                self.units.append(unit)
+                for i, p in enumerate(new):
+                    seen[id(p)] = (unit, i)
+            for n, p in own:
+                unit, i = seen[id(p)]
+                self.binds.setdefault(m, []).append((n, unit, i))
+                self.names.append((f"{prefix}.{n}" if prefix else n, m, n))
+        for m, binds in self.binds.items():
+            for n, u, i in binds:
+                if n in m._parameters:
+                    del m._parameters[n]  # NOTE: now a plain attribute, rebound each forward
+                setattr(m, n, u.views[i])
+        for u in self.units:
+            u.full.register_post_accumulate_grad_hook(self._on_full_grad_of(u))
+
+    def shard_parameters(self) -> list[nn.Parameter]:
+        return [u.shard for u in self.units]
+
+    # ---- gather / free -----------------------------------------------------------
+
+    def _gather(self, u: _Unit, wait: bool) -> None:
+        """Start (and with `wait`, finish) all-gathering unit `u` into its full buffer."""
+        if not u.gathered:
+            u.full.untyped_storage().resize_(u.nbytes)
+            self._account(u.nbytes)
+            alias = torch.empty(0, dtype=u.full.dtype, device=u.full.device)
+            alias.set_(u.full.untyped_storage(), 0, (u.numel,))  # own version counter
+            u.work = comm.all_gather(alias, u.shard.detach(), self.group, self.stats,
+                                     async_op=True)
+        if wait and u.work is not None:
+            u.work.wait()
+            u.work = None
+
+    def _free(self, u: _Unit) -> None:
+        if u.gathered:
+            if u.work is not None:
+                u.work.wait()
+                u.work = None
+            u.full.untyped_storage().resize_(0)
+            self._account(-u.nbytes)
+
+    def _account(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _bind(self, m: nn.Module) -> None:
+        for u in {id(u): u for _, u, _ in self.binds[m]}.values():
+            self._gather(u, wait=True)
+            u.make_views()
+        for n, u, i in self.binds[m]:
+            setattr(m, n, u.views[i])
+
+    def _neighbour(self, u: _Unit, step: int) -> _Unit | None:
+        order = self._fwd_order
+        if self._recording or u not in order:
+            return None
+        j = order.index(u) + step
+        return order[j] if 0 <= j < len(order) else None
+
+    # ---- hooks -------------------------------------------------------------------
+
+    def _pre_forward(self, m: nn.Module, args) -> None:
+        units = [u for _, u, _ in self.binds[m]]
+        self._bind(m)
+        if self._recording:
+            self._fwd_order += [u for u in units if u not in self._fwd_order]
+        nxt = self._neighbour(units[-1], +1)
+        if nxt is not None:
+            self._gather(nxt, wait=False)  # prefetch: overlaps this module's forward
+
+    def _post_forward(self, m: nn.Module, args, output):
+        units = list({id(u): u for _, u, _ in self.binds[m]}.values())
+        for u in units:
+            self._free(u)
+        if torch.is_grad_enabled():
+            leaves, _ = tree_flatten(output)
+            for t in leaves:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward_of(units))
+        return output
+
+    def _pre_backward_of(self, units):
+        def hook(grad):
+            for u in units:
+                self._gather(u, wait=True)
+            prev = self._neighbour(units[0], -1)
+            if prev is not None:
+                self._gather(prev, wait=False)  # prefetch the layer backward reaches next
+            return None
+        return hook
+
+    def _on_full_grad_of(self, u: _Unit):
+        def hook(full: torch.Tensor) -> None:
+            grad = full.grad  # (numel,) sum of every use of the unit's parameters
+            full.grad = None
+            self._account(grad.numel() * grad.element_size())
+            out = torch.empty_like(u.shard)  # (S,)
+            work = comm.reduce_scatter(out, grad, self.group, self.stats, async_op=True)
+            self._pending.append((work, grad, out, u))
+            self._free(u)
+            while len(self._pending) > _MAX_INFLIGHT:
+                self._wait_one()
+        return hook
+
+    @torch.no_grad()
+    def _wait_one(self) -> None:
+        work, grad, out, u = self._pending.pop(0)
+        work.wait()
+        self._account(-grad.numel() * grad.element_size())
+        if u.shard.grad is None:
+            u.shard.grad = out
+        else:
+            u.shard.grad.add_(out)
+
+    # ---- step --------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for every reduce-scatter, free every full buffer (blocks)."""
+        self._recording = False
+        while self._pending:
+            self._wait_one()
+        for u in self.units:
+            self._free(u)
+
+    @torch.no_grad()
+    def prepare_step(self) -> None:
+        self.finish()
+        for u in self.units:
+            if u.shard.grad is not None:
+                u.shard.grad.div_(self.world)
+
+    def after_step(self) -> None:
+        """Nothing to gather: the next forward gathers each unit as it needs it."""
+
+    def zero_grad(self) -> None:
+        self.finish()
+        for u in self.units:
+            u.shard.grad = None
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        params = [u.shard for u in self.units] + [u.full for u in self.units if u.gathered]
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        return {"params": params, "grads": grads}
+
+    # ---- full parameters for state_dict ---------------------------------------------
+
+    @torch.no_grad()
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter, gathered and cloned, by state_dict key (blocks; collective)."""
+        out, flats = {}, {}
+        for u in self.units:
+            flat = torch.empty(u.numel, dtype=u.shard.dtype, device=u.shard.device)
+            comm.all_gather(flat, u.shard.detach(), self.group, self.stats)
+            flats[id(u)] = flat.split(u.numels + [u.pad])
+        for key, m, n in self.names:
+            u, i = next((u, i) for nn_, u, i in self.binds[m] if nn_ == n)
+            out[key] = flats[id(u)][i].view(u.shapes[i]).clone()
+        return out
+
+    @torch.no_grad()
+    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's chunk of each parameter in `tensors` into the shards."""
+        for key, m, n in self.names:
+            u, i = next((u, i) for nn_, u, i in self.binds[m] if nn_ == n)
+            off = sum(u.numels[:i])
+            lo, hi = self.rank * u.shard.numel(), (self.rank + 1) * u.shard.numel()
+            src = tensors[key].reshape(-1)
+            a, b = max(lo, off), min(hi, off + u.numels[i])
+            if a < b:
+                u.shard[a - lo:b - lo].copy_(src[a - off:b - off])
