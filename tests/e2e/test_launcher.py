@@ -180,6 +180,45 @@ def test_workers_and_servers_get_roles_and_user_secret():
     assert all(float(r["DISTTRAIN_TIMEOUT"]) == 42.0 for r in got.values())
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_rendezvous_at_the_given_master():
+    """Two launchers on this machine play node 0 and node 1 of one 4-rank job."""
+    port = str(free_port())
+
+    def node(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "disttrain", "run", "--nnodes", "2", "--node-rank", str(rank),
+             "--master-addr", "127.0.0.1", "--master-port", port, "--nproc", "2",
+             str(SCRIPTS / "env_only.py")],
+            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    nodes = [node(1), node(0)]
+    try:
+        outs = [p.communicate(timeout=45) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], [err for _, err in outs]
+    seen = {}
+    for out, _ in outs:
+        for line in out.splitlines():
+            head, _, body = line.partition("ENV ")
+            env = json.loads(body)
+            seen[int(env["RANK"])] = (head, env)
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert [seen[r][0] for r in range(4)] == ["", "[rank1]: ", "[rank2]: ", "[rank3]: "]
+    for rank, (_, env) in seen.items():
+        assert (env["WORLD_SIZE"], env["GROUP_RANK"], env["LOCAL_RANK"]) == ("4", str(rank // 2), str(rank % 2))
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", port)
+
+
 @pytest.mark.timeout(60)
 def test_same_script_runs_alone_and_under_torchrun():
     """Uses torch: the launch-agnostic script, as `python script.py` and under torchrun."""
