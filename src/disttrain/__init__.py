@@ -3,8 +3,9 @@
 This module only re-exports the public API; see docs/design.md for the layers.
 """
 
-from disttrain import data, testing
+from disttrain import data, memory, testing
 from disttrain.parallel import DataParallel
+from disttrain.parallel.zero import Zero
 from disttrain.runtime import (
     backend,
     device,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel",
+    "Zero",
     "backend",
     "data",
     "device",
@@ -30,6 +32,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_world_size",
+    "memory",
     "print0",
     "rank",
     "role",
