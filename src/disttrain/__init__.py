@@ -4,6 +4,7 @@ This module only re-exports the public API; see docs/design.md for the layers.
 """
 
 from disttrain import data, memory, testing
+from disttrain.checkpoint import Checkpointer
 from disttrain.parallel import DataParallel
 from disttrain.parallel.zero import Zero
 from disttrain.runtime import (
@@ -23,6 +24,7 @@ from disttrain.runtime import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointer",
     "DataParallel",
     "Zero",
     "backend",
