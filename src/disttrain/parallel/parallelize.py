@@ -1,0 +1,166 @@
+"""Hybrid parallelism: apply TP, then PP, then DP to a model over a `Mesh`.
+
+The GPT-3 layout the user's documents describe (pipeline stages, data-parallel replicas
+of each stage, tensor parallelism inside a machine), as torchtitan composes it: one
+short function, each strategy applied from outside to a model with no distributed code.
+
+NOTE: the order is fixed. TP first, because it swaps modules inside layers and must see
+the whole model; then PP, which cuts the (sharded) model into stage chunks by layer;
+then DP, which wraps each chunk so its gradients are averaged over the mesh's dp group
+(after the chunk's last backward of the step, not after every micro-batch).
+
+Who talks to whom: tp groups allreduce inside layers (Megatron f/g), pp groups exchange
+activations and gradients point to point, dp groups allreduce gradient buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.mesh import Mesh
+from disttrain.parallel.pipeline.runtime import Pipeline
+from disttrain.parallel.pipeline.schedules import make_schedule
+from disttrain.parallel.pipeline.split import _layer_names, layer_costs, partition, split_model
+from disttrain.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_tp,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["parallelize", "ParallelModel"]
+
+
+def token_loss(group=None):
+    """Mean token cross-entropy of logits (B, T, V) — or (B, T, V/tp), vocab-sharded."""
+    if group is not None and dist.get_world_size(group) > 1:
+        return lambda logits, y: vocab_parallel_cross_entropy(logits, y, group)
+    return lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None,
+                schedule: str = "1f1b", microbatches: int = 1, num_virtual: int = 1,
+                loss_fn=None, layers: list[str] | None = None, costs: list[float] | None = None,
+                dp_options: dict | None = None, track_memory: bool = False) -> ParallelModel:
+    """Shard `model` over `mesh`: TP (plan), PP (schedule, micro-batches), DP. Blocks.
+
+    Every rank passes the same, identically initialised model. `loss_fn(output, target)`
+    runs on the last pipeline stage; by default it is token cross-entropy, vocab-parallel
+    over the tp group when tp > 1 (the output layer colwise in the plan, as in
+    GPT.tp_plan). `dp_options` go to DataParallel (bucket_mb, compression, ...).
+    """
+    pp, tp, dp = mesh.size("pp"), mesh.size("tp"), mesh.size("dp")
+    actions = make_schedule(schedule, pp, microbatches, num_virtual)  # checks before any work
+    names = _layer_names(model, layers) if pp * num_virtual > 1 else []
+    costs = layer_costs(model, names) if names and costs is None else costs
+    full = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+    if tp > 1:
+        if not plan:
+            raise ValueError("tp > 1 needs a plan, e.g. GPT.tp_plan or {'mlp.fc': 'colwise', ...}")
+        apply_tp(model, mesh, plan)
+    stage = mesh.local_rank("pp")
+    if names:
+        chunks = split_model(model, pp, stage, num_virtual, names, costs)
+        ranges = partition(costs, pp * num_virtual)
+        owner = {n: v % pp for v, (a, b) in enumerate(ranges) for n in names[a:b]}
+    else:
+        chunks, owner = [model], {}
+    if dp > 1:
+        from disttrain.parallel.data_parallel import DataParallel
+
+        chunks = [DataParallel(c, group=mesh.group("dp"), **(dp_options or {})) for c in chunks]
+    pipe = Pipeline(chunks, actions[stage], stage, pp, microbatches,
+                    loss_fn or token_loss(mesh.group("tp") if tp > 1 else None),
+                    group=mesh.group("pp"), ranks=mesh.peers("pp"), track_memory=track_memory)
+    return ParallelModel(chunks, pipe, mesh, full, owner)
+
+
+class ParallelModel(nn.Module):
+    """This rank's share of a model: its stage chunks (TP shards, maybe DP-wrapped).
+
+    `parameters()` are the local shards (give them to any torch optimizer);
+    `train_step(x, y)` runs the pipeline schedule; `full_state_dict()` reassembles
+    the whole model on global rank 0.
+    """
+
+    def __init__(self, chunks, pipeline: Pipeline, mesh: Mesh, full_shapes: dict, owner: dict):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.pipeline, self.mesh = pipeline, mesh
+        self._full, self._owner = full_shapes, owner
+
+    def train_step(self, inputs, targets) -> torch.Tensor:
+        """Forward + backward of one batch (this dp replica's share). Blocks.
+
+        Leaves averaged gradients in `.grad`; returns the loss averaged over dp replicas,
+        the same on every rank.
+        """
+        loss = self.pipeline.step(inputs, targets)
+        if self.mesh.size("dp") > 1:
+            dist.all_reduce(loss, group=self.mesh.group("dp"))
+            loss /= self.mesh.size("dp")
+        return loss
+
+    def forward(self, x):
+        if len(self.chunks) != 1 or self.mesh.size("pp") != 1:
+            raise RuntimeError("a pipelined model runs through train_step(x, y), not forward()")
+        return self.chunks[0](x)
+
+    def local_modules(self) -> list[nn.Module]:
+        """The stage chunks without their DataParallel wrapper (names as in the full model)."""
+        return [getattr(c, "module", c) for c in self.chunks]
+
+    @torch.no_grad()
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The unsharded parameters (or their gradients) on global rank 0; {} elsewhere.
+
+        Collective over the whole mesh: every rank must call it. Blocks.
+        """
+        local = self._unshard_tp(grads)  # name -> full tensor of this stage
+        out: dict[str, torch.Tensor] = {}
+        rank, shape = self.mesh.rank, self.mesh.shape
+        for i, name in enumerate(self._full):
+            src = shape.rank_at(pp=self._stage_of(name), dp=0, tp=0)
+            if rank == src == 0:
+                out[name] = local[name].clone()
+            elif rank == src:
+                dist.send(local[name].contiguous(), 0, tag=i)
+            elif rank == 0:
+                full_shape, dtype = self._full[name]
+                out[name] = torch.empty(full_shape, dtype=dtype)
+                dist.recv(out[name], src, tag=i)
+        return out
+
+    def _stage_of(self, name: str) -> int:
+        for layer, stage in self._owner.items():
+            if name.startswith(layer + "."):
+                return stage
+        return 0
+
+    def _unshard_tp(self, grads: bool) -> dict[str, torch.Tensor]:
+        group, tp = self.mesh.group("tp"), self.mesh.size("tp")
+        out = {}
+        for chunk in self.local_modules():
+            for mod_name, mod in chunk.named_modules():
+                for p_name, p in mod.named_parameters(recurse=False):
+                    t = p.grad if grads else p
+                    t = torch.zeros_like(p) if t is None else t.detach()
+                    dim = _shard_dim(mod, p_name)
+                    if dim is not None and tp > 1:
+                        parts = [torch.empty_like(t) for _ in range(tp)]
+                        dist.all_gather(parts, t.contiguous(), group=group)
+                        t = torch.cat(parts, dim=dim)
+                    out[f"{mod_name}.{p_name}" if mod_name else p_name] = t
+        return out
+
+
+def _shard_dim(mod: nn.Module, param: str) -> int | None:
+    if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return 0
+    if isinstance(mod, RowParallelLinear) and param == "weight":
+        return 1
+    return None

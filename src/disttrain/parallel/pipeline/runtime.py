@@ -1,0 +1,225 @@
+"""Execute a pipeline schedule: this stage's F/B actions with point-to-point send/recv.
+
+Who talks to whom: stage s receives activations from the owner of the previous
+virtual stage and sends its outputs to the owner of the next one (chunk c of stage s is
+virtual stage c*p + s, so stage p-1 feeds stage 0 between chunks); gradients flow the
+other way. Sends are asynchronous (`isend`, waited at the end of the step); receives
+block when the action that needs them starts. Every message carries a tag made of
+(micro-batch, virtual stage, activation or gradient), so two stages may exchange both
+kinds in any order (gloo matches by tag). Activation shapes travel in a small header
+first; gradient shapes are known (those of the activation sent).
+
+The runtime records each action's compute span (after its receive, before its send) so
+bubbles are measured, not only computed, and can count bytes of tensors saved for
+backward (peak activation memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.parallel.pipeline.schedules import Action
+
+__all__ = ["Pipeline", "Span"]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_HEADER = 8  # dtype code, ndim, up to 6 dims
+
+
+@dataclass
+class Span:
+    """One executed action: seconds since the step started (pp-group barrier)."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class _Meter:
+    """Bytes of tensors currently saved for backward, and the peak of that."""
+
+    now: int = 0
+    peak: int = 0
+
+    def add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+
+class _Saved:
+    __slots__ = ("tensor", "meter", "nbytes")
+
+    def __init__(self, tensor, meter):
+        self.tensor, self.meter = tensor, meter
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.add(self.nbytes)
+
+    def __del__(self):
+        self.meter.add(-self.nbytes)
+
+
+@dataclass
+class _Step:
+    inputs: list
+    targets: list
+    stash: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+    loss: torch.Tensor | None = None
+
+
+class Pipeline:
+    """Runs `actions` (this stage's list) over `chunks` with its peers in `group`.
+
+    chunks: this stage's model chunks (chunk c = virtual stage c * num_stages + stage);
+        a chunk with `no_sync()` (DataParallel) syncs gradients only on its last backward.
+    ranks: global ranks of the pipeline group, by stage.
+    loss_fn(output, target): on the last virtual stage; its mean over micro-batches is
+        the loss (each micro-batch's loss is divided by num_microbatches).
+    """
+
+    def __init__(self, chunks: list[nn.Module], actions: list[Action], stage: int,
+                 num_stages: int, num_microbatches: int, loss_fn, group=None,
+                 ranks: list[int] | None = None, track_memory: bool = False):
+        self.chunks, self.actions = list(chunks), list(actions)
+        self.stage, self.num_stages, self.num_microbatches = stage, num_stages, num_microbatches
+        self.loss_fn, self.group = loss_fn, group
+        self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
+        self.num_virtual = len(self.chunks)
+        self.last_virtual = num_stages * self.num_virtual - 1
+        self.track_memory = track_memory
+        first = next(self.chunks[0].parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.meter = _Meter()
+        self.spans: list[Span] = []
+        last_b = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == "B"}
+        self._synced_b = set(last_b.values())
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of one batch over all micro-batches. Blocks.
+
+        `inputs` matter on the first stage and `targets` on the last (others may pass
+        None). Gradients accumulate into the chunks' `.grad`. Returns the batch's mean
+        loss on every stage (sent from the last stage by a broadcast).
+        """
+        st = _Step(self._split(inputs, "inputs", 0), self._split(targets, "targets",
+                                                                   self.last_virtual))
+        self.spans, self.meter.peak = [], self.meter.now
+        if self.num_stages > 1:
+            dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        for i, a in enumerate(self.actions):
+            if a.kind == "F":
+                self._forward(st, a, t0)
+            else:
+                self._backward(st, a, t0, sync=i in self._synced_b)
+        for work in st.sends:
+            work.wait()
+        loss = st.loss if st.loss is not None else torch.zeros((), device=self.device)
+        loss = loss.detach().float().reshape(())
+        if self.num_stages > 1:
+            dist.broadcast(loss, self.ranks[self.last_virtual % self.num_stages], group=self.group)
+        assert not st.stash, f"pipeline stage {self.stage} left {len(st.stash)} activations"
+        return loss
+
+    def _split(self, batch, what: str, virtual: int) -> list:
+        if virtual % self.num_stages != self.stage:
+            return []
+        if batch is None:
+            raise ValueError(f"pipeline stage {self.stage} needs {what} (it runs virtual stage {virtual})")
+        if batch.shape[0] % self.num_microbatches:
+            raise ValueError(f"batch of {batch.shape[0]} does not split into "
+                             f"{self.num_microbatches} equal micro-batches; make it a multiple")
+        return list(batch.chunk(self.num_microbatches))
+
+    def _virtual(self, a: Action) -> int:
+        return a.chunk * self.num_stages + self.stage
+
+    def _peer(self, virtual: int) -> int:
+        return self.ranks[virtual % self.num_stages]
+
+    def _tag(self, mb: int, edge: int, kind: int) -> int:
+        # edge: the virtual stage the message leaves (act) or arrives at (grad)
+        return ((mb * (self.last_virtual + 1) + edge) * 3 + kind)
+
+    def _forward(self, st: _Step, a: Action, t0: float) -> None:
+        j = self._virtual(a)
+        if j == 0:
+            x = st.inputs[a.microbatch]
+        else:
+            x = self._recv_activation(self._peer(j - 1), a.microbatch, j - 1)
+        start = time.perf_counter()
+        with self._saving():
+            out = self.chunks[a.chunk](x)
+            if j == self.last_virtual:
+                out = self.loss_fn(out, st.targets[a.microbatch]) / self.num_microbatches
+                st.loss = out.detach() if st.loss is None else st.loss + out.detach()
+        self.spans.append(Span("F", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
+        if j != self.last_virtual:
+            self._send_activation(st, out.detach(), self._peer(j + 1), a.microbatch, j)
+        st.stash[(a.microbatch, a.chunk)] = (x, out)
+
+    def _backward(self, st: _Step, a: Action, t0: float, sync: bool) -> None:
+        j = self._virtual(a)
+        x, out = st.stash.pop((a.microbatch, a.chunk))
+        grad = None
+        if j != self.last_virtual:
+            grad = torch.empty_like(out)
+            dist.recv(grad, self._peer(j + 1), group=self.group, tag=self._tag(a.microbatch, j, 2))
+        start = time.perf_counter()
+        chunk = self.chunks[a.chunk]
+        ctx = chunk.no_sync() if (not sync and hasattr(chunk, "no_sync")) else contextlib.nullcontext()
+        with ctx:
+            torch.autograd.backward(out, grad)
+        self.spans.append(Span("B", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
+        if j > 0:
+            st.sends.append(dist.isend(x.grad.contiguous(), self._peer(j - 1), group=self.group,
+                                       tag=self._tag(a.microbatch, j - 1, 2)))
+
+    def _send_activation(self, st: _Step, y: torch.Tensor, dst: int, mb: int, j: int) -> None:
+        if y.dim() > _HEADER - 2 or y.dtype not in _DTYPES:
+            raise TypeError(f"pipeline can send tensors of up to {_HEADER - 2} dims of dtypes "
+                            f"{_DTYPES}; stage output is {y.dtype} with shape {tuple(y.shape)}")
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=y.device)
+        header[0], header[1] = _DTYPES.index(y.dtype), y.dim()
+        header[2:2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+        y = y.contiguous()
+        st.sends.append(dist.isend(header, dst, group=self.group, tag=self._tag(mb, j, 0)))
+        st.sends.append(dist.isend(y, dst, group=self.group, tag=self._tag(mb, j, 1)))
+
+    def _recv_activation(self, src: int, mb: int, j: int) -> torch.Tensor:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, src, group=self.group, tag=self._tag(mb, j, 0))
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
+        dist.recv(x, src, group=self.group, tag=self._tag(mb, j, 1))
+        return x.requires_grad_(x.is_floating_point())
+
+    @contextlib.contextmanager
+    def _saving(self):
+        if not self.track_memory:
+            yield
+            return
+        meter = self.meter
+
+        def pack(t):
+            return t if isinstance(t, nn.Parameter) else _Saved(t, meter)
+
+        def unpack(o):
+            return o.tensor if isinstance(o, _Saved) else o
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """Peak bytes saved for backward during the last step (with track_memory=True)."""
+        return self.meter.peak

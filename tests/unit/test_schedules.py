@@ -1,0 +1,89 @@
+"""Pipeline schedules as pure action lists: formulas checked by a timing simulation."""
+
+from fractions import Fraction
+
+import pytest
+
+from disttrain.parallel.pipeline.schedules import (
+    Action,
+    check_schedule,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+)
+
+
+def test_gpipe_idle_is_3_of_11_for_p4_m8():
+    sim = simulate(gpipe(4, 8), 4)
+    assert sim.makespan == 22  # (m + p - 1) * (t_f + t_b)
+    assert Fraction(sim.bubble_fraction).limit_denominator(100) == Fraction(3, 11)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 5), (3, 3), (4, 2)])
+def test_one_f_one_b_peak_activations_per_stage(p, m):
+    sched = one_f_one_b(p, m)
+    for i, acts in enumerate(sched):
+        assert peak_in_flight(acts) <= p - i
+        assert peak_in_flight(acts) == min(p - i, m)
+    assert peak_in_flight(gpipe(p, m)[0]) == m  # GPipe holds all of them
+
+
+def test_one_f_one_b_has_gpipe_bubble():
+    sim = simulate(one_f_one_b(4, 8), 4)
+    assert sim.bubble_fraction == pytest.approx(3 / 11)
+
+
+def test_one_f_one_b_stage_lists_by_hand():
+    sched = one_f_one_b(3, 4)
+    assert [str(a) for a in sched[0]] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    assert [str(a) for a in sched[2]] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (2, 4, 2), (4, 4, 2), (2, 6, 3)])
+def test_interleaved_bubble_is_p_minus_1_over_vm_of_ideal(p, m, v):
+    sched = interleaved_1f1b(p, m, v)
+    check_schedule(sched, p, m, v)
+    sim = simulate(sched, p, num_virtual=v)
+    ideal = m * 2.0  # m micro-batches of (t_f + t_b) on each stage
+    assert (sim.makespan - ideal) / ideal == pytest.approx((p - 1) / (v * m))
+    gpipe_bubble = simulate(gpipe(p, m), p).makespan - ideal
+    assert sim.makespan - ideal == pytest.approx(gpipe_bubble / v)
+
+
+def test_interleaved_chunks_visit_every_virtual_stage():
+    sched = interleaved_1f1b(2, 4, 2)
+    assert [str(a) for a in sched[0][:4]] == ["F0", "F1", "F0.1", "F1.1"]
+
+
+def test_too_few_microbatches_for_interleaved_is_rejected():
+    with pytest.raises(ValueError, match=r"num_microbatches \(6\) must be a multiple of num_stages \(4\)"):
+        interleaved_1f1b(4, 6, 2)
+
+
+def test_unmatched_send_recv_is_rejected_before_running():
+    sched = gpipe(2, 2)
+    sched[1] = [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]
+    check_schedule(sched, 2, 2)  # a different order is fine
+    sched[0] = [Action("F", 0), Action("B", 1), Action("F", 1), Action("B", 0)]
+    with pytest.raises(ValueError, match="stage 0 runs B1 of chunk 0 before its F"):
+        check_schedule(sched, 2, 2)
+    # stage 0 waits for B0 (needs stage 1's B0) before sending F1; stage 1 wants F1 first
+    sched[0] = [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]
+    with pytest.raises(ValueError, match="deadlocks.*stage 0 at B0.*stage 1 at F1"):
+        check_schedule(sched, 2, 2)
+
+
+def test_missing_action_and_bad_names():
+    sched = gpipe(2, 2)
+    sched[1] = sched[1][:-1]
+    with pytest.raises(ValueError, match=r"stage 1 must run F and B.*missing \[\('B', 1, 0\)\]"):
+        check_schedule(sched, 2, 2)
+    with pytest.raises(ValueError, match="unknown schedule 'zb'"):
+        make_schedule("zb", 2, 2)
+    with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1"):
+        gpipe(2, 0)
+    with pytest.raises(ValueError, match="needs num_virtual >= 2"):
+        make_schedule("interleaved", 2, 4)
