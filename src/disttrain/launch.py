@@ -32,8 +32,10 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
@@ -199,6 +201,13 @@ def run(cfg: RunConfig) -> int:
     """
     env = rank_env(cfg, dict(os.environ))
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="disttrain-run-")
+    if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
+        print(
+            f"disttrain run: node {cfg.node_rank} of {cfg.nnodes}: meeting the other nodes at "
+            f"{cfg.master_addr}:{cfg.master_port}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         with _environ(env), _quiet_elastic_logs():
             elastic_launch(launch_config(cfg, log_dir), sys.executable)(
@@ -213,6 +222,16 @@ def run(cfg: RunConfig) -> int:
     except KeyboardInterrupt:  # before the agent installed its handlers: no rank started
         print("disttrain run: interrupted before the ranks started", file=sys.stderr)
         return 128 + int(signal.SIGINT)
+    except (DistError, RendezvousError) as err:
+        where = f"{cfg.master_addr}:{cfg.master_port}" if cfg.master_addr else "localhost"
+        print(
+            f"disttrain run: error: the nodes could not meet at {where}: {err}\n"
+            "Check that --master-addr is node 0's address as every node sees it, that "
+            "--master-port is free on node 0 and open between the nodes, and that every node "
+            "runs the same --nnodes.",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         if cfg.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)

@@ -283,6 +283,19 @@ def test_multinode_parameter_server_needs_shared_secret(capsys, monkeypatch):
 
 
 @pytest.mark.timeout(30)
+def test_busy_master_port_is_a_clear_error(capsys):
+    """An explicit --master-port that is taken fails fast, naming the address (no rank starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = str(sock.getsockname()[1])
+        code, text = run_cli(capsys, "run", "--master-addr", "127.0.0.1", "--master-port", port,
+                             str(SCRIPTS / "fail_rank.py"))
+    assert code == 1 and f"the nodes could not meet at 127.0.0.1:{port}" in text, text
+    assert "--master-port is free on node 0" in text
+
+
+@pytest.mark.timeout(30)
 def test_version_and_help(capsys):
     from disttrain import __version__
 
