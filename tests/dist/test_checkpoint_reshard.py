@@ -1,0 +1,124 @@
+"""Checkpoints load into other layouts, on real gloo processes.
+
+1. Plain data parallel: saved by 4 DataParallel ranks (replicated: written once, by
+   rank 0), loaded by 2 ranks and by 1 plain process: identical parameters and AdamW state.
+2. Sharded state: a toy strategy holds a weight and its optimizer moment as row slices
+   (10 rows over 4 ranks: 3, 3, 2, 2) through `sharded_state_dict()`; loaded whole on 1
+   rank and resliced on 2 (5, 5), it holds exactly the right rows.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import disttrain
+from disttrain.checkpoint import Checkpointer, ShardedTensor, even_slice, shard_of
+from disttrain.testing import spawn
+
+ROWS, COLS = 10, 3
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+
+
+def _opt_state(opt) -> dict[str, torch.Tensor]:
+    return {f"{i}.{k}": v.clone() for i, s in opt.state_dict()["state"].items()
+            for k, v in s.items()}
+
+
+def _full(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
+
+
+class RowSharded:
+    """A toy sharded strategy: `weight` and its `moment` are cut by rows over ranks."""
+
+    def __init__(self, weight: torch.Tensor, moment: torch.Tensor):
+        rank, world = disttrain.rank(), disttrain.world_size()
+        self.weight = shard_of(weight, rank, world).local.clone()
+        self.moment = shard_of(moment, rank, world).local.clone()
+        self.bias = torch.zeros(COLS)  # replicated
+        self.steps = 0
+
+    def sharded_state_dict(self):
+        rank, world = disttrain.rank(), disttrain.world_size()
+        offsets = even_slice((ROWS, COLS), rank, world).offsets
+        return {"weight": ShardedTensor(self.weight, (ROWS, COLS), offsets),
+                "moment": ShardedTensor(self.moment, (ROWS, COLS), offsets),
+                "bias": self.bias, "steps": self.steps}
+
+    def load_sharded_state_dict(self, sd) -> None:
+        self.steps = sd["steps"]  # tensors were filled in place already
+
+
+def save_at_world_four(plain_dir: str, sharded_dir: str):
+    model = disttrain.DataParallel(_net(seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(disttrain.rank())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
+        opt.step()
+    Checkpointer(plain_dir).save(2, model=model, optimizer=opt, extra={"note": "w4"})
+    strategy = RowSharded(_full(1), _full(2))
+    strategy.bias += 1.5
+    strategy.steps = 7
+    Checkpointer(sharded_dir).save(7, model=strategy)
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"params": params, "opt": _opt_state(opt), "files": sorted(os.listdir(
+        os.path.join(plain_dir, "step_00000002")))}
+
+
+def load_at_world_two(plain_dir: str, sharded_dir: str):
+    model = disttrain.DataParallel(_net(seed=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(plain_dir)
+    step = ckpt.load(model=model, optimizer=opt)
+    strategy = RowSharded(torch.zeros(ROWS, COLS), torch.zeros(ROWS, COLS))
+    sharded_step = Checkpointer(sharded_dir).load(model=strategy)
+    dist.barrier()
+    return {"step": step, "params": [p.detach().clone() for p in model.parameters()],
+            "opt": _opt_state(opt), "extra": ckpt.extra, "sharded_step": sharded_step,
+            "weight": strategy.weight, "moment": strategy.moment, "bias": strategy.bias,
+            "steps": strategy.steps}
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(120)
+def test_world_four_loads_at_two_and_one(tmp_path):
+    plain, sharded = str(tmp_path / "plain"), str(tmp_path / "sharded")
+    saved = spawn(save_at_world_four, 4, plain, sharded, timeout=80)
+    # Replicated state is written once (rank 0); each rank writes only its RNG row.
+    assert saved[0]["files"] == ["manifest.json"] + [f"rank0000{r}.safetensors" for r in range(4)]
+    assert all(_same(s["params"], saved[0]["params"]) for s in saved)
+    ref_params, ref_opt = saved[0]["params"], saved[0]["opt"]
+
+    loaded = spawn(load_at_world_two, 2, plain, sharded, timeout=80)
+    for r, out in enumerate(loaded):
+        assert out["step"] == 2 and out["extra"] == {"note": "w4"}
+        assert _same(out["params"], ref_params), f"rank {r} params"
+        assert out["opt"].keys() == ref_opt.keys()
+        assert all(torch.equal(out["opt"][k], ref_opt[k]) for k in ref_opt), f"rank {r} opt"
+        rows = even_slice((ROWS, COLS), r, 2).index()
+        assert out["sharded_step"] == 7 and out["steps"] == 7
+        assert torch.equal(out["weight"], _full(1)[rows]) and out["weight"].shape[0] == 5
+        assert torch.equal(out["moment"], _full(2)[rows])
+        assert torch.equal(out["bias"], torch.full((COLS,), 1.5))
+
+    # World of one, no process group, plain (unwrapped) model: the same state.
+    model = _net(seed=9)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert Checkpointer(plain).load(model=model, optimizer=opt) == 2
+    assert _same([p.detach() for p in model.parameters()], ref_params)
+    assert all(torch.equal(_opt_state(opt)[k], ref_opt[k]) for k in ref_opt)
+    whole = RowSharded(torch.zeros(ROWS, COLS), torch.zeros(ROWS, COLS))
+    assert Checkpointer(sharded).load(model=whole) == 7
+    assert torch.equal(whole.weight, _full(1)) and torch.equal(whole.moment, _full(2))
