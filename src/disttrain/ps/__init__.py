@@ -36,3 +36,9 @@ __all__ = [
     "chunk_tensor",
     "parse_straggler",
 ]
+
+from disttrain.ps.connect import connect, format_stats  # noqa: E402
+from disttrain.ps.server import PSError, Server  # noqa: E402
+from disttrain.ps.worker import Cancelled, Handle, Worker  # noqa: E402
+
+__all__ += ["Cancelled", "Handle", "PSError", "Server", "Worker", "connect", "format_stats"]

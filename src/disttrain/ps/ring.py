@@ -19,7 +19,7 @@ import bisect
 import hashlib
 from dataclasses import dataclass
 
-__all__ = ["HashRing", "Chunk", "chunk_tensor", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["HashRing", "Chunk", "chunk_tensor", "plan_keys", "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 
@@ -124,3 +124,19 @@ class HashRing:
         for k, n in key_bytes.items():
             out[self.owner(k)] += n
         return out
+
+
+def plan_keys(params: list[tuple[str, int, int]], servers: int, *,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES, vnodes: int = 128) -> list[list[Chunk]]:
+    """Keys of each server (index 0..S-1) for parameters given as (name, numel, elem size).
+
+    Every process computes the same plan from the same model, so no one sends it.
+    """
+    if servers < 1:
+        raise ValueError(f"need at least one server, got {servers}; launch with --servers S")
+    ring = HashRing([f"server{i}" for i in range(servers)], vnodes=vnodes)
+    out: list[list[Chunk]] = [[] for _ in range(servers)]
+    for name, numel, size in params:
+        for c in chunk_tensor(name, numel, size, chunk_bytes):
+            out[int(ring.owner(c.key).removeprefix("server"))].append(c)
+    return out

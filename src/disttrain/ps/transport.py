@@ -57,6 +57,9 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
 
 
+DEFAULT_LIMITS = Limits()
+
+
 class FrameError(ValueError):
     """A received frame is malformed, too big or not authenticated."""
 
@@ -129,7 +132,7 @@ def _check_header(h, n_buffers: int) -> None:
             raise FrameError(f"bad shape {s!r}")
 
 
-def decode(parts, secret: bytes, limits: Limits = Limits()) -> Message:
+def decode(parts, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Multipart parts -> Message; raises FrameError on anything wrong (never crashes)."""
     if not 2 <= len(parts) <= limits.max_tensors + 2:
         raise FrameError(f"{len(parts)} parts; expected 2..{limits.max_tensors + 2}")
@@ -164,7 +167,7 @@ def decode(parts, secret: bytes, limits: Limits = Limits()) -> Message:
 class Endpoint:
     """A ZeroMQ socket that speaks authenticated Messages and counts what it drops."""
 
-    def __init__(self, sock: zmq.Socket, secret: bytes, limits: Limits = Limits()):
+    def __init__(self, sock: zmq.Socket, secret: bytes, limits: Limits = DEFAULT_LIMITS):
         self.sock, self.secret, self.limits = sock, secret, limits
         self.rejected: Counter[str] = Counter()
         self.router = sock.type == zmq.ROUTER

@@ -1,0 +1,103 @@
+"""`disttrain.ps.connect`: one call that makes this rank a server or a worker.
+
+One script serves both roles, as ps-lite's single binary does: `disttrain run --workers
+W --servers S script.py` makes ranks 0..W-1 workers and the last S ranks servers
+(`disttrain.role()`). Every rank builds the same model and calls `connect`; the key plan
+(consistent-hash ring, ring.py) follows from the model alone. Servers bind a ZeroMQ
+port, publish `tcp://host:port` in the job's c10d store under `disttrain/ps/<name>/addr<i>`,
+and serve inside `connect` until every worker is done; workers read those addresses
+(blocking until all are there) and get a `Worker` back.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from disttrain import runtime
+from disttrain.ps.policy import Policy, Sync
+from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
+from disttrain.ps.server import Server
+from disttrain.ps.transport import job_secret
+from disttrain.ps.worker import Worker
+
+__all__ = ["connect", "format_stats"]
+
+
+def _default_timeout() -> float:
+    raw = os.environ.get("DISTTRAIN_PS_TIMEOUT", "10")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"DISTTRAIN_PS_TIMEOUT={raw!r} must be seconds, e.g. 10") from None
+
+
+def connect(model: torch.nn.Module, policy: Policy | None = None,
+            optimizer: Callable | None = None, *, timeout: float | None = None,
+            host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+            overlap: bool = True, snapshot: str | None = None, exit: bool = True,
+            name: str = "ps") -> Worker | dict:
+    """Join the parameter-server job as this rank's role. Blocks (see below).
+
+    model: the same architecture on every rank; the servers start from the parameter
+        values of the model built on the server rank (seed every rank alike).
+    policy: consistency policy (default `Sync()`), used by the servers.
+    optimizer: `lambda params: torch.optim.X(params, ...)`, built on each server over its
+        shard (default SGD lr=0.1); must be element-wise (SGD, momentum, Adam, AdamW...).
+    timeout: seconds of silence after which a worker or server counts as lost
+        (default DISTTRAIN_PS_TIMEOUT or 10).
+    host: interface servers bind and advertise (default DISTTRAIN_PS_HOST or 127.0.0.1).
+    snapshot: path template with `{server}`, e.g. "ckpt/ps{server}.safetensors": a server
+        restores from it at start if it exists and saves to it when the job ends.
+    exit: on a server, exit the process cleanly once served (False: return the stats).
+
+    On a worker: blocks until every server said welcome, returns a `Worker`.
+    On a server: serves until all workers are done or lost, then exits (or returns).
+    """
+    policy = policy if policy is not None else Sync()
+    optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
+    timeout = timeout if timeout is not None else _default_timeout()
+    servers = runtime.num_servers()
+    world = runtime.world_size()
+    if servers < 1 or servers >= world:
+        raise RuntimeError(
+            f"parameter-server job needs 1 <= servers < world size, got DISTTRAIN_SERVERS="
+            f"{servers} with world size {world}; launch with "
+            "`disttrain run --workers W --servers S script.py`")
+    workers = list(range(world - servers))
+    plan = plan_keys([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
+                     servers, chunk_bytes=chunk_bytes)
+    store = dist.distributed_c10d._get_default_store()
+    secret = job_secret()
+    if runtime.role() == "worker":
+        addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(servers)]
+        return Worker(model, runtime.rank(), addresses, plan, secret, repr(policy),
+                      timeout=timeout, overlap=overlap)
+    index = runtime.rank() - len(workers)
+    server = Server(index, plan[index], dict(model.named_parameters()), policy, optimizer,
+                    workers, secret, host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
+                    timeout=timeout)
+    path = snapshot.format(server=index) if snapshot else None
+    if path and os.path.exists(path):
+        server.restore(path)
+    store.set(f"disttrain/{name}/addr{index}", server.address)
+    stats = server.serve()
+    if path:
+        server.snapshot(path)
+    if not exit:
+        return stats
+    print(format_stats(stats), flush=True)
+    runtime.shutdown()
+    sys.exit(0)
+
+
+def format_stats(stats: dict) -> str:
+    """One line for a server's (or a job's) report."""
+    return (f"[ps server{stats.get('server', '?')}] {stats['policy']}: version {stats['version']}, "
+            f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
+            f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "
+            f"rejected frames {stats.get('rejected_frames', 0)}, staleness {stats['staleness']}")

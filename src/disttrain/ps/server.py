@@ -1,0 +1,231 @@
+"""A parameter server: holds one shard of the parameters and applies workers' gradients.
+
+ps-lite's server with an injected request handler (Mu Li et al. 2014), where the handler
+is a consistency policy (policy.py). One thread runs `serve()`: it reads authenticated
+messages from its ROUTER socket (transport.py), feeds the policy, and carries out its
+decisions: average the chosen gradients and take one step of a torch optimizer built
+here over this shard's keys, drop late gradients, tell cancelled workers, answer pulls.
+
+Who talks to whom: each worker's DEALER sends hello, push (gradients of this shard's
+keys), pull, beat and done; the server answers welcome, ack, params, cancel, pong, bye,
+or error. A worker silent for `timeout` seconds is lost: the policy decides whether the
+job goes on (K modes, Async, SSP) or stops with an error naming it (Sync).
+
+Keys are 1-D chunks of flattened parameters (ring.py), so an element-wise optimizer
+(SGD, momentum, Adam, AdamW) steps exactly as it would on whole tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import zmq
+from safetensors.torch import load_file, save_file
+
+from disttrain.ps.policy import Decision, Policy
+from disttrain.ps.ring import Chunk
+from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message
+
+__all__ = ["Server", "PSError"]
+
+
+class PSError(RuntimeError):
+    """The parameter-server job cannot go on (lost worker in Sync, dead server...)."""
+
+
+class Server:
+    """Serves the keys `chunks` (initial values from `init`) to workers `workers`."""
+
+    def __init__(self, index: int, chunks: list[Chunk], init: dict[str, torch.Tensor],
+                 policy: Policy, optimizer: Callable, workers: list[int], secret: bytes, *,
+                 host: str = "127.0.0.1", timeout: float = 10.0, limits: Limits = DEFAULT_LIMITS):
+        self.index, self.chunks, self.policy, self.timeout = index, chunks, policy, timeout
+        self.keys = [c.key for c in chunks]
+        self.params = {c.key: torch.nn.Parameter(
+            init[c.name].detach().reshape(-1)[c.start:c.stop].clone()) for c in chunks}
+        self.optimizer = optimizer(list(self.params.values())) if chunks else None
+        self.workers = list(workers)
+        policy.start(self.workers)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        advertise = host if host not in ("0.0.0.0", "*") else _hostname()
+        self.address = f"tcp://{advertise}:{port}"
+        self.ep = Endpoint(sock, secret, limits)
+        self.idents: dict[int, bytes] = {}
+        self.partial: dict[int, tuple[int, int, dict]] = {}  # worker -> (clock, version, grads)
+        self.complete: dict[int, dict[str, torch.Tensor]] = {}  # push id -> grads
+        self.parked: dict[int, int] = {}  # worker -> version it already has
+        self.finished: set[int] = set()
+        self.partial_dropped = 0
+        self._pid = 0
+        self._published: tuple[int, list[torch.Tensor]] | None = None
+
+    # ---- main loop ------------------------------------------------------------------
+    def serve(self) -> dict:
+        """Serve until every worker is done or lost; blocks; returns the job's stats.
+
+        Raises PSError when the policy stops the job (e.g. Sync lost a worker); the
+        workers get the same message.
+        """
+        self.last_seen = dict.fromkeys(self.workers, time.monotonic())
+        poller = zmq.Poller()
+        poller.register(self.ep.sock, zmq.POLLIN)
+        try:
+            while len(self.finished) < len(self.workers):
+                if poller.poll(timeout=100):
+                    while self.ep.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        got = self.ep.recv()
+                        if got is not None:
+                            self._handle(*got)
+                self._check_liveness()
+            return self.stats()
+        finally:
+            self.ep.sock.close()
+            self._ctx.term()
+
+    def _handle(self, ident: bytes, msg: Message) -> None:
+        w = msg.meta.get("worker")
+        if w not in self.last_seen:
+            self.ep.rejected["unknown worker"] += 1
+            return
+        self.last_seen[w] = time.monotonic()
+        if w in self.finished and msg.op != "done":
+            return
+        if msg.op == "hello":
+            self._hello(ident, w, msg)
+        elif msg.op == "push":
+            self._push(w, msg)
+            self.ep.send(Message("ack", {"seq": msg.meta.get("seq")}), ident)
+        elif msg.op == "pull":
+            self.parked[w] = int(msg.meta.get("have", -1))
+            self._execute(self.policy.pull(w))
+        elif msg.op == "beat":
+            self.ep.send(Message("pong", {}), ident)
+        elif msg.op == "done":
+            self.partial.pop(w, None)
+            if w not in self.finished:
+                self.finished.add(w)
+                self._execute(self.policy.leave(w))
+            # NOTE: msgpack maps here have string keys only; the histogram goes as pairs
+            stats = dict(self.stats(), staleness=list(self.stats()["staleness"].items()))
+            self.ep.send(Message("bye", {"stats": stats}), ident)
+
+    def _hello(self, ident: bytes, w: int, msg: Message) -> None:
+        self.idents[w] = ident
+        want = {"keys": self.keys, "policy": repr(self.policy)}
+        got = {"keys": msg.meta.get("keys"), "policy": msg.meta.get("policy")}
+        if got != want:
+            self.ep.send(Message("error", {"message": (
+                f"server {self.index} holds keys {self.keys[:4]}... under {want['policy']}, "
+                f"worker {w} expects {str(got['keys'])[:80]} under {got['policy']}: build the "
+                "same model and policy on every rank")}), ident)
+            return
+        self.ep.send(Message("welcome", {"version": self.policy.version}), ident)
+
+    def _push(self, w: int, msg: Message) -> None:
+        clock, version = int(msg.meta["clock"]), int(msg.meta["version"])
+        have = self.partial.get(w)
+        if have is None or have[0] != clock:
+            if have is not None:  # NOTE: a newer clock means the old attempt was abandoned
+                self.partial_dropped += 1
+            have = self.partial[w] = (clock, version, {})
+        for k, t in zip(msg.keys, msg.tensors):
+            if k in self.params and t.numel() == self.params[k].numel():
+                have[2][k] = t
+        if len(have[2]) == len(self.keys):
+            del self.partial[w]
+            pid, self._pid = self._pid, self._pid + 1
+            self.complete[pid] = have[2]
+            self._execute(self.policy.push(pid, w, have[1]))
+
+    # ---- decisions ------------------------------------------------------------------
+    def _execute(self, d: Decision) -> None:
+        if d.error:
+            for ident in self.idents.values():
+                self.ep.send(Message("error", {"message": d.error}), ident)
+            raise PSError(f"server {self.index}: {d.error}")
+        if d.apply:
+            self._apply([self.complete.pop(p) for p in d.apply])
+        for p in d.drop:
+            self.complete.pop(p, None)
+        for w in d.cancel:
+            if w in self.idents:
+                self.ep.send(Message("cancel", {"version": self.policy.version}), self.idents[w])
+        for w in d.release:
+            if w in self.parked:
+                self._send_params(w, self.parked.pop(w))
+
+    def _apply(self, grads: list[dict[str, torch.Tensor]]) -> None:
+        if self.optimizer is None:
+            return
+        for k, p in self.params.items():
+            total = grads[0][k].to(p.dtype).clone()
+            for g in grads[1:]:
+                total += g[k]
+            p.grad = total.div_(len(grads))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _send_params(self, w: int, have: int) -> None:
+        version = self.policy.version
+        if have == version:  # NOTE: KBatch modes pull often; an unchanged shard costs no bytes
+            self.ep.send(Message("params", {"version": version}), self.idents[w])
+            return
+        if self._published is None or self._published[0] != version:
+            # a frozen copy per version: zero-copy sends may still read it after later steps
+            self._published = (version, [p.detach().clone() for p in self.params.values()])
+        self.ep.send(Message("params", {"version": version}, self.keys, self._published[1]),
+                     self.idents[w])
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        for w in self.workers:
+            if w not in self.finished and now - self.last_seen[w] > self.timeout:
+                self.finished.add(w)
+                self.partial.pop(w, None)
+                self._execute(self.policy.lost(w))
+
+    # ---- reporting and snapshots ----------------------------------------------------
+    def stats(self) -> dict:
+        """Policy counters plus transport and partial-push counters (plain types)."""
+        out = self.policy.stats()
+        out.update(server=self.index, partial_dropped=self.partial_dropped,
+                   rejected_frames=sum(self.ep.rejected.values()))
+        return out
+
+    def snapshot(self, path: str) -> None:
+        """Save this shard (parameters, optimizer tensors, version) as safetensors."""
+        tensors = {f"param/{k}": p.detach() for k, p in self.params.items()}
+        if self.optimizer is not None:
+            for k, p in self.params.items():
+                for name, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        tensors[f"state/{name}/{k}"] = v.detach().reshape(v.shape)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path,
+                  metadata={"version": str(self.policy.version), "server": str(self.index)})
+
+    def restore(self, path: str) -> None:
+        """Load a shard saved by `snapshot`; errors name any key that does not match."""
+        loaded = load_file(path)
+        missing = [k for k in self.keys if f"param/{k}" not in loaded]
+        if missing:
+            raise ValueError(f"snapshot {path} lacks keys {missing[:5]}: it was saved for "
+                             "another model or server count")
+        with torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(loaded[f"param/{k}"])
+                for name in ("exp_avg", "exp_avg_sq", "momentum_buffer", "step"):
+                    if f"state/{name}/{k}" in loaded and self.optimizer is not None:
+                        self.optimizer.state[p][name] = loaded[f"state/{name}/{k}"].clone()
+        from safetensors import safe_open
+        with safe_open(path, "pt") as f:
+            self.policy.version = int(f.metadata().get("version", 0))
+
+
+def _hostname() -> str:
+    import socket
+    return socket.gethostname()

@@ -1,0 +1,332 @@
+"""The worker side of a parameter server: ps-lite's push / pull / wait on a torch model.
+
+`Worker.pull()` asks every server for its shard and writes the answer into the model's
+parameters; `Worker.push()` sends the model's gradients; both return a `Handle` at once
+and `Handle.wait()` blocks. All sockets live on one background thread (compute and
+upload on separate threads, as the user's documents describe): with `overlap=True` a
+parameter's gradient is pushed from its post-accumulate-grad hook while backward still
+runs for the layers below it.
+
+Cancellation (KSync, KBatchSync): a server whose round closed sends `cancel(version)`.
+From then on the next gradient hook, `push()` or `sleep()` raises `Cancelled`; the
+training loop catches it, drops the half-done step (counted in `cancelled_steps`) and
+pulls the new version. The gradients already sent for the abandoned step are discarded
+by the server when the worker's next step (a newer clock) arrives.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+
+import torch
+import zmq
+
+from disttrain.ps.ring import Chunk
+from disttrain.ps.server import PSError
+from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message
+
+__all__ = ["Worker", "Handle", "Cancelled"]
+
+
+class Cancelled(Exception):
+    """This worker's round closed without it: abandon the step and pull() again."""
+
+
+class Handle:
+    """A pending push or pull. `done()` never blocks; `wait()` blocks until complete."""
+
+    def __init__(self, worker: Worker, what: str):
+        self._worker, self.what = worker, what
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._sealed = False
+        self._event = threading.Event()
+        self.result: dict = {}
+
+    def _add(self, n: int = 1) -> None:
+        with self._lock:
+            self._outstanding += n
+
+    def _finish_one(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            if self._sealed and self._outstanding <= 0:
+                self._event.set()
+
+    def _seal(self) -> Handle:
+        with self._lock:
+            self._sealed = True
+            if self._outstanding <= 0:
+                self._event.set()
+        return self
+
+    def done(self) -> bool:
+        """True once every server answered (does not block)."""
+        return self._event.is_set()
+
+    def wait(self) -> Handle:
+        """Block until every server answered; raises PSError if the job failed or a
+        server stayed silent for the worker's timeout."""
+        while not self._event.wait(0.05):
+            self._worker._raise_if_failed(self.what)
+        self._worker._raise_if_failed(self.what)
+        return self
+
+
+class Worker:
+    """One worker's connection to all servers; built by `disttrain.ps.connect`."""
+
+    def __init__(self, model: torch.nn.Module, rank: int, addresses: list[str],
+                 plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
+                 timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS):
+        self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
+        self.params = dict(model.named_parameters())
+        self._chunks: dict[str, list[tuple[int, Chunk]]] = defaultdict(list)
+        for s, chunks in enumerate(plan):
+            for c in chunks:
+                self._chunks[c.name].append((s, c))
+        bad = [n for n, p in self.params.items() if not p.is_contiguous()]
+        if bad:
+            raise ValueError(f"parameters {bad} are not contiguous; call .contiguous() on them")
+        self._secret, self._limits, self._plan = secret, limits, plan
+        self._version = [-1] * len(addresses)
+        self._floor = [0] * len(addresses)
+        self._clock, self._sent = 0, set()
+        self._attempt: Handle | None = None
+        self._error: PSError | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel_event = threading.Event()
+        self.cancelled_steps = self.pushes = self.pulls = 0
+        self.server_stats: list[dict] = []
+        self._ctx = zmq.Context()
+        self._wake_addr = f"inproc://ps-wake-{id(self)}"
+        self._wake_in = self._ctx.socket(zmq.PULL)
+        self._wake_in.bind(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._wake_out = self._ctx.socket(zmq.PUSH)
+        self._wake_out.connect(self._wake_addr)
+        self._thread = threading.Thread(target=self._run, name=f"ps-worker{rank}", daemon=True)
+        self._thread.start()
+        hello = Handle(self, "hello")
+        for s in range(len(addresses)):
+            self._send(s, Message("hello", {"keys": [c.key for c in plan[s]],
+                                            "policy": policy_repr}), hello, "welcome")
+        hello._seal().wait()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n))
+                       for n, p in self.params.items() if p.requires_grad]
+
+    # ---- public API -----------------------------------------------------------------
+    @property
+    def cancelled(self) -> bool:
+        """True when a server closed the round this worker is computing for (no blocking)."""
+        return any(v < f for v, f in zip(self._version, self._floor))
+
+    def pull(self) -> Handle:
+        """Ask every server for its parameters; returns at once (does not block).
+
+        When the handle completes the model holds the servers' parameters. The server's
+        policy may hold the answer back (Sync waits for the round, SSP for slow workers).
+        """
+        if self._sent:
+            self._abandon()
+        self._cancel_event.clear()
+        h = Handle(self, "pull")
+        for s in range(len(self.addresses)):
+            self._send(s, Message("pull", {"have": self._version[s]}), h, "params")
+        self.pulls += 1
+        return h._seal()
+
+    def push(self) -> Handle:
+        """Send the gradients not yet sent by the hooks; returns at once (does not block).
+
+        The handle completes when every server received them. Raises Cancelled if the
+        round closed without this worker (the step is dropped; pull() next).
+        """
+        self.check()
+        h = self._attempt_handle()
+        names = [n for n in self.params if n not in self._sent]
+        if names:
+            self._send_grads(names)
+        self._attempt, self._sent = None, set()
+        self._clock += 1
+        self.pushes += 1
+        return h._seal()
+
+    def check(self) -> None:
+        """Raise Cancelled if this worker's round closed (does not block)."""
+        if self.cancelled:
+            self._abandon()
+            raise Cancelled(f"worker {self.rank}: round closed on a server; pull() again")
+
+    def sleep(self, seconds: float) -> None:
+        """Block `seconds` (an injected straggler delay), raising Cancelled at once if the
+        round closes meanwhile, as abandoned real compute would."""
+        end = time.monotonic() + seconds
+        while True:
+            self.check()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._cancel_event.wait(left)
+            self._cancel_event.clear()
+
+    def close(self) -> list[dict]:
+        """Tell every server this worker is done; blocks for their goodbye (bounded by the
+        timeout) and returns their stats (staleness histograms, drops, lost workers)."""
+        if self._thread.is_alive() and self._error is None:
+            bye = Handle(self, "close")
+            for s in range(len(self.addresses)):
+                self._send(s, Message("done", {}), bye, "bye")
+            try:
+                bye._seal().wait()
+            finally:
+                self._cmds.put(None)
+                self._wake()
+        self._thread.join(self.timeout)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if not self._thread.is_alive():
+            self._wake_out.close(linger=0)
+            self._ctx.term()
+        return self.server_stats
+
+    # ---- compute-thread helpers -------------------------------------------------------
+    def _make_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            if self.cancelled:
+                self._abandon()
+                raise Cancelled(f"worker {self.rank}: round closed during backward")
+            if self.overlap:
+                self._send_grads([name])
+        return hook
+
+    def _abandon(self) -> None:
+        self.cancelled_steps += 1
+        self._attempt, self._sent = None, set()
+        self._clock += 1
+
+    def _attempt_handle(self) -> Handle:
+        if self._attempt is None:
+            self._attempt = Handle(self, "push")
+        return self._attempt
+
+    def _send_grads(self, names: list[str]) -> None:
+        h = self._attempt_handle()
+        per_server: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+        for name in names:
+            p = self.params[name]
+            # clone: the step after this may overwrite .grad while the thread still sends
+            g = p.grad.detach().reshape(-1).clone() if p.grad is not None else torch.zeros(
+                p.numel(), dtype=p.dtype)
+            for s, c in self._chunks[name]:
+                per_server[s][0].append(c.key)
+                per_server[s][1].append(g[c.start:c.stop])
+            self._sent.add(name)
+        for s, (keys, tensors) in per_server.items():
+            meta = {"clock": self._clock, "version": self._version[s]}
+            self._send(s, Message("push", meta, keys, tensors), h, "ack")
+
+    def _send(self, s: int, msg: Message, handle: Handle, reply: str) -> None:
+        msg.meta["worker"] = self.rank
+        handle._add()
+        self._cmds.put((s, msg, handle, reply))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self._wake_out.send(b"")
+
+    def _raise_if_failed(self, what: str) -> None:
+        if self._error is not None:
+            raise PSError(f"worker {self.rank} {what}: {self._error}")
+
+    # ---- communication thread --------------------------------------------------------
+    def _run(self) -> None:
+        eps = []
+        for addr in self.addresses:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            eps.append(Endpoint(sock, self._secret, self._limits))
+        poller = zmq.Poller()
+        poller.register(self._wake_in, zmq.POLLIN)
+        for ep in eps:
+            poller.register(ep.sock, zmq.POLLIN)
+        waiting: list[dict[str, list[Handle]]] = [defaultdict(list) for _ in eps]
+        heard = [time.monotonic()] * len(eps)
+        beat_every, next_beat = min(1.0, self.timeout / 4), 0.0
+        try:
+            while self._loop_once(eps, poller, waiting, heard):
+                if time.monotonic() >= next_beat:
+                    for ep in eps:
+                        ep.send(Message("beat", {"worker": self.rank}))
+                    next_beat = time.monotonic() + beat_every
+        except Exception as e:  # noqa: BLE001 - surfaced to the compute thread
+            self._error = self._error or PSError(f"communication thread failed: {e!r}")
+        finally:
+            for ep in eps:
+                ep.sock.close(linger=0)
+            self._wake_in.close(linger=0)
+
+    def _loop_once(self, eps, poller, waiting, heard) -> bool:
+        events = dict(poller.poll(timeout=100))
+        if self._wake_in in events:
+            while self._wake_in.poll(0):
+                self._wake_in.recv()
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is None:
+                return False
+            s, msg, handle, reply = cmd
+            eps[s].send(msg)
+            waiting[s][reply].append(handle)
+        for s, ep in enumerate(eps):
+            while ep.sock in events and ep.sock.poll(0):
+                got = ep.recv()
+                if got is not None:
+                    heard[s] = time.monotonic()
+                    self._on_reply(s, got[1], waiting[s])
+        now = time.monotonic()
+        for s, w in enumerate(waiting):
+            if any(w.values()) and now - heard[s] > self.timeout and self._error is None:
+                self._error = PSError(f"server {s} at {self.addresses[s]} silent for "
+                                      f"{now - heard[s]:.1f}s (timeout {self.timeout}s)")
+        return True
+
+    def _on_reply(self, s: int, msg: Message, waiting: dict[str, list[Handle]]) -> None:
+        if msg.op == "cancel":
+            self._floor[s] = max(self._floor[s], int(msg.meta["version"]))
+            self._cancel_event.set()
+            return
+        if msg.op == "error":
+            self._error = PSError(msg.meta.get("message", "server error"))
+            return
+        if msg.op == "params":
+            with torch.no_grad():
+                for k, t in zip(msg.keys, msg.tensors):
+                    name, c = self._key_chunk(s, k)
+                    self.params[name].data.view(-1)[c.start:c.stop].copy_(t)
+            self._version[s] = int(msg.meta["version"])
+        if msg.op == "welcome":
+            self._version[s] = -1
+        if msg.op == "bye":
+            stats = dict(msg.meta.get("stats", {}))
+            stats["staleness"] = {int(k): int(v) for k, v in stats.get("staleness", [])}
+            self.server_stats.append(stats)
+        pending = waiting.get({"ack": "ack", "params": "params", "welcome": "welcome",
+                               "bye": "bye"}.get(msg.op, ""), [])
+        if pending:
+            pending.pop(0)._finish_one()
+
+    def _key_chunk(self, s: int, key: str) -> tuple[str, Chunk]:
+        if not hasattr(self, "_by_key"):
+            self._by_key = {c.key: c for chunks in self._plan for c in chunks}
+        c = self._by_key[key]
+        return c.name, c
