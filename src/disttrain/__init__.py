@@ -5,7 +5,9 @@ This module only re-exports the public API; see docs/design.md for the layers.
 
 from disttrain import data, memory, testing
 from disttrain.checkpoint import Checkpointer
+from disttrain.mesh import Mesh
 from disttrain.parallel import DataParallel
+from disttrain.parallel.parallelize import parallelize
 from disttrain.parallel.zero import Zero
 from disttrain.runtime import (
     backend,
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
     "DataParallel",
+    "Mesh",
     "Zero",
     "backend",
     "data",
@@ -35,6 +38,7 @@ __all__ = [
     "local_rank",
     "local_world_size",
     "memory",
+    "parallelize",
     "print0",
     "rank",
     "role",
