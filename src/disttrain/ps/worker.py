@@ -99,7 +99,7 @@ class Worker:
         self._error: PSError | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel_event = threading.Event()
-        self.cancelled_steps = self.pushes = self.pulls = 0
+        self.cancelled_steps = self.cancelled_in_backward = self.pushes = self.pulls = 0
         self.server_stats: list[dict] = []
         self._ctx = zmq.Context()
         self._wake_addr = f"inproc://ps-wake-{id(self)}"
@@ -199,6 +199,7 @@ class Worker:
         def hook(param: torch.Tensor) -> None:
             if self.cancelled:
                 self._abandon()
+                self.cancelled_in_backward += 1
                 raise Cancelled(f"worker {self.rank}: round closed during backward")
             if self.overlap:
                 self._send_grads([name])
