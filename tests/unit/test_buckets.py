@@ -28,6 +28,11 @@ def test_exactly_full_bucket_is_not_split():
     assert [s.indices for s in specs] == [(2, 1), (0,)]
 
 
+def test_first_bucket_has_its_own_smaller_cap():
+    specs = assign_buckets([4] * 6, [4] * 6, cap_bytes=48, first_cap_bytes=16)
+    assert [s.indices for s in specs] == [(5,), (4, 3, 2), (1, 0)]
+
+
 def test_tensor_larger_than_capacity_gets_its_own_bucket():
     specs = assign_buckets([2, 100, 2, 2], [4] * 4, cap_bytes=40)
     assert [s.indices for s in specs] == [(3, 2), (1,), (0,)]
@@ -100,7 +105,7 @@ def test_tuner_walks_candidates_and_keeps_fastest():
     while not tuner.wants_agreement():
         seen.append(tuner.current_bytes())
         tuner.record(fake_time[tuner.current_bytes()])
-    assert seen == [mb_to_bytes(m) for m in (1, 1, 1, 2, 2, 4, 4)]  # 1 warmup step first
+    assert seen == [mb_to_bytes(m) for m in (1, 1, 2, 4, 1, 2, 4)]  # 1 warmup step first
     assert tuner.candidate_times() == [3.0, 1.0, 2.0]
     tuner.agree(tuner.candidate_times())
     assert tuner.done and tuner.current_bytes() == mb_to_bytes(2)

@@ -61,6 +61,7 @@ def assign_buckets(
     keys: Sequence[Hashable] | None = None,
     reverse: bool = True,
     pad_to: int = 1,
+    first_cap_bytes: int | None = None,
 ) -> list[BucketSpec]:
     """Pack tensors into buckets of at most `cap_bytes` each (pure; never blocks).
 
@@ -70,7 +71,11 @@ def assign_buckets(
     `keys` (e.g. (dtype, device)) never share a bucket; each key fills its own open
     bucket. Buckets are returned in the order they were closed, which is the order a
     backward pass fills them. `pad_to` rounds every bucket's numel up (reduce-scatter
-    needs a multiple of the world size).
+    needs a multiple of the world size). `first_cap_bytes` caps each key's first bucket
+    (DDP uses 1 MiB there, so the first allreduce starts early in backward).
+
+    Members of a bucket are consecutive in visiting order, so a caller may lay all
+    tensors of a key out in one buffer in that order and take buckets as slices of it.
     """
     if len(numels) != len(element_sizes):
         raise ValueError(f"{len(numels)} numels but {len(element_sizes)} element sizes")
@@ -84,12 +89,17 @@ def assign_buckets(
     open_: dict[Hashable, list[int]] = {}  # key -> member indices of its open bucket
     used: dict[Hashable, int] = {}  # key -> bytes in its open bucket
     closed: list[tuple[Hashable, list[int]]] = []
+    keys_closed: set[Hashable] = set()  # keys whose first bucket is already closed
     for i in order:
         key = keys[i] if keys is not None else None
         size = numels[i] * element_sizes[i]
         members = open_.setdefault(key, [])
-        if members and used[key] + size > cap_bytes:
+        cap = cap_bytes
+        if first_cap_bytes is not None and key not in keys_closed:
+            cap = min(cap_bytes, first_cap_bytes)
+        if members and used[key] + size > cap:
             closed.append((key, members))
+            keys_closed.add(key)
             members = open_[key] = []
         if not members:
             used[key] = 0
@@ -121,9 +131,16 @@ class FlatBucket:
     """
 
     def __init__(self, spec: BucketSpec, shapes: Sequence[torch.Size], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, buffer: torch.Tensor | None = None):
+        """Allocates a zeroed buffer, or uses `buffer` (1-D, spec.numel long, e.g. a
+        slice of a larger flat buffer, so re-bucketing never moves data)."""
         self.spec = spec
-        self.buffer = torch.zeros(spec.numel, dtype=dtype, device=device)  # (numel,)
+        if buffer is None:
+            buffer = torch.zeros(spec.numel, dtype=dtype, device=device)
+        elif buffer.dim() != 1 or buffer.numel() != spec.numel or not buffer.is_contiguous():
+            raise ValueError(f"FlatBucket buffer must be 1-D, contiguous, {spec.numel} long; "
+                             f"got shape {tuple(buffer.shape)}")
+        self.buffer = buffer  # (numel,)
         self.views = [
             self.buffer.narrow(0, off, n).view(shapes[j])
             for j, (off, n) in enumerate(zip(spec.offsets, spec.numels))
@@ -151,7 +168,8 @@ class BucketSizeTuner:
 
     DDP's 25 MB is static, though the DDP paper reports up to 2x from bucket size. With
     `bucket_mb="auto"` the caller runs `warmup` steps, then `steps` steps at each
-    candidate size, calling `record(seconds)` after each; once `wants_agreement()`, it
+    candidate size (round robin, one step each in turn), calling `record(seconds)`
+    after each and re-cutting buckets to `current_bytes()`; once `wants_agreement()`, it
     combines `candidate_times()` across ranks (max) and passes them to `agree()`, which
     keeps the fastest. A fixed size is a tuner that is `done` from the start.
     """
@@ -197,11 +215,11 @@ class BucketSizeTuner:
             self.warmup -= 1
             return
         self.samples[self.index].append(seconds)
-        if len(self.samples[self.index]) >= self.steps and self.index + 1 < len(self.candidates):
-            self.index += 1
+        # NOTE: candidates take turns step by step, so drift in machine load hits all alike.
+        self.index = (self.index + 1) % len(self.candidates)
 
     def wants_agreement(self) -> bool:
-        return not self.done and len(self.samples[-1]) >= self.steps
+        return not self.done and all(len(s) >= self.steps for s in self.samples)
 
     def candidate_times(self) -> list[float]:
         """Median step time of each candidate, in candidate order."""

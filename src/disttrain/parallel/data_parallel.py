@@ -35,6 +35,7 @@ from disttrain.comm.compression import Compression, NoCompression, resolve_compr
 __all__ = ["DataParallel"]
 
 _engine = torch.autograd.Variable._execution_engine
+_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: 1 MiB, so communication starts early
 
 
 class DataParallel(nn.Module):
@@ -150,23 +151,40 @@ class _GradSync:
         self.enabled = True
         self.on_step_end = None
         self.events: list[tuple[str, int]] = []
+        self.keys = [(p.dtype, p.device) for p in self.params]
+        self._layout()
         self.rebucket(cap_bytes)
 
+    def _layout(self) -> None:
+        """One flat gradient buffer per (dtype, device), params in reverse registration
+        order; each parameter's slot (`view_of[i]`) never moves, buckets are slices."""
+        self.flat: dict[tuple, torch.Tensor] = {}
+        self.flat_offset = [0] * len(self.params)
+        sizes: dict[tuple, int] = {}
+        for i in reversed(range(len(self.params))):  # NOTE: same order as assign_buckets
+            key = self.keys[i]
+            self.flat_offset[i] = sizes.get(key, 0)
+            sizes[key] = self.flat_offset[i] + self.params[i].numel()
+        for key, numel in sizes.items():
+            self.flat[key] = torch.zeros(numel, dtype=key[0], device=key[1])  # (numel,)
+        self.view_of = [self.flat[self.keys[i]].narrow(0, self.flat_offset[i], p.numel())
+                        .view(p.shape) for i, p in enumerate(self.params)]
+
     def rebucket(self, cap_bytes: int) -> None:
-        """(Re)build the buckets; gradients currently held are carried over."""
+        """(Re)cut the flat buffers into buckets of `cap_bytes`; moves no data."""
         self.cap_bytes = cap_bytes
         specs = assign_buckets([p.numel() for p in self.params],
                                [p.element_size() for p in self.params], cap_bytes,
-                               keys=[(p.dtype, p.device) for p in self.params])
-        self.buckets = [FlatBucket.for_tensors(s, self.params) for s in specs]
-        self.bucket_of = [0] * len(self.params)
-        self.view_of: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        for b, bucket in enumerate(self.buckets):
-            for i, view in zip(bucket.spec.indices, bucket.views):
-                self.bucket_of[i], self.view_of[i] = b, view
-                if self.as_view and self.params[i].grad is not None:
-                    view.copy_(self.params[i].grad)
-                    self.params[i].grad = view
+                               keys=self.keys, first_cap_bytes=_FIRST_BUCKET_BYTES)
+        self.buckets, self.bucket_of = [], [0] * len(self.params)
+        for b, spec in enumerate(specs):
+            start = self.flat_offset[spec.indices[0]]
+            buffer = self.flat[spec.key].narrow(0, start, spec.numel)
+            members = [self.params[i] for i in spec.indices]
+            self.buckets.append(FlatBucket(spec, [p.shape for p in members], members[0].dtype,
+                                           members[0].device, buffer=buffer))
+            for i in spec.indices:
+                self.bucket_of[i] = b
         self._reset()
 
     def _reset(self) -> None:
