@@ -222,6 +222,13 @@ class ShardLoader:
         self.global_batch_size = global_batch_size
         self.batch_size = _check_global_batch(global_batch_size, self.sampler.num_replicas)
         self.drop_last = bool(drop_last)
+        # NOTE: DataLoader draws its workers' base seed from `generator` at every iter(),
+        # from torch's global RNG when there is none. The loader owns one, reseeded from
+        # (seed, epoch, rank) per pass, so iterating never moves the global RNG and a
+        # resumed run draws the same numbers as an uninterrupted one.
+        self._generator = None
+        if "generator" not in dataloader_kwargs:
+            self._generator = dataloader_kwargs["generator"] = torch.Generator()
         self._loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler,
                                   drop_last=self.drop_last, **dataloader_kwargs)
         self._epoch, self._started, self._pinned = 0, False, False
@@ -255,6 +262,9 @@ class ShardLoader:
         self.sampler.set_epoch(self._epoch)
         self._started, self._pinned = True, False
         self._pass = [self.sampler._resume_offset, 0]
+        if self._generator is not None:
+            mixed = (self.sampler.seed + self._epoch) * 1_000_003 + self.sampler.rank
+            self._generator.manual_seed(mixed % 2**63)
         return self._deliver(self._pass, iter(self._loader))
 
     def _deliver(self, state: list[int], batches: Iterator[Any]) -> Iterator[Any]:

@@ -230,3 +230,13 @@ def test_loader_global_batch_errors(gbs, world, match):
 def test_loader_rejects_arguments_it_owns():
     with pytest.raises(TypeError, match="chooses batch_size itself"):
         shard_loader(range(10), 2, rank=0, world_size=1, batch_size=3)
+
+
+def test_loader_leaves_the_global_rng_alone():
+    loader = shard_loader(torch.arange(10), 2, rank=0, world_size=1)
+    torch.manual_seed(0)
+    list(loader)
+    list(iter(loader))
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(3), after)
