@@ -28,7 +28,7 @@ import disttrain
 # -----------------------------------------------------------------------------
 # config
 parser = argparse.ArgumentParser(description="Data-parallel MLP on the digits data set.")
-parser.add_argument("--epochs", type=int, default=20)
+parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--global-batch-size", type=int, default=64,
                     help="samples per step over all ranks; must divide by the world size")
 parser.add_argument("--lr", type=float, default=2e-3)
