@@ -34,11 +34,14 @@ parser.add_argument("--global-batch-size", type=int, default=64,
 parser.add_argument("--lr", type=float, default=2e-3)
 parser.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
 parser.add_argument("--seed", type=int, default=0, help="model init and data order")
-parser.add_argument("--zero", type=int, default=0, choices=[0],
+parser.add_argument("--zero", type=int, default=0,
                     help="ZeRO stage; only 0 (plain data parallel) for now")
 args = parser.parse_args()
-# NOTE: --zero 1/2/3 (sharded optimizer state, gradients, parameters) arrives with
-# disttrain's ZeRO; until then only stage 0, plain data parallelism, is accepted.
+# NOTE: --zero 1/2/3 (sharded optimizer state, gradients, parameters) is not wired into
+# this example yet; until it is, only stage 0, plain data parallelism, is accepted.
+if args.zero != 0:
+    parser.error(f"--zero {args.zero}: this example supports only --zero 0 (plain data "
+                 "parallel) for now")
 SPLIT_SEED = 0  # fixed, so that runs with different --seed share one test set
 
 # -----------------------------------------------------------------------------
