@@ -1,0 +1,129 @@
+"""Parameter-server training of an MLP on scikit-learn's handwritten digits, every mode.
+
+    disttrain run --workers 2 --servers 1 examples/digits_ps.py --mode sync
+    disttrain run --workers 4 --servers 2 examples/digits_ps.py --mode kbatch-sync --k 3 \
+        --straggler exp:mean=0.05
+    disttrain run --workers 4 --servers 1 examples/digits_ps.py --mode ssp --staleness 2
+
+One script, both roles (as ps-lite's one binary): on a server rank `ps.connect` serves
+its shard until the workers are done, prints its report (staleness histogram, dropped
+late gradients, lost workers) and exits; on a worker it returns the connection and the
+loop below runs: pull the parameters, compute a gradient on this worker's shard of the
+data, push it. Which gradients the servers apply, and when a pull is answered, is the
+consistency mode (--mode). Workers sleep an injected straggler delay (--straggler)
+between forward and backward; in ksync / kbatch-sync a worker whose round closed
+meanwhile gets `ps.Cancelled`, drops the step and pulls the new version.
+Worker 0 ends with `final test accuracy: 0.9xxx`.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import StandardScaler
+from torch import nn
+
+import disttrain
+from disttrain import ps
+
+# -----------------------------------------------------------------------------
+# config
+MODES = ("sync", "ksync", "kbatch-sync", "async", "kasync", "kbatch-async", "ssp")
+parser = argparse.ArgumentParser(description="Parameter-server MLP on the digits data set.")
+parser.add_argument("--mode", choices=MODES, default="sync", help="consistency policy")
+parser.add_argument("--k", type=int, default=None,
+                    help="gradients (ksync, kasync) or minibatches (kbatch-*) per update; "
+                         "default: number of workers")
+parser.add_argument("--staleness", type=int, default=2, help="SSP bound s (clocks)")
+parser.add_argument("--straggler", default="none",
+                    help="delay model, e.g. exp:mean=0.05, shifted-exp:shift=0.02,mean=0.05, "
+                         "fixed:rank=1,delay=0.2")
+parser.add_argument("--epochs", type=int, default=4)
+parser.add_argument("--batch-size", type=int, default=32, help="samples per worker step")
+parser.add_argument("--lr", type=float, default=0.05, help="server-side SGD (momentum 0.9)")
+parser.add_argument("--hidden", type=int, default=64)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--log-json", default=None,
+                    help="worker 0 appends {time, step, train_loss} lines here (benchmarks)")
+parser.add_argument("--eval-every", type=int, default=5, help="steps between --log-json points")
+args = parser.parse_args()
+
+# -----------------------------------------------------------------------------
+# processes: `disttrain run --workers W --servers S` (the last S ranks are servers)
+disttrain.init()
+workers = disttrain.world_size() - int(disttrain.runtime.num_servers())
+k = args.k or workers
+policy = {"sync": lambda: ps.Sync(), "ksync": lambda: ps.KSync(k),
+          "kbatch-sync": lambda: ps.KBatchSync(k), "async": lambda: ps.Async(),
+          "kasync": lambda: ps.KAsync(k), "kbatch-async": lambda: ps.KBatchAsync(k),
+          "ssp": lambda: ps.SSP(args.staleness)}[args.mode]()
+straggler = ps.parse_straggler(args.straggler, seed=args.seed)
+torch.manual_seed(args.seed)  # same init on every rank; the servers' copy is the start
+
+# -----------------------------------------------------------------------------
+# model: the servers hold it in shards, the workers a working copy
+model = nn.Sequential(
+    nn.Linear(64, args.hidden), nn.ReLU(),
+    nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+    nn.Linear(args.hidden, 10),
+)
+conn = ps.connect(model, policy,
+                  optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+rank = disttrain.rank()  # only workers get here: 0..workers-1
+
+# -----------------------------------------------------------------------------
+# data: 1797 8x8 images, 10 classes; worker r reads its own 1/workers of the training split
+digits = load_digits()
+x_train, x_test, y_train, y_test = train_test_split(
+    digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
+scaler = StandardScaler().fit(x_train)
+x_train = torch.tensor(scaler.transform(x_train), dtype=torch.float32)  # (1437, 64)
+x_test = torch.tensor(scaler.transform(x_test), dtype=torch.float32)  # (360, 64)
+y_train, y_test = torch.tensor(y_train), torch.tensor(y_test)
+loader = disttrain.data.shard_loader(torch.utils.data.TensorDataset(x_train, y_train),
+                                     args.batch_size * workers, seed=args.seed)
+
+# -----------------------------------------------------------------------------
+# training loop: pull, forward, (straggle), backward (pushes start from the grad hooks), push
+log = open(args.log_json, "a") if args.log_json and rank == 0 else None
+start, step, done = time.perf_counter(), 0, 0
+for _ in range(args.epochs):
+    for x, y in loader:  # (B, 64), (B,)
+        conn.pull().wait()  # blocks while the policy holds this worker back (Sync, SSP)
+        if log and step % args.eval_every == 0:
+            with torch.no_grad():
+                train_loss = F.cross_entropy(model(x_train), y_train).item()
+            log.write(json.dumps({"time": time.perf_counter() - start, "step": step,
+                                  "train_loss": train_loss}) + "\n")
+        step += 1
+        model.zero_grad(set_to_none=True)
+        try:
+            loss = F.cross_entropy(model(x), y)
+            conn.sleep(straggler.delay(rank, step))  # a slow machine, cut short on cancel
+            loss.backward()
+            conn.push().wait()  # blocks until every server has the gradient
+            done += 1
+        except ps.Cancelled:
+            continue  # the round closed without us: drop the step, pull the new version
+
+# -----------------------------------------------------------------------------
+# evaluation on worker 0 with the servers' current parameters
+conn.pull().wait()
+if log:
+    with torch.no_grad():
+        train_loss = F.cross_entropy(model(x_train), y_train).item()
+    log.write(json.dumps({"time": time.perf_counter() - start, "step": step,
+                          "train_loss": train_loss}) + "\n")
+    log.close()
+stats = conn.close()
+print(f"worker {rank}: {done} steps pushed, {conn.cancelled_steps} cancelled "
+      f"({conn.cancelled_in_backward} inside backward)", flush=True)
+if rank == 0:
+    with torch.no_grad():
+        accuracy = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
+    print(f"final test accuracy: {accuracy:.4f}", flush=True)
+disttrain.shutdown()

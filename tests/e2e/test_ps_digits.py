@@ -1,0 +1,45 @@
+"""examples/digits_ps.py in every consistency mode, launched as a user would:
+
+    disttrain run --workers 2 --servers 1 examples/digits_ps.py --mode MODE ...
+
+Each run must end with `final test accuracy: 0.9xxx` and the server's report line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ACCURACY = re.compile(r"final test accuracy: (0\.\d{4})")
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "DISTTRAIN_SERVERS", "DISTTRAIN_SECRET", "TORCHELASTIC_RUN_ID")
+CASES = {
+    "sync": [],
+    "ksync": ["--k", "1", "--straggler", "fixed:rank=1,delay=0.02"],
+    "kbatch-sync": ["--k", "2", "--straggler", "exp:mean=0.01"],
+    "async": [],
+    "kasync": ["--k", "1"],
+    "kbatch-async": ["--k", "2"],
+    "ssp": ["--staleness", "1"],
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", list(CASES))
+def test_digits_ps_reaches_90_percent(mode):
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", "1",
+           "examples/digits_ps.py", "--mode", mode, "--epochs", "2", *CASES[mode]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{out[-3000:]}"
+    found = ACCURACY.findall(proc.stdout)
+    assert found and float(found[-1]) >= 0.90, out[-3000:]
+    assert "[ps server0]" in out and "lost workers []" in out, out[-3000:]
