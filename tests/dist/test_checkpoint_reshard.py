@@ -15,7 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 import disttrain
-from disttrain.checkpoint import Checkpointer, ShardedTensor, even_slice, shard_of
+from disttrain.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    ShardedTensor,
+    even_slice,
+    shard_of,
+)
 from disttrain.testing import spawn
 
 ROWS, COLS = 10, 3
@@ -82,7 +88,14 @@ def load_at_world_two(plain_dir: str, sharded_dir: str):
     strategy = RowSharded(torch.zeros(ROWS, COLS), torch.zeros(ROWS, COLS))
     sharded_step = Checkpointer(sharded_dir).load(model=strategy)
     dist.barrier()
-    return {"step": step, "params": [p.detach().clone() for p in model.parameters()],
+    errors = []
+    for kwargs in ({"step": 3 + disttrain.rank()}, {"step": 3, "extra": {"x": object()}
+                                                    if disttrain.rank() == 1 else {}}):
+        try:  # bad input on one rank: every rank raises, none hangs
+            Checkpointer(os.path.join(plain_dir, "bad")).save(model=model, **kwargs)
+        except (CheckpointError, TypeError) as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    return {"step": step, "errors": errors, "params": [p.detach().clone() for p in model.parameters()],
             "opt": _opt_state(opt), "extra": ckpt.extra, "sharded_step": sharded_step,
             "weight": strategy.weight, "moment": strategy.moment, "bias": strategy.bias,
             "steps": strategy.steps}
@@ -104,6 +117,9 @@ def test_world_four_loads_at_two_and_one(tmp_path):
     loaded = spawn(load_at_world_two, 2, plain, sharded, timeout=80)
     for r, out in enumerate(loaded):
         assert out["step"] == 2 and out["extra"] == {"note": "w4"}
+        assert "different steps [3, 4]" in out["errors"][0]
+        assert out["errors"][1].startswith("TypeError" if r == 1 else "CheckpointError")
+        assert ("" if r == 1 else "rank 1: ") + "extra/x: cannot checkpoint" in out["errors"][1]
         assert _same(out["params"], ref_params), f"rank {r} params"
         assert out["opt"].keys() == ref_opt.keys()
         assert all(torch.equal(out["opt"][k], ref_opt[k]) for k in ref_opt), f"rank {r} opt"

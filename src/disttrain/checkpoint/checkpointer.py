@@ -90,30 +90,21 @@ class Checkpointer:
         loader: anything with a JSON-able `state_dict()` (the sampler position).
         extra: a dict of numbers, strings, tensors... (rank 0's copy is saved).
         """
-        step = _check_step(step)
         rank, world = _rank_world(self.group)
-        trees, tensors = {}, {}
-        for key, obj in (("model", model), ("optimizer", optimizer)):
-            if obj is not None:
-                trees[key], found = state.encode(state.state_of(obj), key)
-                tensors.update(found)
-        if extra is not None:
-            if not isinstance(extra, dict):
-                raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
-            trees["extra"], found = state.encode(extra, "extra")
-            tensors.update(found if rank == 0 else {})
-        rank_state, rng = state.capture_rng()
-        rank_state = {"rng": rank_state}
-        if loader is not None:
-            rank_state["loader"] = _json_only(loader.state_dict(), "loader.state_dict()")
-        for name, t in rng.items():
-            tensors[f"rng/{name}"] = ShardedTensor(t[None], (world, t.numel()), (rank, 0))
-        pieces = {p: _describe(t) for p, t in tensors.items()}
-        replicated = {k: v for k, v in trees.items() if k != "extra"}
-        digest = hashlib.sha256(json.dumps(replicated, sort_keys=True).encode()).hexdigest()
-        nonce = os.urandom(6).hex()
-        gathered = io.all_gather_json(
-            {"pieces": pieces, "digest": digest, "state": rank_state, "nonce": nonce}, self.group)
+        try:
+            trees, tensors, payload = _prepare(step, rank, world, model, optimizer, loader, extra)
+        except (TypeError, ValueError) as err:
+            failure, payload = err, {"error": f"rank {rank}: {err}"}
+        else:
+            failure = None
+        # NOTE: bad input on one rank must not leave the others waiting in a collective:
+        # the first exchange carries the error, and every rank raises.
+        gathered = io.all_gather_json(payload, self.group)
+        errors = [g["error"] for g in gathered if "error" in g]
+        if failure is not None:
+            raise failure
+        if errors:
+            raise CheckpointError(f"saving step {step} failed: {'; '.join(errors)}")
         _check_replicas_agree(gathered, trees)
         entries, writers = _plan(gathered, rank)
         final = io.step_dir_name(step)
@@ -176,6 +167,37 @@ class Checkpointer:
         return step
 
 
+def _prepare(step, rank, world, model, optimizer, loader, extra):
+    """This rank's (trees, tensors, payload for the first exchange). Does not block
+    (unless a `state_dict()` does: ZeRO stage 3 gathers its parameters)."""
+    step = _check_step(step)
+    trees, tensors = {}, {}
+    for key, obj in (("model", model), ("optimizer", optimizer)):
+        if obj is not None:
+            trees[key], found = state.encode(state.state_of(obj), key)
+            tensors.update(found)
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+        trees["extra"], found = state.encode(extra, "extra")
+        tensors.update(found if rank == 0 else {})
+    rng_json, rng = state.capture_rng()
+    rank_state = {"rng": rng_json}
+    if loader is not None:
+        rank_state["loader"] = _json_only(loader.state_dict(), "loader.state_dict()")
+    for name, t in rng.items():
+        tensors[f"rng/{name}"] = ShardedTensor(t[None], (world, t.numel()), (rank, 0))
+    replicated = {k: v for k, v in trees.items() if k != "extra"}
+    payload = {
+        "step": step,
+        "pieces": {p: _describe(t) for p, t in tensors.items()},
+        "digest": hashlib.sha256(json.dumps(replicated, sort_keys=True).encode()).hexdigest(),
+        "state": rank_state,
+        "nonce": os.urandom(6).hex(),
+    }
+    return trees, tensors, payload
+
+
 def _json_only(value: Any, what: str) -> Any:
     skeleton, tensors = state.encode(value, what)
     if tensors:
@@ -195,13 +217,19 @@ def _local(t: torch.Tensor | ShardedTensor) -> torch.Tensor:
 
 
 def _check_replicas_agree(gathered: list[dict], trees: dict) -> None:
-    """Model/optimizer skeletons (keys and non-tensor values) must match on every rank."""
+    """Same step everywhere; model/optimizer skeletons (keys and non-tensor values) too."""
+    steps = sorted({g["step"] for g in gathered})
+    if len(steps) > 1:
+        raise CheckpointError(f"ranks called save() with different steps {steps}; "
+                              "every rank must save the same step")
     bad = [r for r, g in enumerate(gathered) if g["digest"] != gathered[0]["digest"]]
     if bad:
         raise CheckpointError(
-            f"ranks {bad} hold a different model/optimizer structure (keys, param_groups "
-            f"or step counts) than rank 0 ({sorted(trees)}); every rank must save the "
-            "same kind of state (did replicas diverge, or did only some ranks pass optimizer=?)"
+            f"ranks {bad} hold a different {'/'.join(sorted(trees))} state (keys, "
+            "param_groups or step counts) than rank 0. Replicated state must be equal on "
+            "every rank; state that differs per rank (e.g. a sharded optimizer's) must be "
+            "declared through sharded_state_dict() returning ShardedTensor pieces "
+            "(see docs/design.md, Checkpoints)"
         )
 
 
