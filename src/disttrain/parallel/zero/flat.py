@@ -37,6 +37,8 @@ from disttrain.parallel.zero import comm
 
 __all__ = ["FlatShards"]
 
+_MAX_INFLIGHT = 2  # stage 2: bucket reduce-scatters in flight (each holds a full bucket)
+
 
 class _Bucket:
     """One flat buffer of parameters and its gradient state (bookkeeping, no comm)."""
@@ -102,6 +104,7 @@ class FlatShards:
             self.buckets.append(b)
             for p in members:
                 self._bucket_of[id(p)] = b
+        self._inflight: list[_Bucket] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def shard_parameters(self) -> list[nn.Parameter]:
@@ -139,6 +142,9 @@ class FlatShards:
             out = torch.empty_like(b.shard)  # (numel/N,)
             work = comm.reduce_scatter(out, flat, self.group, self.stats, async_op=True)
             b.pending = (work, (flat, out))
+            self._inflight = [c for c in self._inflight if c.pending is not None] + [b]
+            while len(self._inflight) > _MAX_INFLIGHT:  # bounds transient full gradients
+                self._wait(self._inflight.pop(0))
 
     @torch.no_grad()
     def _wait(self, b: _Bucket) -> None:

@@ -192,13 +192,13 @@ class ParamShards:
         def hook(full: torch.Tensor) -> None:
             grad = full.grad  # (numel,) sum of every use of the unit's parameters
             full.grad = None
+            while len(self._pending) >= _MAX_INFLIGHT:
+                self._wait_one()
             self._account(grad.numel() * grad.element_size())
             out = torch.empty_like(u.shard)  # (S,)
             work = comm.reduce_scatter(out, grad, self.group, self.stats, async_op=True)
             self._pending.append((work, grad, out, u))
             self._free(u)
-            while len(self._pending) > _MAX_INFLIGHT:
-                self._wait_one()
         return hook
 
     @torch.no_grad()

@@ -1,0 +1,137 @@
+"""Benchmark: step time, memory and bytes sent of DataParallel and ZeRO stages 0-3.
+
+Two parts, both on an MLP with AdamW at world 4 (gloo, CPU):
+
+1. memory: one fresh spawned job per variant (so each process's peak RSS is its own).
+   After `--mem-steps` steps, rank 0 reports its measured model-state bytes
+   (`disttrain.memory.model_state`), the paper's prediction (`disttrain.plan`, fp32
+   variant), the growth of its peak RSS over the RSS it had before building the model,
+   ZeRO's own high-water mark of gathered parameters + in-flight gradients (stage 3),
+   and the bytes it sent per step (ring-algorithm count, `Zero.comm_stats`).
+2. time: one job holding every variant; after warm-up they take turns, `--steps` timed
+   steps each per round, the order rotating each round; median of rank 0's step times.
+
+    python benchmarks/zero_stages.py                       # the documented run
+    python benchmarks/zero_stages.py --world 2 --width 512 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import disttrain
+from disttrain import memory, plan
+from disttrain.testing import spawn
+
+VARIANTS = ("dp", "zero0", "zero1", "zero2", "zero3")
+
+
+def make_mlp(width: int, depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def build(variant: str, width: int, depth: int):
+    """(model, optimizer) for one variant (blocks: broadcasts parameters)."""
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
+    if variant == "dp":
+        model = disttrain.DataParallel(make_mlp(width, depth))
+        return model, adamw(list(model.parameters()))
+    model = disttrain.Zero(make_mlp(width, depth), adamw, stage=int(variant[-1]))
+    return model, model.optimizer
+
+
+def step(model, opt, x, y) -> float:
+    start = time.perf_counter()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def memory_rank(variant, width, depth, batch, steps):
+    """One variant on every rank; rank 0's numbers come back (blocks)."""
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    step(nn.Linear(width, width), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), x, y)
+    before = rss_bytes()
+    model, opt = build(variant, width, depth)
+    for _ in range(steps):
+        if variant != "dp":
+            model.comm_stats.reset()
+        step(model, opt, x, y)
+    ms = memory.model_state(model) if variant != "dp" else memory.model_state(model, opt)
+    engine = getattr(model, "engine", None)
+    return {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer,
+            "rss_growth": rss_bytes() - before, "engine_peak": getattr(engine, "peak", None),
+            "sent": model.comm_stats.total() if variant != "dp" else None}
+
+
+def time_rank(width, depth, batch, steps, rounds, warmup):
+    """Every variant on every rank, interleaved; rank 0's step times (blocks)."""
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    built = {v: build(v, width, depth) for v in VARIANTS}
+    for m, o in built.values():
+        for _ in range(warmup):
+            step(m, o, x, y)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        for v in order:
+            dist.barrier()
+            times[v] += [step(*built[v], x, y) for _ in range(steps)]
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32, help="per-rank batch")
+    ap.add_argument("--mem-steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    a = ap.parse_args()
+    psi = sum(p.numel() for p in make_mlp(a.width, a.depth).parameters())
+    mib = 2**20
+    print(f"MLP {a.depth}x{a.width} ({psi / 1e6:.2f} M params, fp32 model states 16 Psi = "
+          f"{16 * psi / mib:.0f} MiB), AdamW, world {a.world}, per-rank batch {a.batch}\n")
+    print("| variant | params MiB | grads MiB | optimizer MiB | total MiB | paper MiB "
+          "| stage-3 gathered peak MiB | peak RSS growth MiB | MB sent/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v in VARIANTS:
+        r = spawn(memory_rank, a.world, v, a.width, a.depth, a.batch, a.mem_steps,
+                  timeout=600, collective_timeout=300)[0]
+        stage = 0 if v == "dp" else int(v[-1])
+        want = plan.model_state_bytes(psi, a.world, stage, "adamw", "fp32").total
+        total = r["params"] + r["grads"] + r["optimizer"]
+        peak = "-" if not r["engine_peak"] else f"{r['engine_peak'] / mib:.1f}"
+        sent = "-" if r["sent"] is None else f"{r['sent'] / 1e6:.1f}"
+        print(f"| {v} | {r['params'] / mib:.1f} | {r['grads'] / mib:.1f} | "
+              f"{r['optimizer'] / mib:.1f} | {total / mib:.1f} | {want / mib:.1f} | {peak} | "
+              f"{r['rss_growth'] / mib:.0f} | {sent} |", flush=True)
+    times = spawn(time_rank, a.world, a.width, a.depth, a.batch, a.steps, a.rounds, a.warmup,
+                  timeout=1200, collective_timeout=300)[0]
+    med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+    print(f"\nmedian step time (ms), {a.rounds} rounds x {a.steps} steps, interleaved")
+    print("| " + " | ".join(VARIANTS) + " |\n|" + "---|" * len(VARIANTS))
+    print("| " + " | ".join(f"{med[v]:.0f} ({med[v] / med['dp']:.2f}x)" for v in VARIANTS) + " |")
+
+
+if __name__ == "__main__":
+    main()
