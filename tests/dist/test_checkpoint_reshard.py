@@ -19,6 +19,7 @@ from disttrain.checkpoint import (
     Checkpointer,
     CheckpointError,
     ShardedTensor,
+    cli,
     even_slice,
     shard_of,
 )
@@ -106,13 +107,18 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_world_four_loads_at_two_and_one(tmp_path):
+def test_world_four_loads_at_two_and_one(tmp_path, capsys):
     plain, sharded = str(tmp_path / "plain"), str(tmp_path / "sharded")
     saved = spawn(save_at_world_four, 4, plain, sharded, timeout=80)
     # Replicated state is written once (rank 0); each rank writes only its RNG row.
     assert saved[0]["files"] == ["manifest.json"] + [f"rank0000{r}.safetensors" for r in range(4)]
     assert all(_same(s["params"], saved[0]["params"]) for s in saved)
     ref_params, ref_opt = saved[0]["params"], saved[0]["opt"]
+    text = _inspect(sharded, capsys)
+    assert "saved by 4 rank(s)" in text and "checksums: all ok" in text
+    assert "model/weight  float32   [10, 3]        4 pieces along dim 0" in text
+    assert "model/bias    float32   [3]            whole" in text
+    assert "rng/torch     uint8     [4, 5056]      4 pieces along dim 0" in text
 
     loaded = spawn(load_at_world_two, 2, plain, sharded, timeout=80)
     for r, out in enumerate(loaded):
@@ -138,3 +144,8 @@ def test_world_four_loads_at_two_and_one(tmp_path):
     whole = RowSharded(torch.zeros(ROWS, COLS), torch.zeros(ROWS, COLS))
     assert Checkpointer(sharded).load(model=whole) == 7
     assert torch.equal(whole.weight, _full(1)) and torch.equal(whole.moment, _full(2))
+
+
+def _inspect(folder: str, capsys) -> str:
+    assert cli.main(["inspect", folder]) == 0
+    return capsys.readouterr().out

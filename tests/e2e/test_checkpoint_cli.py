@@ -8,12 +8,20 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from disttrain.checkpoint import Checkpointer
+from disttrain.checkpoint import Checkpointer, cli
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
+    """`disttrain checkpoint ARGS` as a user types it (a process of its own)."""
     return subprocess.run([sys.executable, "-m", "disttrain", "checkpoint", *args],
                           capture_output=True, text=True, timeout=60)
+
+
+def _cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The same command in this process (saves a torch import per call)."""
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 @pytest.fixture
@@ -30,7 +38,7 @@ def saved(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_inspect_lists_files_tensors_and_checksums(saved):
+def test_inspect_lists_files_tensors_and_checksums(saved, capsys):
     folder, _ = saved
     out = _cli("inspect", str(folder))
     assert out.returncode == 0, out.stderr
@@ -46,28 +54,28 @@ def test_inspect_lists_files_tensors_and_checksums(saved):
     raw = bytearray(data.read_bytes())
     raw[-5] ^= 0xFF
     data.write_bytes(bytes(raw))
-    out = _cli("inspect", str(folder / "step_00000020"))
+    out = _cli_here(capsys, "inspect", str(folder / "step_00000020"))
     assert out.returncode == 1
     assert "DAMAGED" in out.stdout and "SHA-256" in out.stdout
 
 
 @pytest.mark.timeout(60)
-def test_convert_to_one_file_and_to_plain_weights(saved, tmp_path):
+def test_convert_to_one_file_and_to_plain_weights(saved, tmp_path, capsys):
     folder, model = saved
-    out = _cli("convert", str(folder), "--to", str(tmp_path / "one"))
+    out = _cli_here(capsys, "convert", str(folder), "--to", str(tmp_path / "one"))
     assert out.returncode == 0, out.stderr
     fresh = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
     assert Checkpointer(tmp_path / "one").load(model=fresh) == 20
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
-    out = _cli("convert", str(folder), "--to", str(tmp_path / "w.safetensors"))
+    out = _cli_here(capsys, "convert", str(folder), "--to", str(tmp_path / "w.safetensors"))
     assert out.returncode == 0, out.stderr
     weights = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
     assert weights.keys() == model.state_dict().keys()
 
 
 @pytest.mark.timeout(60)
-def test_missing_folder_is_one_clear_line(tmp_path):
-    out = _cli("inspect", str(tmp_path / "nothing"))
+def test_missing_folder_is_one_clear_line(tmp_path, capsys):
+    out = _cli_here(capsys, "inspect", str(tmp_path / "nothing"))
     assert out.returncode == 1
     assert "holds no checkpoint" in out.stderr and "Traceback" not in out.stderr
