@@ -124,6 +124,42 @@ def rank_unused_error():
     return {"message": message, "after": t}
 
 
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("boom in backward")
+
+
+def rank_backward_error_recovers():
+    """A backward that dies half way (after a bucket went out) must not poison the next."""
+    import warnings
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours = disttrain.DataParallel(Net(seed=0), bucket_mb=0.0005)  # last layer: 2 buckets
+    opt = make_opt("sgd", ours.parameters())
+    x, y = batches(1)[0]
+    x, y = shard(x, rank, world), shard(y, rank, world)
+    hook = ours.module.layers[3].register_forward_hook(lambda m, i, o: _FailInBackward.apply(o))
+    try:
+        nn.functional.mse_loss(ours(x), y).backward()
+    except ValueError:
+        pass
+    launched = [e for e in ours.last_step_events if e[0] == "launch"]
+    hook.remove()
+    opt.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nn.functional.mse_loss(ours(x), y).backward()
+    opt.step()
+    return {"launched": len(launched), "warned": any("did not finish" in str(w.message)
+                                                     for w in caught),
+            "params": flat(ours.module)}
+
+
 def rank_find_unused():
     """Rank 0 uses head `layers[4]`, rank 1 uses `head_b`; nobody uses `spare`."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -219,6 +255,7 @@ SUITE_2 = [
     ("fp16", "rank_compressed", ("fp16",)),
     ("bf16", "rank_compressed", ("bf16",)),
     ("auto", "rank_auto_bucket", ()),
+    ("backward_error", "rank_backward_error_recovers", ()),
     ("unused_error", "rank_unused_error", ()),  # NOTE: last: it exercises the error path
 ]
 SUITE_4 = [
@@ -339,3 +376,12 @@ def test_auto_bucket_size_agrees_across_ranks_and_stays_correct(suite2):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     torch.testing.assert_close(out[0]["params"], flat(model))
+
+
+@pytest.mark.timeout(170)
+def test_a_failed_backward_does_not_poison_the_next_step(suite2):
+    out = results(suite2, "backward_error")
+    assert out[0]["launched"] >= 1  # a bucket was in flight when backward died
+    assert all(o["warned"] for o in out)
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    torch.testing.assert_close(out[0]["params"], reference("sgd", steps=1))

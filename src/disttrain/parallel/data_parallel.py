@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -108,7 +109,12 @@ class DataParallel(nn.Module):
         if self.broadcast_buffers and self._buffers_list and self.training \
                 and torch.is_grad_enabled():
             broadcast_tensors(self._buffers_list, 0, self.group)
-        if self._sync.enabled and self._step_start is None:
+        if self._sync.active:
+            warnings.warn("DataParallel: the previous backward did not finish (an exception "
+                          "inside backward?); its gradients were not synchronized",
+                          RuntimeWarning, stacklevel=2)
+            self._sync.abandon()
+        if self._sync.enabled and self._step_start is None and torch.is_grad_enabled():
             self._step_start = time.perf_counter()
         return self.module(*args, **kwargs)
 
@@ -194,6 +200,11 @@ class _GradSync:
         self.works: list[tuple | None] = [None] * len(self.buckets)
         self.next_launch = 0
 
+    def abandon(self) -> None:
+        """Drop a step that cannot finish: wait for what was launched, forget the rest."""
+        self._wait_launched()
+        self._reset()
+
     def make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
             if self.enabled:
@@ -206,6 +217,7 @@ class _GradSync:
             # NOTE: queued from inside backward, so it runs once this backward is done.
             _engine.queue_callback(self._finish)
         if self.ready[i]:
+            self.abandon()
             raise RuntimeError(
                 f"DataParallel: parameter '{self.names[i]}' received its gradient twice in "
                 "one backward; reentrant backward or a second backward of the same graph "
@@ -252,7 +264,7 @@ class _GradSync:
         try:
             missing = [i for i, r in enumerate(self.ready) if not r]
             if missing and not self.find_unused:
-                self._wait_launched()
+                self._wait_launched()  # NOTE: keeps the group usable after the error
                 raise RuntimeError(self._unused_message(missing))
             had_grad = [p.grad is not None for p in self.params]
             for i in missing:
