@@ -110,7 +110,7 @@ def _flip_byte(path, at):
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete", "manifest"])
+@pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete", "manifest", "manifest-value"])
 def test_damaged_latest_falls_back_and_names_the_file(tmp_path, damage):
     saved = _save_steps(tmp_path, [1, 2])
     folder = tmp_path / "step_00000002"
@@ -121,14 +121,18 @@ def test_damaged_latest_falls_back_and_names_the_file(tmp_path, damage):
         data_file.write_bytes(data_file.read_bytes()[:100])
     elif damage == "delete":
         data_file.unlink()
-    else:
+    elif damage == "manifest":
         (folder / "manifest.json").write_text('{"format": "disttrain-checkpoint", "vers')
+    else:  # still valid JSON, one hyperparameter changed: only the checksum sees it
+        text = (folder / "manifest.json").read_text()
+        assert text.count('"lr":0.01,') == 1
+        (folder / "manifest.json").write_text(text.replace('"lr":0.01,', '"lr":0.03,'))
     model, opt = _fresh(seed=5)
     with pytest.warns(CheckpointWarning) as caught:
         assert Checkpointer(tmp_path).load(model=model, optimizer=opt) == 1
     message = str(caught[0].message)
     assert "step_00000002" in message and "falling back to step_00000001" in message
-    named = "manifest.json" if damage == "manifest" else "rank00000.safetensors"
+    named = "manifest.json" if damage.startswith("manifest") else "rank00000.safetensors"
     assert named in message
     assert all(torch.equal(a, b) for a, b in zip(saved[1], _params(model)))
 

@@ -21,6 +21,7 @@ Pure code plus JSON parsing; every malformed field raises CorruptCheckpointError
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -121,7 +122,10 @@ class Manifest:
                "world_size": self.world_size, "torch": torch.__version__,
                "files": self.files, "tensors": tensors, "trees": self.trees,
                "ranks": self.ranks}
-        return json.dumps(doc, separators=(",", ":"), allow_nan=True)
+        body = _canonical(doc)
+        # NOTE: the manifest's own checksum is its last key, over the JSON of the others;
+        # json keeps key order, so a reader re-serializes exactly the bytes hashed here.
+        return body[:-1] + f',"manifest_sha256":"{_sha(body)}"}}'
 
     @classmethod
     def read(cls, folder: str) -> Manifest:
@@ -134,6 +138,8 @@ class Manifest:
             raise CorruptCheckpointError(f"{path} is missing") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CorruptCheckpointError(f"{path} is not valid JSON ({err})") from None
+        if not isinstance(doc, dict) or doc.pop("manifest_sha256", None) != _sha(_canonical(doc)):
+            raise CorruptCheckpointError(f"{path} fails its own SHA-256 check (altered or damaged)")
         try:
             return cls._from_doc(doc)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -162,3 +168,11 @@ class Manifest:
                 raise ValueError(f"bad file name {name!r}")
         return cls(step=int(doc["step"]), world_size=int(doc["world_size"]), files=files,
                    tensors=tensors, trees=dict(doc["trees"]), ranks=list(doc["ranks"]))
+
+
+def _canonical(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=True)
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
