@@ -6,7 +6,8 @@ DistributedDataParallel with its defaults); after warm-up (which is also where "
 tunes) they take turns, `--steps` timed steps each per round, for `--rounds` rounds, the
 order rotating every round so that drift in machine load hits all of them alike. A step
 is zero_grad + forward + backward + SGD step; times are rank 0's wall clock per step.
-Prints the median step time of each and the ratios ours/DDP.
+Prints the median step time of each and the ratios ours/DDP: of the medians, and the
+median over rounds of the paired per-round ratio (robust to load drift on a shared box).
 
     python benchmarks/dp_vs_ddp.py                # world 2 and 4, the documented run
     python benchmarks/dp_vs_ddp.py --worlds 4 --rounds 3
@@ -59,12 +60,12 @@ def bench_rank(width, depth, batch, steps, rounds, warmup):
         timed_steps(m, opts[k], x, y, warmup)
     tuned = variants["ours_auto"]
     assert tuned.tuner.done, f"auto-tuning needs more than {warmup} warm-up steps"
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    times: dict[str, list[list[float]]] = {k: [] for k in variants}  # [round][step]
     names = list(variants)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
-            times[k] += timed_steps(variants[k], opts[k], x, y, steps)
+            times[k].append(timed_steps(variants[k], opts[k], x, y, steps))
     n_params = sum(p.numel() for p in variants["ddp"].parameters())
     return {"times": times, "params": n_params, "auto_mb": tuned.bucket_mb,
             "auto_candidates": tuned.tuner.candidate_times()}
@@ -77,25 +78,32 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=20, help="covers bucket_mb='auto' tuning")
     args = ap.parse_args()
     rows = []
     for world in args.worlds:
         out = spawn(bench_rank, world, args.width, args.depth, args.batch, args.steps,
                     args.rounds, args.warmup, timeout=1200, collective_timeout=300)[0]
-        med = {k: statistics.median(v) * 1e3 for k, v in out["times"].items()}
-        rows.append((world, out["params"], med, out["auto_mb"]))
+        times = out["times"]
+        med = {k: statistics.median(t for rnd in v for t in rnd) * 1e3 for k, v in times.items()}
+        # Paired: each round's mean against DDP's in the same round (load drift cancels).
+        paired = {k: statistics.median(statistics.mean(a) / statistics.mean(b)
+                                       for a, b in zip(times[k], times["ddp"]))
+                  for k in ("ours_25mb", "ours_auto")}
+        rows.append((world, out["params"], med, out["auto_mb"], paired))
         print(f"world {world}: auto-tuning medians (ms) per candidate: "
               f"{[round(t * 1e3, 1) for t in out['auto_candidates']]}", flush=True)
     print(f"\nMLP {args.depth}x{args.width}, {rows[0][1] / 1e6:.2f} M params, per-rank batch "
           f"{args.batch}, {args.rounds} rounds x {args.steps} steps, median step time (ms)")
+    print("ratios: of the medians, and (in brackets) the median of per-round paired ratios")
     print("| world | ours 25 MiB | ours auto (chosen) | torch DDP | ours/DDP | auto/DDP |")
     print("|---|---|---|---|---|---|")
-    for world, _, med, auto_mb in rows:
+    for world, _, med, auto_mb, paired in rows:
         print(f"| {world} | {med['ours_25mb']:.1f} | {med['ours_auto']:.1f} ({auto_mb:.3g} MiB) "
               f"| {med['ddp']:.1f} | {med['ours_25mb'] / med['ddp']:.2f} "
-              f"| {med['ours_auto'] / med['ddp']:.2f} |")
+              f"({paired['ours_25mb']:.2f}) | {med['ours_auto'] / med['ddp']:.2f} "
+              f"({paired['ours_auto']:.2f}) |")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ class BucketSizeTuner:
 
     CANDIDATES_MB = (1.0, 4.0, 16.0, 25.0, 64.0)
 
-    def __init__(self, candidates_mb: Sequence[float], steps: int = 3, warmup: int = 1):
+    def __init__(self, candidates_mb: Sequence[float], steps: int = 4, warmup: int = 1):
         if not candidates_mb:
             raise ValueError("BucketSizeTuner needs at least one candidate size")
         self.candidates = [mb_to_bytes(mb) for mb in candidates_mb]
