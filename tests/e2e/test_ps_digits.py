@@ -22,7 +22,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 CASES = {
     "sync": [],
     "ksync": ["--k", "1", "--straggler", "fixed:rank=1,delay=0.02"],
-    "kbatch-sync": ["--k", "2", "--straggler", "exp:mean=0.01"],
+    "kbatch-sync": ["--k", "2", "--straggler", "exp:mean=0.01", "--lr", "0.1"],
     "async": [],
     "kasync": ["--k", "1"],
     "kbatch-async": ["--k", "2"],
@@ -36,7 +36,7 @@ def test_digits_ps_reaches_90_percent(mode):
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", "1",
-           "examples/digits_ps.py", "--mode", mode, "--epochs", "2", *CASES[mode]]
+           "examples/digits_ps.py", "--mode", mode, "--epochs", "3", *CASES[mode]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{out[-3000:]}"
