@@ -3,7 +3,7 @@
 This module only re-exports the public API; see docs/design.md for the layers.
 """
 
-from disttrain import data, memory, testing
+from disttrain import data, memory, ps, testing
 from disttrain.checkpoint import Checkpointer
 from disttrain.mesh import Mesh
 from disttrain.parallel import DataParallel
@@ -32,6 +32,7 @@ __all__ = [
     "Zero",
     "backend",
     "data",
+    "ps",
     "device",
     "init",
     "is_initialized",
