@@ -7,6 +7,13 @@ when the script raises, writes the exception, with the traceback trimmed to the 
 frames, to TORCHELASTIC_ERROR_FILE in the JSON layout torch elastic's ErrorHandler uses.
 The launcher reads that file and prints the traceback with this rank's prefix.
 
+With DISTTRAIN_REPORT_DIR set (by `disttrain run`), faulthandler writes every thread's
+stack to `rank{R}.a{A}.stacks` there when the rank is stopped (SIGTERM) or crashes, so
+the launcher's hang report can say where a rank that was not in a collective was.
+An exception carrying `disttrain_exit_code` (a collective that timed out) ends the rank
+with that code right after it is recorded: a timed-out gloo group cannot shut down
+cleanly (its threads abort the process at exit).
+
 NOTE: it is started by path, not with `-m disttrain._entry`, so it imports nothing but
 the standard library: a rank pays for torch only if the script imports it, and no
 module of the disttrain package can shadow a module of the user's script directory.
@@ -14,9 +21,11 @@ module of the disttrain package can shadow a module of the user's script directo
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -61,6 +70,25 @@ def _restart_follows() -> bool:
     return restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
 
 
+def enable_stack_dumps(report_dir: str, rank: str, attempt: str):
+    """Dump all threads' stacks to the report folder on SIGTERM and on crashes.
+
+    NOTE: the file name must match disttrain.comm.flight.report_path (this file
+    imports no disttrain module). Left alone when the user enabled faulthandler
+    or handles SIGTERM already. Returns the open file (it must stay open).
+    """
+    if faulthandler.is_enabled() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    try:
+        fp = open(os.path.join(report_dir, f"rank{rank}.a{attempt}.stacks"), "w")
+    except OSError:
+        return None
+    faulthandler.enable(fp, all_threads=True)
+    # chain=True: after the dump the default action runs, so SIGTERM still ends the rank.
+    faulthandler.register(signal.SIGTERM, fp, all_threads=True, chain=True)
+    return fp
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
@@ -70,6 +98,10 @@ def main(argv: list[str]) -> int:
     # NOTE: `python script.py` puts the script's folder first on sys.path; replace this
     # file's folder (the disttrain package) so the script imports what it would alone.
     sys.path[0] = os.path.dirname(script)
+    report_dir = os.environ.get("DISTTRAIN_REPORT_DIR")
+    if report_dir:
+        _dumps = enable_stack_dumps(report_dir, os.environ.get("RANK", "0"),  # noqa: F841
+                                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
         runpy.run_path(script, run_name="__main__")
     except KeyboardInterrupt:
@@ -84,6 +116,9 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(user_traceback(exc, script))
         sys.stdout.flush()
         sys.stderr.flush()
+        code = getattr(exc, "disttrain_exit_code", None)
+        if isinstance(code, int):
+            os._exit(code)
         return 1
     return 0
 

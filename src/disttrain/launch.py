@@ -15,6 +15,12 @@ Output: global rank 0 writes straight to the terminal (progress bars keep workin
 every other rank's stdout/stderr is tee'd through a log file and printed as
 `[rank3]: line` by the agent's log tailer.
 
+Hangs: `run()` creates a report folder (in the log folder) and passes it to the ranks
+as DISTTRAIN_REPORT_DIR; each rank's flight recorder (comm/flight.py) and faulthandler
+(_entry.py) write there. When a job fails inside a collective, `report_failures` prints
+one merged report (comm/hang_report.py): which ranks are missing, where each rank is,
+each rank's stack; the job then exits with EXIT_HANG (124).
+
 Parameter-server jobs (`--workers W --servers S`) start W+S ranks and set
 DISTTRAIN_SERVERS=S; `disttrain.role()` makes the last S global ranks servers.
 """
@@ -37,6 +43,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from disttrain.comm.flight import EXIT_HANG
+from disttrain.comm.hang_report import collective_report
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
 
@@ -201,6 +210,9 @@ def run(cfg: RunConfig) -> int:
     """
     env = rank_env(cfg, dict(os.environ))
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="disttrain-run-")
+    report_dir = os.path.join(log_dir, "reports")
+    os.makedirs(report_dir, exist_ok=True)
+    env["DISTTRAIN_REPORT_DIR"] = report_dir
     if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
         print(
             f"disttrain run: node {cfg.node_rank} of {cfg.nnodes}: meeting the other nodes at "
@@ -215,7 +227,7 @@ def run(cfg: RunConfig) -> int:
             )
         return 0
     except ChildFailedError as err:
-        return report_failures(err.failures, sys.stderr)
+        return report_failures(err.failures, sys.stderr, report_dir, cfg.world_size)
     except SignalException as sig:
         print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
         return 128 + int(sig.sigval)
@@ -241,8 +253,15 @@ def _order(item: tuple[int, ProcessFailure]) -> tuple:
     rank, failure = item
     extra = _extra_info(failure)
     when = float(extra.get("disttrain_time", failure.timestamp))
-    # Ranks with a recorded exception first: a killed rank is usually a consequence.
-    return ("py_callstack" not in extra, when, rank)
+    # Ranks with a recorded exception first: a killed rank is usually a consequence;
+    # of those, a collective that failed is usually a consequence of another rank's error.
+    return ("py_callstack" not in extra, _is_collective_error(failure), when, rank)
+
+
+def _is_collective_error(failure: ProcessFailure) -> bool:
+    message = failure.error_file_data.get("message")
+    text = message.get("message", "") if isinstance(message, dict) else ""
+    return text.startswith("CollectiveError") or failure.exitcode == EXIT_HANG
 
 
 def _extra_info(failure: ProcessFailure) -> dict:
@@ -256,13 +275,36 @@ def _describe_exit(failure: ProcessFailure) -> str:
     return f"exited with code {failure.exitcode}"
 
 
-def report_failures(failures: dict[int, ProcessFailure], out) -> int:
+def report_failures(failures: dict[int, ProcessFailure], out, report_dir: str | None = None,
+                    world_size: int = 0) -> int:
     """Print the first failure's traceback, rank-prefixed, and one line per other failure.
 
-    Returns the exit code for the launcher (the first failing rank's, at least 1).
+    When a rank failed inside a collective (timeout or a peer gone), print instead the
+    merged report of every rank's flight recorder (unless another rank's own exception
+    came first: then that traceback, then the report). Returns the exit code for the
+    launcher: the first failing rank's (at least 1), EXIT_HANG for a collective failure.
     """
     ordered = sorted(failures.items(), key=_order)
     rank, first = ordered[0]
+    hang = None
+    if report_dir:
+        codes = {r: f.exitcode for r, f in failures.items()}
+        hang = collective_report(report_dir, codes, max(world_size, max(failures) + 1))
+    if hang and _is_collective_error(first):
+        out.write(hang)
+        _other_failures(ordered, rank, out, skip_collective=True)
+        out.flush()
+        return EXIT_HANG
+    _print_first(rank, first, out)
+    _other_failures(ordered[1:], rank, out)
+    if hang:
+        out.write(hang)
+    out.flush()
+    code = first.exitcode
+    return code if code > 0 else (128 - code if code < 0 else 1)
+
+
+def _print_first(rank: int, first: ProcessFailure, out) -> None:
     prefix = rank_prefix(rank)
     out.write(f"disttrain run: rank {rank} {_describe_exit(first)} (pid {first.pid})\n")
     callstack = _extra_info(first).get("py_callstack")
@@ -270,9 +312,15 @@ def report_failures(failures: dict[int, ProcessFailure], out) -> int:
         out.writelines(prefix + line + "\n" for line in callstack.rstrip("\n").split("\n"))
     else:
         out.write(f"{prefix}no Python exception was recorded (sys.exit, os._exit or a crash); see this rank's output above\n")
+
+
+def _other_failures(ordered, rank: int, out, skip_collective: bool = False) -> None:
+    """One line per other failed rank; the agent's SIGTERMs folded into one line."""
     stopped = []
-    for other_rank, failure in ordered[1:]:
+    for other_rank, failure in ordered:
         message = failure.error_file_data.get("message")
+        if skip_collective and (_is_collective_error(failure) or failure.exitcode == -signal.SIGTERM):
+            continue  # the merged report shows these
         if isinstance(message, dict):
             out.write(f"disttrain run: rank {other_rank} also failed: {message['message']}\n")
         elif failure.exitcode == -signal.SIGTERM:
@@ -281,9 +329,6 @@ def report_failures(failures: dict[int, ProcessFailure], out) -> int:
             out.write(f"disttrain run: rank {other_rank} also {_describe_exit(failure)}\n")
     if stopped:
         out.write(f"disttrain run: stopped rank(s) {', '.join(stopped)} after rank {rank} failed\n")
-    out.flush()
-    code = first.exitcode
-    return code if code > 0 else (128 - code if code < 0 else 1)
 
 
 @contextlib.contextmanager

@@ -9,8 +9,35 @@ from disttrain.comm.compression import (
     NoCompression,
     resolve_compression,
 )
+from disttrain.comm.ops import (
+    CollectiveError,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    barrier,
+    broadcast,
+    irecv,
+    isend,
+    recorder,
+    recv,
+    reduce_scatter_tensor,
+    send,
+)
 
 __all__ = [
+    # recorded collectives (comm/ops.py): numbered, placed, watched for hangs
+    "CollectiveError",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "irecv",
+    "isend",
+    "recorder",
+    "recv",
+    "reduce_scatter_tensor",
+    "send",
     "BF16Compression",
     "BucketSizeTuner",
     "BucketSpec",

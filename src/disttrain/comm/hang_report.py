@@ -1,0 +1,224 @@
+"""Merge every rank's flight-recorder state into one report that names the cause of a hang.
+
+Inputs, per rank, from the report folder `disttrain run` creates (DISTTRAIN_REPORT_DIR):
+- `rank{R}.a{A}.json`: the recorder's state (comm/flight.py): collectives in flight,
+  recent ones, status (running / exited / timeout / failed), and stacks when it failed;
+- `rank{R}.a{A}.stacks`: every thread's stack as faulthandler wrote it when the rank was
+  stopped (SIGTERM from the launcher) or crashed (disttrain/_entry.py enables it).
+
+Output, e.g.:
+
+    disttrain run: a collective did not complete within 5 s (timeout)
+      all_reduce #3 on world (ranks 0-2): ranks 0-1 waited; missing: rank 2
+      where: ranks 0-1 are at all_reduce #3 (train.py:88); rank 2 is at barrier #3 (train.py:91)
+      [rank0] stack (most recent call last): ...
+
+Who talks to whom: launch.py calls `collective_report(report_dir, exit_codes)` when a
+job fails; it reads files only (standard library), never contacts the ranks.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+from disttrain.comm.flight import format_ranks, is_library
+
+__all__ = ["load_states", "collective_report", "parse_stack", "RankView"]
+
+_FRAME = re.compile(r'File "(.+?)", line (\d+),? in (.+)')
+_NAME = re.compile(r"rank(\d+)\.a(\d+)\.(json|stacks)$")
+MAX_FRAMES = 12
+
+
+class RankView:
+    """What the launcher knows about one rank: its state, its stack, its exit."""
+
+    def __init__(self, rank: int, state: dict | None, fault: str | None, exitcode: int | None):
+        self.rank, self.state, self.exitcode = rank, state, exitcode
+        self.stack = _main_stack(fault) if fault else []
+        if not self.stack and state and state.get("stacks"):
+            stacks = state["stacks"]
+            self.stack = parse_stack(stacks.get("MainThread") or next(iter(stacks.values())))
+
+    def in_flight(self) -> dict | None:
+        flying = (self.state or {}).get("in_flight") or []
+        return flying[0] if flying else None
+
+    def last(self) -> dict | None:
+        recent = (self.state or {}).get("recent") or []
+        return recent[-1] if recent else None
+
+    def where(self) -> str:
+        """Position phrase after 'rank N is' / 'ranks a-b are'."""
+        entry = self.in_flight()
+        if entry:
+            return "at " + describe(entry, with_group=entry["group"] != "world")
+        last = self.last()
+        after = f"last completed {describe(last)}" if last else "no collective completed yet"
+        status = (self.state or {}).get("status")
+        if status == "exited":
+            return f"finished its script ({after})"
+        here = self.user_frame()
+        spot = f" at {os.path.basename(here[0])}:{here[1]} in {here[2]}" if here else ""
+        if self.state is None:
+            return f"outside any disttrain collective{spot} (it issued none)"
+        return f"outside any collective{spot} ({after})"
+
+    def user_frame(self) -> tuple[str, int, str] | None:
+        for path, line, func in reversed(self.stack):
+            if not is_library(path):
+                return path, line, func
+        return None
+
+
+def describe(entry: dict, with_group: bool = False) -> str:
+    text = f"{entry['op']} #{entry['seq']} ({os.path.basename(entry['site'])})"
+    return f"{text} on {entry['group']}" if with_group else text
+
+
+def parse_stack(text: str) -> list[tuple[str, int, str]]:
+    """Frames (file, line, func), most recent call last, from a traceback-style text."""
+    return [(m[1], int(m[2]), m[3].strip()) for m in _FRAME.finditer(text)]
+
+
+def _main_stack(fault: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames from faulthandler output (most recent first there)."""
+    blocks = [b for b in fault.split("\n\n") if "File " in b]
+    # NOTE: faulthandler does not name threads; the main thread's stack runs the script
+    # (`<module>`), worker threads start in threading's _bootstrap.
+    main = next((b for b in blocks if " in <module>" in b), blocks[0] if blocks else "")
+    return list(reversed(parse_stack(main)))
+
+
+def load_states(report_dir: str) -> tuple[int, dict[int, dict | None], dict[int, str]]:
+    """(attempt, states, fault stacks) of the latest restart attempt found in `report_dir`."""
+    found = [(_NAME.search(p), p) for p in glob.glob(os.path.join(report_dir, "rank*.a*.*"))]
+    found = [(int(m[1]), int(m[2]), m[3], p) for m, p in found if m]
+    if not found:
+        return 0, {}, {}
+    attempt = max(a for _, a, _, _ in found)
+    states, faults = {}, {}
+    for rank, a, kind, path in found:
+        if a != attempt:
+            continue
+        try:
+            with open(path) as fp:
+                if kind == "json":
+                    states[rank] = json.load(fp)
+                else:
+                    faults[rank] = fp.read()
+        except (OSError, ValueError):
+            continue  # a rank killed mid-write: its older state is gone, say nothing of it
+    return attempt, states, faults
+
+
+def _collective_trouble(views: list[RankView]) -> bool:
+    return any((v.state or {}).get("status") in ("timeout", "failed") or v.exitcode == 124
+               for v in views)
+
+
+def _slot_lines(views: list[RankView]) -> list[str]:
+    """Per stuck collective: who waited, who is missing, and who issued something else."""
+    by_slot: dict[tuple[str, int], list[tuple[RankView, dict]]] = {}
+    for v in views:
+        entry = v.in_flight()
+        if entry:
+            by_slot.setdefault((entry["group"], entry["seq"]), []).append((v, entry))
+    lines = []
+    for (group, seq), members in sorted(by_slot.items(), key=lambda kv: min(v.rank for v, _ in kv[1])):
+        calls: dict[str, list[int]] = {}
+        for v, e in members:
+            calls.setdefault(describe(e), []).append(v.rank)
+        expected = set(members[0][1]["ranks"])
+        if len(calls) > 1:
+            said = "; ".join(f"{_ranks(r)}: {c}" for c, r in calls.items())
+            lines.append(f"mismatch at collective #{seq} on {group}: {said}. Every rank of a "
+                         "group must issue the same collectives in the same order")
+        for call, ranks in calls.items():
+            missing = sorted(expected - set(ranks))
+            lines.append(f"{call} on {group} (ranks {format_ranks(expected)}): {_ranks(ranks)} "
+                         f"waited" + (f"; missing: {_ranks(missing)}" if missing else ""))
+        lines += _count_lines(views, group, expected)
+    return lines
+
+
+def _count_lines(views: list[RankView], group: str, members: set[int]) -> list[str]:
+    """Call sites issued a different number of times by the group's ranks (a skipped call)."""
+    counts: dict[tuple[str, str], dict[int, int]] = {}
+    known = [v for v in views if v.rank in members and v.state is not None]
+    for v in known:
+        for g, op, site, n in v.state.get("counts", []):
+            if g == group:
+                counts.setdefault((op, site), {})[v.rank] = n
+    lines = []
+    for (op, site), per_rank in sorted(counts.items()):
+        by_n: dict[int, list[int]] = {}
+        for v in known:
+            by_n.setdefault(per_rank.get(v.rank, 0), []).append(v.rank)
+        if len(by_n) > 1:
+            said = " but ".join(f"{_times(n)} by {_ranks(r)}" for n, r in sorted(by_n.items(), reverse=True))
+            lines.append(f"  {op} at {os.path.basename(site)} was issued {said}")
+    return lines[:6]
+
+
+def _times(n: int) -> str:
+    return "never" if n == 0 else ("once" if n == 1 else f"{n} times")
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+def _where_line(views: list[RankView]) -> str:
+    groups: dict[str, list[int]] = {}
+    for v in views:
+        groups.setdefault(v.where(), []).append(v.rank)
+    parts = sorted(groups.items(), key=lambda kv: min(kv[1]))
+    return "; ".join(f"{_ranks(r)} {'is' if len(r) == 1 else 'are'} {w}" for w, r in parts)
+
+
+def _stack_lines(v: RankView) -> list[str]:
+    frames = v.stack
+    # Drop the launcher's own frames below the user's script (_entry.py, runpy).
+    user = [i for i, f in enumerate(frames) if not is_library(f[0])]
+    if user:  # keep the first library frame the user's code called, drop the rest
+        frames = frames[user[0]:user[-1] + 2]
+    if not frames:
+        return [f"[rank{v.rank}]: no stack recorded"]
+    shown = frames[-MAX_FRAMES:]
+    out = [f"[rank{v.rank}]: stack (most recent call last):"]
+    if len(frames) > len(shown):
+        out.append(f"[rank{v.rank}]:   ... {len(frames) - len(shown)} outer frames")
+    out += [f'[rank{v.rank}]:   File "{p}", line {n}, in {f}' for p, n, f in shown]
+    return out
+
+
+def _short(error: str) -> str:
+    """First line of a backend error without gloo's source-location prefix."""
+    first = error.splitlines()[0] if error else ""
+    return re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", first)[:200]
+
+
+def collective_report(report_dir: str, exit_codes: dict[int, int], world_size: int) -> str | None:
+    """The merged report text, or None when no rank failed inside a collective."""
+    _, states, faults = load_states(report_dir)
+    views = [RankView(r, states.get(r), faults.get(r), exit_codes.get(r)) for r in range(world_size)]
+    if not _collective_trouble(views):
+        return None
+    timeouts = {s.get("timeout") for s in states.values() if s.get("timeout")}
+    limit = f" within {min(timeouts):g} s" if timeouts else ""
+    lines = [f"disttrain run: a collective did not complete{limit}; where every rank was:"]
+    lines += ["  " + line for line in _slot_lines(views)]
+    lines.append("  " + _where_line(views))
+    for v in views:
+        err = (v.state or {}).get("error")
+        if err:
+            lines.append(f"[rank{v.rank}]: {_short(err)}")
+    for v in views:
+        lines += _stack_lines(v)
+    return "\n".join(lines) + "\n"
+
