@@ -56,6 +56,13 @@ class _Meter:
 
 
 class _Saved:
+    """A tensor saved for backward, counted from its save until backward first uses it.
+
+    NOTE: counted down on unpack, not on deletion: a saved *output* forms a reference
+    cycle with its grad_fn through this object, so deletion waits for the garbage
+    collector and would overstate what is alive.
+    """
+
     __slots__ = ("tensor", "meter", "nbytes")
 
     def __init__(self, tensor, meter):
@@ -63,8 +70,10 @@ class _Saved:
         self.nbytes = tensor.numel() * tensor.element_size()
         meter.add(self.nbytes)
 
-    def __del__(self):
+    def unpack(self) -> torch.Tensor:
         self.meter.add(-self.nbytes)
+        self.nbytes = 0
+        return self.tensor
 
 
 @dataclass
@@ -210,11 +219,12 @@ class Pipeline:
             return
         meter = self.meter
 
-        def pack(t):
-            return t if isinstance(t, nn.Parameter) else _Saved(t, meter)
+        def pack(t):  # weights (and views of them, e.g. w.t()) are not activations
+            is_weight = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+            return t if is_weight else _Saved(t, meter)
 
         def unpack(o):
-            return o.tensor if isinstance(o, _Saved) else o
+            return o.unpack() if isinstance(o, _Saved) else o
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield

@@ -1,0 +1,171 @@
+"""Measured pipeline bubbles and activation memory, per schedule, against the formulas.
+
+Runs GPipe, 1F1B and interleaved 1F1B (v=2) on p real processes exchanging activations
+and gradients with gloo p2p, on a pipeline of equal layers, and prints for each:
+
+- measured bubble = 1 - busy / (p * makespan), from the runtime's per-stage F/B spans,
+  against the formula (p-1)/(m+p-1) (interleaved: (p-1)/(v*m+p-1), i.e. (p-1)/(v*m) of
+  the ideal time);
+- peak bytes saved for backward on stage 0 (GPipe holds m micro-batches, 1F1B p);
+- with --gantt PATH, a PNG Gantt chart of the executed schedules (stages as rows).
+
+Stage compute: `--compute sleep` (default) makes each layer a real Linear plus a fixed
+sleep in forward and backward, standing for device time; it lets p stages overlap on a
+machine with fewer cores than stages, so the schedule, not the CPU count, sets the
+timing. `--compute matmul` uses real matmuls only (needs >= p free cores).
+
+    python benchmarks/pipeline_bubble.py --stages 4 --microbatches 8 --gantt docs/pipeline_gantt.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import disttrain
+from disttrain.mesh import Mesh
+from disttrain.parallel.pipeline import Pipeline, make_schedule, split_model
+from disttrain.testing import spawn
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, t_f, t_b):
+        ctx.t_b = t_b
+        time.sleep(t_f)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.t_b)
+        return grad, None, None
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int, t_f: float, t_b: float, depth: int):
+        super().__init__()
+        self.lin, self.t_f, self.t_b, self.depth = nn.Linear(width, width), t_f, t_b, depth
+
+    def forward(self, x):  # (B, W)
+        for _ in range(self.depth):
+            x = torch.tanh(self.lin(x))
+        return _Sleep.apply(x, self.t_f, self.t_b) if self.t_f or self.t_b else x
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int, **kw):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Layer(**kw) for i in range(n)})
+
+    def pipeline_layers(self):
+        return [f"layers.{i}" for i in self.layers]
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def run_rank(schedule, p, m, v, width, mb_size, t_f, t_b, depth, steps):
+    mesh = Mesh(pp=p)
+    stage = mesh.local_rank("pp")
+    torch.manual_seed(0)
+    # per layer: t_f / v, so each stage does t_f (and t_b) per micro-batch in total
+    model = Stack(p * v, width=width, t_f=t_f / v, t_b=t_b / v, depth=depth)
+    chunks = split_model(model, p, stage, v)
+    pipe = Pipeline(chunks, make_schedule(schedule, p, m, v)[stage], stage, p, m,
+                    lambda out, y: (out - y).pow(2).mean(), group=mesh.group("pp"),
+                    ranks=mesh.peers("pp"), track_memory=True)
+    x, y = torch.randn(m * mb_size, width), torch.randn(m * mb_size, width)
+    results = []
+    for _ in range(steps + 1):  # first step warms up
+        pipe.step(x, y)
+        spans = torch.tensor([[0 if s.kind == "F" else 1, s.microbatch, s.chunk, s.start, s.end]
+                              for s in pipe.spans], dtype=torch.float64)
+        results.append(spans)
+        dist.barrier()
+    return {"spans": results[1:], "peak_bytes": pipe.peak_activation_bytes}
+
+
+def bubble(stage_spans: list[torch.Tensor]) -> float:
+    start = min(float(s[:, 3].min()) for s in stage_spans)
+    end = max(float(s[:, 4].max()) for s in stage_spans)
+    busy = sum(float((s[:, 4] - s[:, 3]).sum()) for s in stage_spans)
+    return 1.0 - busy / (len(stage_spans) * (end - start))
+
+
+def formula(schedule: str, p: int, m: int, v: int) -> float:
+    return (p - 1) / (m + p - 1) if schedule != "interleaved" else (p - 1) / (v * m + p - 1)
+
+
+def gantt(runs: dict, p: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.1 + 0.55 * p * len(runs)), squeeze=False)
+    for ax, (name, stage_spans) in zip(axes[:, 0], runs.items()):
+        t0 = min(float(s[:, 3].min()) for s in stage_spans)
+        for stage, spans in enumerate(stage_spans):
+            for kind, mb, chunk, b, e in spans.tolist():
+                color = ("#4C72B0", "#8FAADC")[int(chunk) % 2] if kind == 0 else \
+                        ("#DD8452", "#F4B183")[int(chunk) % 2]
+                ax.barh(stage, (e - b) * 1e3, left=(b - t0) * 1e3, color=color, edgecolor="k",
+                        linewidth=0.4)
+                ax.text((b - t0 + (e - b) / 2) * 1e3, stage, f"{int(mb)}", ha="center",
+                        va="center", fontsize=6)
+        ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: measured bubble {bubble(stage_spans):.3f}", fontsize=9)
+    axes[-1, 0].set_xlabel("ms (F blue, B orange; lighter = chunk 1)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--virtual", type=int, default=2)
+    ap.add_argument("--compute", choices=["sleep", "matmul"], default="sleep")
+    ap.add_argument("--t-f", type=float, default=0.05, help="seconds of forward per stage/mb")
+    ap.add_argument("--t-b", type=float, default=0.1, help="seconds of backward per stage/mb")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--mb-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gantt", default=None, help="write a PNG Gantt chart here")
+    args = ap.parse_args()
+    p, m, v = args.stages, args.microbatches, args.virtual
+    sleep = args.compute == "sleep"
+    t_f, t_b = (args.t_f, args.t_b) if sleep else (0.0, 0.0)
+    depth = 1 if sleep else 40
+    print(f"p={p} stages, m={m} micro-batches, v={v} (interleaved), compute={args.compute}, "
+          f"t_f={t_f * 1e3:.0f}ms t_b={t_b * 1e3:.0f}ms per stage and micro-batch")
+    print(f"{'schedule':12s} {'bubble':>8s} {'formula':>8s} {'ratio':>6s} {'step ms':>8s} "
+          f"{'stage0 peak act KiB':>20s}")
+    runs = {}
+    for name in ("gpipe", "1f1b", "interleaved"):
+        vv = v if name == "interleaved" else 1
+        out = spawn(run_rank, p, name, p, m, vv, args.width, args.mb_size, t_f, t_b, depth,
+                    args.steps, timeout=300)
+        bubbles = [bubble([o["spans"][k] for o in out]) for k in range(args.steps)]
+        makespans = [max(float(o["spans"][k][:, 4].max()) for o in out) for k in range(args.steps)]
+        b, f = statistics.median(bubbles), formula(name, p, m, vv)
+        print(f"{name:12s} {b:8.3f} {f:8.3f} {b / f:6.2f} {statistics.median(makespans) * 1e3:8.1f} "
+              f"{out[0]['peak_bytes'] / 1024:20.1f}", flush=True)
+        runs[f"{name} (p={p}, m={m}" + (f", v={vv})" if vv > 1 else ")")] = \
+            [o["spans"][-1] for o in out]
+    if args.gantt:
+        gantt(runs, p, args.gantt)
+        print(f"wrote {args.gantt}")
+
+
+if __name__ == "__main__":
+    disttrain.print0  # noqa: B018 - the package must import before spawning ranks
+    main()
