@@ -5,7 +5,9 @@ Two parts, both on an MLP with AdamW at world 4 (gloo, CPU):
 1. memory: one fresh spawned job per variant (so each process's peak RSS is its own).
    After `--mem-steps` steps, rank 0 reports its measured model-state bytes
    (`disttrain.memory.model_state`), the paper's prediction (`disttrain.plan`, fp32
-   variant), the growth of its peak RSS over the RSS it had before building the model,
+   variant), its peak RSS during those steps (Linux VmHWM, reset after construction and
+   a first step) minus its RSS before the model was built (model states + activations +
+   transient buffers + allocator slack),
    ZeRO's own high-water mark of gathered parameters + in-flight gradients (stage 3),
    and the bytes it sent per step (ring-algorithm count, `Zero.comm_stats`).
 2. time: one job holding every variant; after warm-up they take turns, `--steps` timed
@@ -18,6 +20,7 @@ Two parts, both on an MLP with AdamW at world 4 (gloo, CPU):
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -41,13 +44,14 @@ def make_mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def build(variant: str, width: int, depth: int):
+def build(variant: str, width: int, depth: int, bucket_mb: float):
     """(model, optimizer) for one variant (blocks: broadcasts parameters)."""
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     if variant == "dp":
-        model = disttrain.DataParallel(make_mlp(width, depth))
+        model = disttrain.DataParallel(make_mlp(width, depth), bucket_mb=bucket_mb)
         return model, adamw(list(model.parameters()))
-    model = disttrain.Zero(make_mlp(width, depth), adamw, stage=int(variant[-1]))
+    model = disttrain.Zero(make_mlp(width, depth), adamw, stage=int(variant[-1]),
+                           bucket_mb=bucket_mb)
     return model, model.optimizer
 
 
@@ -59,16 +63,44 @@ def step(model, opt, x, y) -> float:
     return time.perf_counter() - start
 
 
-def rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
-def memory_rank(variant, width, depth, batch, steps):
+def rss_now() -> int:
+    kib = _status_kib("VmRSS")
+    return (kib if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM, the peak RSS (no-op elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    kib = _status_kib("VmHWM")
+    return (kib if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_rank(variant, width, depth, batch, steps, bucket_mb):
     """One variant on every rank; rank 0's numbers come back (blocks)."""
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     step(nn.Linear(width, width), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), x, y)
-    before = rss_bytes()
-    model, opt = build(variant, width, depth)
+    before = rss_now()
+    model, opt = build(variant, width, depth, bucket_mb)
+    step(model, opt, x, y)  # NOTE: optimizer state appears at the first step
+    reset_peak_rss()  # the peak below is over training steps, not construction
     for _ in range(steps):
         if variant != "dp":
             model.comm_stats.reset()
@@ -76,14 +108,14 @@ def memory_rank(variant, width, depth, batch, steps):
     ms = memory.model_state(model) if variant != "dp" else memory.model_state(model, opt)
     engine = getattr(model, "engine", None)
     return {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer,
-            "rss_growth": rss_bytes() - before, "engine_peak": getattr(engine, "peak", None),
+            "rss_growth": peak_rss() - before, "engine_peak": getattr(engine, "peak", None),
             "sent": model.comm_stats.total() if variant != "dp" else None}
 
 
-def time_rank(width, depth, batch, steps, rounds, warmup):
+def time_rank(width, depth, batch, steps, rounds, warmup, bucket_mb):
     """Every variant on every rank, interleaved; rank 0's step times (blocks)."""
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    built = {v: build(v, width, depth) for v in VARIANTS}
+    built = {v: build(v, width, depth, bucket_mb) for v in VARIANTS}
     for m, o in built.values():
         for _ in range(warmup):
             step(m, o, x, y)
@@ -104,18 +136,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch")
     ap.add_argument("--mem-steps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=float, default=4.0,
+                    help="gradient bucket MiB for DP and stages 0-2 (4 = one 1024x1024 layer)")
     ap.add_argument("--warmup", type=int, default=2)
     a = ap.parse_args()
+    # NOTE: glibc serves big blocks from mmap only below a threshold that grows as blocks
+    # are freed; pinning it makes freed tensors leave the RSS at once, so peak RSS follows
+    # live memory. Set before spawning: the ranks read it at startup.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     psi = sum(p.numel() for p in make_mlp(a.width, a.depth).parameters())
     mib = 2**20
     print(f"MLP {a.depth}x{a.width} ({psi / 1e6:.2f} M params, fp32 model states 16 Psi = "
-          f"{16 * psi / mib:.0f} MiB), AdamW, world {a.world}, per-rank batch {a.batch}\n")
+          f"{16 * psi / mib:.0f} MiB), AdamW, world {a.world}, per-rank batch {a.batch}, "
+          f"buckets {a.bucket_mb:g} MiB\n")
     print("| variant | params MiB | grads MiB | optimizer MiB | total MiB | paper MiB "
           "| stage-3 gathered peak MiB | peak RSS growth MiB | MB sent/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for v in VARIANTS:
-        r = spawn(memory_rank, a.world, v, a.width, a.depth, a.batch, a.mem_steps,
+        r = spawn(memory_rank, a.world, v, a.width, a.depth, a.batch, a.mem_steps, a.bucket_mb,
                   timeout=600, collective_timeout=300)[0]
         stage = 0 if v == "dp" else int(v[-1])
         want = plan.model_state_bytes(psi, a.world, stage, "adamw", "fp32").total
@@ -126,7 +165,7 @@ def main() -> None:
               f"{r['optimizer'] / mib:.1f} | {total / mib:.1f} | {want / mib:.1f} | {peak} | "
               f"{r['rss_growth'] / mib:.0f} | {sent} |", flush=True)
     times = spawn(time_rank, a.world, a.width, a.depth, a.batch, a.steps, a.rounds, a.warmup,
-                  timeout=1200, collective_timeout=300)[0]
+                  a.bucket_mb, timeout=1200, collective_timeout=300)[0]
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
     print(f"\nmedian step time (ms), {a.rounds} rounds x {a.steps} steps, interleaved")
     print("| " + " | ".join(VARIANTS) + " |\n|" + "---|" * len(VARIANTS))

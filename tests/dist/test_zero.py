@@ -63,7 +63,27 @@ def train(model, opt, steps, rank=0, world=1, start=0):
         opt.step()
 
 
-def train_everything():
+def save_checkpoint(folder):
+    """World 2, stage 1: 2 steps, then a disttrain.Checkpointer save of model + optimizer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    z = disttrain.Zero(make_model(), factory("adamw"), stage=1)
+    train(z, z.optimizer, 2, rank, world)
+    disttrain.Checkpointer(folder).save(2, model=z, optimizer=z.optimizer)
+
+
+def load_checkpoint(folder):
+    """World 4, stage 3 (and 2): load that checkpoint, take the third step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (2, 3):
+        z = disttrain.Zero(make_model(), factory("adamw"), stage=stage)
+        assert disttrain.Checkpointer(folder).load(model=z, optimizer=z.optimizer, rng=False) == 2
+        train(z, z.optimizer, 1, rank, world, start=2)
+        out[stage] = z.state_dict()
+    return out
+
+
+def train_everything(folder):
     """Each rank: state dicts after STEPS for every stage/optimizer and DP; at world 2 a
     resume check, at world 4 ZeRO over two groups of 2 and the memory/bytes measurements.
 
@@ -82,7 +102,9 @@ def train_everything():
         out[f"{name}/dp"] = dp.module.state_dict()
     if world == 2:
         out["resume"] = resume_matches_uninterrupted(rank, world)
+        save_checkpoint(folder)
     else:
+        out["checkpoint"] = load_checkpoint(folder)
         out["groups"] = zero_over_groups_of_two(rank)
         out["measure"] = measure_stages()
     return out
@@ -149,17 +171,27 @@ def assert_close(got, want, what):
 _RESULTS: dict[int, list] = {}
 
 
-def results(world):
-    """Every rank's train_everything() at `world`, computed once per test session."""
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("zero-ckpt"))
+
+
+def results(world, folder):
+    """Every rank's train_everything() at `world`, computed once per test session.
+
+    NOTE: world 4 loads the checkpoint world 2 saved, so world 2 runs first.
+    """
+    if world == 4:
+        results(2, folder)
     if world not in _RESULTS:
-        _RESULTS[world] = spawn(train_everything, world, timeout=140)
+        _RESULTS[world] = spawn(train_everything, world, folder, timeout=140)
     return _RESULTS[world]
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_stage_matches_single_process_and_data_parallel(world):
-    out = results(world)
+def test_every_stage_matches_single_process_and_data_parallel(world, folder):
+    out = results(world, folder)
     for name in ("sgd", "adamw"):
         ref = reference(name)
         assert_close(out[0][f"{name}/dp"], ref, f"{name} DataParallel vs single process")
@@ -173,19 +205,27 @@ def test_every_stage_matches_single_process_and_data_parallel(world):
 
 
 @pytest.mark.timeout(150)
-def test_resume_from_state_dicts_and_refuse_another_layout():
-    for rank, out in enumerate(results(2)):
+def test_resume_from_state_dicts_and_refuse_another_layout(folder):
+    for rank, out in enumerate(results(2, folder)):
         resume = out["resume"]
         assert resume[2] < 1e-6 and resume[3] < 1e-6, (rank, resume)
         assert "different ZeRO layout" in resume["mismatch"] and "stage" in resume["mismatch"]
 
 
 @pytest.mark.timeout(150)
-def test_zero_over_a_subgroup_matches_single_process():
+def test_zero_over_a_subgroup_matches_single_process(folder):
     ref = reference("adamw")
-    for rank, out in enumerate(results(4)):
+    for rank, out in enumerate(results(4, folder)):
         for stage, sd in out["groups"].items():
             assert_close(sd, ref, f"stage {stage} over group of rank {rank}")
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint_saved_at_world_2_stage_1_resumes_at_world_4_stages_2_and_3(folder):
+    ref = reference("adamw")  # 3 uninterrupted steps
+    for rank, out in enumerate(results(4, folder)):
+        for stage, sd in out["checkpoint"].items():
+            assert_close(sd, ref, f"stage {stage} rank {rank} resumed from checkpoint")
 
 
 # ---- memory and communication ------------------------------------------------------
@@ -225,9 +265,9 @@ def measure_stages():
 
 
 @pytest.mark.timeout(150)
-def test_model_state_bytes_match_the_paper_and_stage3_sends_one_and_a_half_times_dp():
+def test_model_state_bytes_match_the_paper_and_stage3_sends_one_and_a_half_times_dp(folder):
     world = 4
-    out = [r["measure"] for r in results(world)]
+    out = [r["measure"] for r in results(world, folder)]
     psi = sum(p.numel() for p in make_mlp().parameters())
     for rank in range(world):
         for stage in list(range(4)) + ["dp"]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.comm.buckets import mb_to_bytes
+from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm
 from disttrain.parallel.zero.flat import FlatShards
 from disttrain.parallel.zero.stage3 import ParamShards
@@ -70,6 +71,7 @@ class Zero(nn.Module):
         self.comm_stats = comm.CommStats()
         _broadcast_module(module, group, self.comm_stats)
         params = _unique(p for p in module.parameters() if p.requires_grad)
+        self.param_names = {id(p): n for n, p in module.named_parameters()}  # before stage 3
         if not params:
             raise ValueError("Zero: the module has no parameter that requires grad")
         if stage == 3:
@@ -128,7 +130,8 @@ class ZeroOptimizer:
     `step()` waits for gradient reductions, averages, steps the inner optimizer and
     (stages 1-2) all-gathers the updated parameters: it blocks. `state_dict()` holds
     only this rank's shard of the state (stage >= 1), tagged with the layout, and
-    `load_state_dict` refuses a state saved with another stage, world size or rank.
+    `load_state_dict` refuses a state saved with another stage, world size or rank;
+    `disttrain.Checkpointer` uses `sharded_state_dict()` instead, which reshards.
     LR schedulers attach to `.inner` (the real torch optimizer).
     """
 
@@ -161,6 +164,18 @@ class ZeroOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"zero": self._layout(), "inner": self.inner.state_dict()}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Optimizer state as per-parameter `ShardedTensor` pieces, for
+        `disttrain.Checkpointer` (loads at any world size or stage; see checkpoint.py)."""
+        o = self._owner
+        return ckpt.sharded_state(self.inner, o.engine.shard_parameters(), o.engine.segments(),
+                                  o.param_names)
+
+    def load_sharded_state_dict(self, tree: dict[str, Any]) -> None:
+        o = self._owner
+        ckpt.load_sharded_state(self.inner, o.engine.shard_parameters(), o.engine.segments(),
+                                o.param_names, tree)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "zero" not in state_dict or "inner" not in state_dict:

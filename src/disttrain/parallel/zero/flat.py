@@ -111,6 +111,11 @@ class FlatShards:
         """One flat parameter per bucket: what this rank's optimizer updates."""
         return [b.shard for b in self.buckets]
 
+    def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """Per shard parameter: (lo, hi) in its bucket and (id(param), offset, numel)s."""
+        return [(b.lo, b.hi, [(id(p), off, p.numel()) for p, off in zip(b.params, b.offsets)])
+                for b in self.buckets]
+
     # ---- backward: reduce each bucket as soon as its gradients exist -------------
 
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ class _Unit:
 
     def __init__(self, params, world, rank):
         self.numels = [p.numel() for p in params]
+        self.param_ids = [id(p) for p in params]
         self.shapes = [p.shape for p in params]
         payload = sum(self.numels)
         numel = -(-payload // world) * world
@@ -114,6 +115,16 @@ class ParamShards:
 
     def shard_parameters(self) -> list[nn.Parameter]:
         return [u.shard for u in self.units]
+
+    def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """Per shard parameter: (lo, hi) in its unit and (id(param), offset, numel)s."""
+        out = []
+        for u in self.units:
+            size = u.shard.numel()
+            offs = [sum(u.numels[:i]) for i in range(len(u.numels))]
+            out.append((self.rank * size, (self.rank + 1) * size,
+                        list(zip(u.param_ids, offs, u.numels))))
+        return out
 
     # ---- gather / free -----------------------------------------------------------
 

@@ -1,0 +1,98 @@
+"""ZeRO optimizer state as per-parameter pieces, so checkpoints reshard.
+
+`disttrain.Checkpointer` (docs/design.md, "Checkpoints") saves state that differs per
+rank through `sharded_state_dict()`: tensors returned as `ShardedTensor(local,
+global_shape, offsets)`. A ZeRO rank's optimizer state covers flat chunks that cut
+across parameters, and the chunking depends on the stage, the world size and the
+buckets. Here every state tensor is re-described per *parameter name*: for Adam,
+`state.<name>.exp_avg` has global shape (numel,) (the parameter flattened) and this
+rank's piece is the part of its shard that falls inside that parameter (a view of the
+real state, so loading writes in place; empty when the shard does not touch it).
+Scalar state (Adam's `step`) is replicated per name. A checkpoint saved at world 2,
+stage 1 thus loads at world 4, stage 3, or into a plain optimizer's layout.
+
+NOTE: a fresh optimizer has no state tensors to load into. `materialize` creates them
+with one step of zero gradients at lr 0 (parameters unchanged) and then zeroes them
+and their step counts, which is what Adam/AdamW/SGD-momentum start from anyway.
+
+Who talks to whom: ZeroOptimizer delegates here; the engines say which parameter
+ranges each shard parameter holds (`segments()`); no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from disttrain.checkpoint.reshard import ShardedTensor
+
+__all__ = ["load_sharded_state", "materialize", "sharded_state"]
+
+
+@torch.no_grad()
+def materialize(opt: torch.optim.Optimizer, shards: list[torch.nn.Parameter]) -> None:
+    """Give every shard parameter its (zero) optimizer state without changing it."""
+    if all(opt.state.get(p) for p in shards):
+        return
+    grads = [p.grad for p in shards]
+    lrs = [g["lr"] for g in opt.param_groups]
+    for p in shards:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    try:
+        opt.step()
+    finally:
+        for p, g in zip(shards, grads):
+            p.grad = g
+        for group, lr in zip(opt.param_groups, lrs):
+            group["lr"] = lr
+    for p in shards:
+        for v in opt.state[p].values():
+            if isinstance(v, torch.Tensor):
+                v.zero_()
+
+
+def _pieces(segments, names):
+    """(shard index, name, numel, offset in param, lo, hi in shard) for each param here."""
+    for j, (lo, hi, members) in enumerate(segments):
+        for pid, off, numel in members:
+            a, b = max(lo, off), min(hi, off + numel)
+            yield j, names[pid], numel, (a - off if a < b else 0), (a - lo, b - lo) if a < b else (0, 0)
+
+
+def sharded_state(opt: torch.optim.Optimizer, shards, segments, names) -> dict[str, Any]:
+    """{'param_groups': hyperparameters, 'state': {name: {key: piece or scalar}}}."""
+    materialize(opt, shards)
+    out: dict[str, dict[str, Any]] = {}
+    for j, name, numel, at, (a, b) in _pieces(segments, names):
+        st = out.setdefault(name, {})
+        for key, v in opt.state[shards[j]].items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == shards[j].numel():
+                if key not in st or st[key].local.numel() == 0:
+                    st[key] = ShardedTensor(v[a:b], (numel,), (at,))
+            elif key not in st:
+                st[key] = v  # replicated: scalar step counts and the like
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"param_groups": groups, "state": dict(sorted(out.items()))}
+
+
+def load_sharded_state(opt: torch.optim.Optimizer, shards, segments, names,
+                       tree: dict[str, Any]) -> None:
+    """After the checkpointer filled the pieces in place: replicated values, hyperparams."""
+    groups = tree.get("param_groups", [])
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint has {len(groups)} parameter groups, this optimizer "
+                         f"{len(opt.param_groups)}; build it with the same factory")
+    for mine, saved in zip(opt.param_groups, groups):
+        mine.update({k: v for k, v in saved.items() if k != "params"})
+    for j, name, _, _, _ in _pieces(segments, names):
+        for key, v in tree["state"].get(name, {}).items():
+            if isinstance(v, ShardedTensor):
+                continue
+            cur = opt.state[shards[j]].get(key)
+            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
+                cur.copy_(v)
+            else:
+                opt.state[shards[j]][key] = v
