@@ -35,14 +35,17 @@ def make_mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def timed_steps(model, opt, x, y, steps: int) -> list[float]:
+def timed_steps(model, opt, x, y, steps: int, cpu: list[float] | None = None) -> list[float]:
+    """Wall seconds per step; appends this process's CPU seconds (all threads) to `cpu`."""
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.append(time.process_time() - start_cpu)
     return times
 
 
@@ -61,13 +64,14 @@ def bench_rank(width, depth, batch, steps, rounds, warmup):
     tuned = variants["ours_auto"]
     assert tuned.tuner.done, f"auto-tuning needs more than {warmup} warm-up steps"
     times: dict[str, list[list[float]]] = {k: [] for k in variants}  # [round][step]
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
-            times[k].append(timed_steps(variants[k], opts[k], x, y, steps))
+            times[k].append(timed_steps(variants[k], opts[k], x, y, steps, cpu[k]))
     n_params = sum(p.numel() for p in variants["ddp"].parameters())
-    return {"times": times, "params": n_params, "auto_mb": tuned.bucket_mb,
+    return {"times": times, "cpu": cpu, "params": n_params, "auto_mb": tuned.bucket_mb,
             "auto_candidates": tuned.tuner.candidate_times()}
 
 
@@ -91,7 +95,8 @@ def main() -> None:
         paired = {k: statistics.median(statistics.mean(a) / statistics.mean(b)
                                        for a, b in zip(times[k], times["ddp"]))
                   for k in ("ours_25mb", "ours_auto")}
-        rows.append((world, out["params"], med, out["auto_mb"], paired))
+        cpu = {k: statistics.median(v) * 1e3 for k, v in out["cpu"].items()}
+        rows.append((world, out["params"], med, out["auto_mb"], paired, cpu))
         print(f"world {world}: auto-tuning medians (ms) per candidate: "
               f"{[round(t * 1e3, 1) for t in out['auto_candidates']]}", flush=True)
     print(f"\nMLP {args.depth}x{args.width}, {rows[0][1] / 1e6:.2f} M params, per-rank batch "
@@ -99,11 +104,17 @@ def main() -> None:
     print("ratios: of the medians, and (in brackets) the median of per-round paired ratios")
     print("| world | ours 25 MiB | ours auto (chosen) | torch DDP | ours/DDP | auto/DDP |")
     print("|---|---|---|---|---|---|")
-    for world, _, med, auto_mb, paired in rows:
+    for world, _, med, auto_mb, paired, _ in rows:
         print(f"| {world} | {med['ours_25mb']:.1f} | {med['ours_auto']:.1f} ({auto_mb:.3g} MiB) "
               f"| {med['ddp']:.1f} | {med['ours_25mb'] / med['ddp']:.2f} "
               f"({paired['ours_25mb']:.2f}) | {med['ours_auto'] / med['ddp']:.2f} "
               f"({paired['ours_auto']:.2f}) |")
+    print("\nCPU time per step on rank 0 (ms, all threads; less sensitive to a busy machine)")
+    print("| world | ours 25 MiB | ours auto | torch DDP | ours/DDP |")
+    print("|---|---|---|---|---|")
+    for world, _, _, _, _, cpu in rows:
+        print(f"| {world} | {cpu['ours_25mb']:.1f} | {cpu['ours_auto']:.1f} | {cpu['ddp']:.1f} "
+              f"| {cpu['ours_25mb'] / cpu['ddp']:.2f} |")
 
 
 if __name__ == "__main__":
