@@ -163,6 +163,9 @@ class Server:
         if self.optimizer is None:
             return
         for k, p in self.params.items():
+            if len(grads) == 1:  # Async: the received buffer itself, no copy
+                p.grad = grads[0][k].to(p.dtype)
+                continue
             total = grads[0][k].to(p.dtype).clone()
             for g in grads[1:]:
                 total += g[k]

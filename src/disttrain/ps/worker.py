@@ -93,7 +93,7 @@ class Worker:
             raise ValueError(f"parameters {bad} are not contiguous; call .contiguous() on them")
         self._secret, self._limits, self._plan = secret, limits, plan
         self._version = [-1] * len(addresses)
-        self._floor = [0] * len(addresses)
+        self._floor = [-1] * len(addresses)
         self._clock, self._sent = 0, set()
         self._attempt: Handle | None = None
         self._error: PSError | None = None
@@ -142,8 +142,10 @@ class Worker:
     def push(self) -> Handle:
         """Send the gradients not yet sent by the hooks; returns at once (does not block).
 
-        The handle completes when every server received them. Raises Cancelled if the
-        round closed without this worker (the step is dropped; pull() next).
+        The handle completes when every server received them; until then the frames read
+        `.grad` without a copy, so wait() before changing gradients in place
+        (`zero_grad()`'s default, set_to_none, is safe at any time). Raises Cancelled if
+        the round closed without this worker (the step is dropped; pull() next).
         """
         self.check()
         h = self._attempt_handle()
@@ -220,8 +222,9 @@ class Worker:
         per_server: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
         for name in names:
             p = self.params[name]
-            # clone: the step after this may overwrite .grad while the thread still sends
-            g = p.grad.detach().reshape(-1).clone() if p.grad is not None else torch.zeros(
+            # NOTE: no copy: the frames reference .grad until the servers ack; the push
+            # handle completes only then, so wait() before changing .grad in place.
+            g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(
                 p.numel(), dtype=p.dtype)
             for s, c in self._chunks[name]:
                 per_server[s][0].append(c.key)
