@@ -160,6 +160,25 @@ def rank_backward_error_recovers():
             "params": flat(ours.module)}
 
 
+def rank_bad_input():
+    """Each bad argument -> the error message it produced (None if it did not raise)."""
+    cases = {
+        "bucket_mb": dict(module=Net(0), bucket_mb="big"),
+        "bucket_zero": dict(module=Net(0), bucket_mb=0),
+        "compression": dict(module=Net(0), compression="int8"),
+        "not_module": dict(module=lambda x: x),
+        "frozen": dict(module=Net(0).requires_grad_(False)),
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        try:
+            disttrain.DataParallel(**kwargs)
+            out[name] = None
+        except (ValueError, TypeError) as err:
+            out[name] = str(err)
+    return out
+
+
 def rank_find_unused():
     """Rank 0 uses head `layers[4]`, rank 1 uses `head_b`; nobody uses `spare`."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -256,6 +275,7 @@ SUITE_2 = [
     ("bf16", "rank_compressed", ("bf16",)),
     ("auto", "rank_auto_bucket", ()),
     ("backward_error", "rank_backward_error_recovers", ()),
+    ("bad_input", "rank_bad_input", ()),
     ("unused_error", "rank_unused_error", ()),  # NOTE: last: it exercises the error path
 ]
 SUITE_4 = [
@@ -385,3 +405,13 @@ def test_a_failed_backward_does_not_poison_the_next_step(suite2):
     assert all(o["warned"] for o in out)
     assert torch.equal(out[0]["params"], out[1]["params"])
     torch.testing.assert_close(out[0]["params"], reference("sgd", steps=1))
+
+
+@pytest.mark.timeout(170)
+def test_bad_arguments_get_clear_errors(suite2):
+    out = results(suite2, "bad_input")[0]
+    assert "'auto'" in out["bucket_mb"] and "'big'" in out["bucket_mb"]
+    assert "> 0" in out["bucket_zero"]
+    assert "fp16" in out["compression"]
+    assert "nn.Module" in out["not_module"]
+    assert "requires grad" in out["frozen"]

@@ -79,10 +79,10 @@ class DataParallel(nn.Module):
                        if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
         if not self._named:
             raise ValueError("DataParallel: the module has no parameter that requires grad")
+        total = sum(p.numel() * p.element_size() for _, p in self._named)
+        self.tuner = BucketSizeTuner.parse(bucket_mb, total)  # NOTE: validate, then talk
         self._buffers_list = [b for b in module.buffers()]
         broadcast_tensors([p for _, p in self._named] + self._buffers_list, 0, group)
-        total = sum(p.numel() * p.element_size() for _, p in self._named)
-        self.tuner = BucketSizeTuner.parse(bucket_mb, total)
         self._sync = _GradSync(self._named, self.tuner.current_bytes(), self.compression,
                                find_unused, group, self.world, gradient_as_bucket_view)
         self._handles = [p.register_post_accumulate_grad_hook(self._sync.make_hook(i))
