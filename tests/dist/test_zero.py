@@ -63,6 +63,27 @@ def train(model, opt, steps, rank=0, world=1, start=0):
         opt.step()
 
 
+CLIP = 0.5
+
+
+def accumulate_and_clip(rank, world):
+    """Every stage: each step = 2 micro-batches of backward, clip to CLIP, step."""
+    out = {}
+    for stage in range(4):
+        z = disttrain.Zero(make_model(), factory("adamw"), stage=stage, bucket_mb=0.001)
+        norms = []
+        for s in range(STEPS):
+            x, y = batch(s)
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            z.optimizer.zero_grad()
+            for xm, ym in zip(x.chunk(2), y.chunk(2)):
+                (nn.functional.cross_entropy(z(xm), ym) / 2).backward()
+            norms.append(z.optimizer.clip_grad_norm_(CLIP))
+            z.optimizer.step()
+        out[stage] = {"sd": z.state_dict(), "norms": torch.stack(norms)}
+    return out
+
+
 def save_checkpoint(folder):
     """World 2, stage 1: 2 steps, then a disttrain.Checkpointer save of model + optimizer."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -102,6 +123,7 @@ def train_everything(folder):
         out[f"{name}/dp"] = dp.module.state_dict()
     if world == 2:
         out["resume"] = resume_matches_uninterrupted(rank, world)
+        out["accumulate"] = accumulate_and_clip(rank, world)
         save_checkpoint(folder)
     else:
         out["checkpoint"] = load_checkpoint(folder)
@@ -210,6 +232,25 @@ def test_resume_from_state_dicts_and_refuse_another_layout(folder):
         resume = out["resume"]
         assert resume[2] < 1e-6 and resume[3] < 1e-6, (rank, resume)
         assert "different ZeRO layout" in resume["mismatch"] and "stage" in resume["mismatch"]
+
+
+@pytest.mark.timeout(150)
+def test_accumulation_over_micro_batches_and_grad_clipping_match_single_process(folder):
+    model = make_model()
+    opt = factory("adamw")(list(model.parameters()))
+    norms = []
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+        opt.step()
+    norms = torch.stack(norms)
+    assert (norms > CLIP).all()  # clipping did something
+    for rank, out in enumerate(results(2, folder)):
+        for stage, got in out["accumulate"].items():
+            torch.testing.assert_close(got["norms"], norms, atol=1e-5, rtol=1e-4)
+            assert_close(got["sd"], model.state_dict(), f"stage {stage} rank {rank}")
 
 
 @pytest.mark.timeout(150)

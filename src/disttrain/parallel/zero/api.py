@@ -89,7 +89,7 @@ class Zero(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this rank's gradients (waits for reductions still in flight)."""
-        self.engine.zero_grad()
+        self.optimizer.zero_grad()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank keeps: params, grads, optimizer state (for disttrain.memory)."""
@@ -137,6 +137,7 @@ class ZeroOptimizer:
 
     def __init__(self, owner: Zero, inner: torch.optim.Optimizer):
         self._owner, self.inner = owner, inner
+        self._prepared = False
 
     @property
     def param_groups(self) -> list[dict]:
@@ -146,16 +147,41 @@ class ZeroOptimizer:
     def state(self):
         return self.inner.state
 
+    def _prepare(self) -> None:
+        if not self._prepared:  # wait for reductions, sums -> means (once per step)
+            self._owner.engine.prepare_step()
+            self._prepared = True
+
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure; "
                              "compute the loss and call backward() before step()")
-        self._owner.engine.prepare_step()
+        self._prepare()
         self.inner.step()
         self._owner.engine.after_step()
+        self._prepared = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._owner.engine.zero_grad()
+        self._prepared = False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm
+        before clipping. Call after backward, before step(); blocks (one tiny all-reduce
+        at stages 1-3, where each rank holds only its shard of the gradient)."""
+        self._prepare()
+        grads = [p.grad for p in self._owner.engine.shard_parameters() if p.grad is not None]
+        sq = torch.stack([g.float().square().sum() for g in grads]).sum() if grads \
+            else torch.zeros(())
+        if self._owner.stage > 0:
+            comm.all_reduce(sq, self._owner.group, self._owner.comm_stats)
+        norm = sq.sqrt()
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for g in grads:
+                g.mul_(scale)
+        return norm
 
     def _layout(self) -> dict[str, Any]:
         o = self._owner

@@ -45,6 +45,7 @@ class _Bucket:
 
     def __init__(self, params, offsets, numel, lo, hi, stage):
         self.params, self.offsets = params, offsets
+        self.offset_of = {id(p): off for p, off in zip(params, offsets)}
         p0 = params[0]
         self.data = torch.zeros(numel, dtype=p0.dtype, device=p0.device)  # (numel,)
         with torch.no_grad():
@@ -63,7 +64,7 @@ class _Bucket:
         self.pending = None  # (work, buffer) of the collective in flight
 
     def _view(self, p: torch.Tensor) -> torch.Tensor:
-        off = self.offsets[[id(q) for q in self.params].index(id(p))]
+        off = self.offset_of[id(p)]
         return self.grad[off:off + p.numel()].view_as(p)
 
     def grad_view_ptr(self, p: torch.Tensor) -> int:
@@ -105,6 +106,7 @@ class FlatShards:
             for p in members:
                 self._bucket_of[id(p)] = b
         self._inflight: list[_Bucket] = []
+        self._end_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def shard_parameters(self) -> list[nn.Parameter]:
@@ -119,6 +121,12 @@ class FlatShards:
     # ---- backward: reduce each bucket as soon as its gradients exist -------------
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._end_queued:
+            # NOTE: stages 0-1 reduce in place, so a collective still in flight when the
+            # next backward accumulates into the same buffer would race: every backward
+            # ends by waiting for its reductions (as DDP's engine callback does).
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
         b = self._bucket_of[id(p)]
         if b.grad is not None and p.grad.data_ptr() != b.grad_view_ptr(p):
             # the user set .grad to None (e.g. module.zero_grad()): move it back in place
@@ -167,6 +175,10 @@ class FlatShards:
                 b.shard.grad = out
             else:
                 b.shard.grad.add_(out)
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self.finish()
 
     def finish(self) -> None:
         """Reduce buckets whose hooks did not all fire, then wait for all (blocks)."""
