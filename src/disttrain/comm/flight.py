@@ -70,8 +70,8 @@ def is_library(path: str, dirs: tuple[str, ...] | None = None) -> bool:
 def user_site(depth: int = 1) -> tuple[str, int, str]:
     """(file, line, function) of the innermost frame outside disttrain, torch and stdlib.
 
-    Walks out from the caller's caller; falls back to the outermost frame. Cheap: a
-    frame walk, no source lookup.
+    Walks out from `depth` frames above this call (1: the caller's caller); falls back to
+    the outermost frame. Cheap: a frame walk, no source lookup.
     """
     frame = sys._getframe(depth)
     dirs = _library_dirs()
@@ -163,9 +163,12 @@ class FlightRecorder:
     # ---- recording (called around every collective) ----
 
     def start(self, op: str, group: str, ranks: list[int], shapes: list[list[int]],
-              dtype: str = "", depth: int = 2) -> Entry:
-        """Record a collective being issued; returns its entry (pass it to end/fail)."""
-        path, line, func = user_site(depth + 1)
+              dtype: str = "") -> Entry:
+        """Record a collective being issued; returns its entry (pass it to end/fail).
+
+        Its site is the innermost frame outside disttrain/torch/stdlib, from the caller out.
+        """
+        path, line, func = user_site(2)
         with self._lock:
             self._seq[group] += 1
             entry = Entry(self._seq[group], op, group, list(ranks), shapes, dtype,

@@ -60,7 +60,7 @@ class RankView:
         after = f"last completed {describe(last)}" if last else "no collective completed yet"
         status = (self.state or {}).get("status")
         if status == "exited":
-            return f"finished its script ({after})"
+            return f"done: its script returned ({after})"
         here = self.user_frame()
         spot = f" at {os.path.basename(here[0])}:{here[1]} in {here[2]}" if here else ""
         if self.state is None:

@@ -134,7 +134,7 @@ def _failed(rec: FlightRecorder, entry: Entry, err: BaseException) -> Collective
 
 def _run(op: str, call, group_name: str, ranks: list[int], shapes, dtype, async_op: bool):
     rec = recorder()
-    entry = rec.start(op, group_name, ranks, shapes, str(dtype).replace("torch.", ""), depth=3)
+    entry = rec.start(op, group_name, ranks, shapes, str(dtype).replace("torch.", ""))
     try:
         work = call()
     except Exception as err:  # noqa: BLE001 - backend errors become CollectiveError
