@@ -11,6 +11,7 @@ from torch import nn
 
 from disttrain.checkpoint import (
     Checkpointer,
+    CheckpointError,
     CheckpointMismatchError,
     CheckpointWarning,
     CorruptCheckpointError,
@@ -135,6 +136,19 @@ def test_damaged_latest_falls_back_and_names_the_file(tmp_path, damage):
     named = "manifest.json" if damage.startswith("manifest") else "rank00000.safetensors"
     assert named in message
     assert all(torch.equal(a, b) for a, b in zip(saved[1], _params(model)))
+
+
+@pytest.mark.timeout(20)
+def test_load_a_chosen_step(tmp_path):
+    saved = _save_steps(tmp_path, [1, 2, 3])
+    model, opt = _fresh(seed=5)
+    assert Checkpointer(tmp_path).load(model=model, optimizer=opt, step=2) == 2
+    assert all(torch.equal(a, b) for a, b in zip(saved[2], _params(model)))
+    with pytest.raises(CheckpointError, match="no checkpoint of step 7"):
+        Checkpointer(tmp_path).load(model=model, step=7)
+    _flip_byte(tmp_path / "step_00000002" / "rank00000.safetensors", 150)
+    with pytest.warns(CheckpointWarning), pytest.raises(CorruptCheckpointError):
+        Checkpointer(tmp_path).load(model=model, step=2)  # no silent fallback to step 1
 
 
 @pytest.mark.timeout(20)

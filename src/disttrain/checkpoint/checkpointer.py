@@ -146,7 +146,8 @@ class Checkpointer:
         return "ok"
 
     def load(self, *, model: Any = None, optimizer: Any = None, loader: Any = None,
-             extra: dict[str, Any] | None = None, rng: bool = True) -> int:
+             extra: dict[str, Any] | None = None, rng: bool = True,
+             step: int | None = None) -> int:
         """Restore the newest good checkpoint into the given objects; returns its step.
 
         Returns 0 (and changes nothing) when the folder holds no checkpoint. A
@@ -154,10 +155,14 @@ class Checkpointer:
         CheckpointWarning naming the file, and the previous one is tried; when none is
         good, raises CorruptCheckpointError. A checkpoint of another model raises
         CheckpointMismatchError naming the keys. `extra` (if given) is updated in place
-        and `self.extra` holds the saved extra. Blocks: a collective over `group`.
+        and `self.extra` holds the saved extra. `rng=False` leaves the RNGs alone.
+        `step=N` loads exactly that checkpoint (raising if it is missing or damaged).
+        Blocks: a collective over `group`.
         """
+        if step is not None:
+            _check_step(step)
         targets = reader.Targets(model=model, optimizer=optimizer, loader=loader, rng=rng)
-        found = reader.load_newest_good(self.directory, targets, self.group)
+        found = reader.load_newest_good(self.directory, targets, self.group, only_step=step)
         if found is None:
             return 0
         step, folder, loaded_extra = found

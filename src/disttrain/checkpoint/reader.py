@@ -50,13 +50,19 @@ class Targets:
     rng: bool = True
 
 
-def load_newest_good(directory: str, targets: Targets, group=None):
+def load_newest_good(directory: str, targets: Targets, group=None, only_step=None):
     """(step, folder, extra) of the checkpoint applied, or None when there is none.
 
     Blocks: collectives over `group`; every rank must call it.
     """
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     names = io.broadcast_json(io.checkpoint_dirs(directory) if rank == 0 else None, group)
+    if only_step is not None:
+        wanted = io.step_dir_name(only_step)
+        if wanted not in names:
+            raise CheckpointError(f"{directory} holds no checkpoint of step {only_step} "
+                                  f"(it has {sorted(names) or 'none'})")
+        names = [wanted]
     skipped = []
     for i, name in enumerate(names):
         folder = os.path.join(directory, name)
