@@ -7,6 +7,9 @@ and gradients with gloo p2p, on a pipeline of equal layers, and prints for each:
   against the formula (p-1)/(m+p-1) (interleaved: (p-1)/(v*m+p-1), i.e. (p-1)/(v*m) of
   the ideal time);
 - peak bytes saved for backward on stage 0 (GPipe holds m micro-batches, 1F1B p);
+- "replayed": the bubble the simulator computes for the same action lists with the
+  measured action durations and free messages; measured minus replayed is what p2p
+  latency and process wake-ups cost (interleaving has v times more hops);
 - with --gantt PATH, a PNG Gantt chart of the executed schedules (stages as rows).
 
 Stage compute: `--compute sleep` (default) makes each layer a real Linear plus a fixed
@@ -29,7 +32,7 @@ from torch import nn
 
 import disttrain
 from disttrain.mesh import Mesh
-from disttrain.parallel.pipeline import Pipeline, make_schedule, split_model
+from disttrain.parallel.pipeline import Pipeline, make_schedule, simulate, split_model
 from disttrain.testing import spawn
 
 
@@ -99,6 +102,12 @@ def bubble(stage_spans: list[torch.Tensor]) -> float:
     return 1.0 - busy / (len(stage_spans) * (end - start))
 
 
+def replayed(name: str, p: int, m: int, v: int, stage_spans: list[torch.Tensor]) -> float:
+    """Bubble of the same schedule with the measured action durations and free messages."""
+    durations = [(s[:, 4] - s[:, 3]).tolist() for s in stage_spans]
+    return simulate(make_schedule(name, p, m, v), p, v, durations=durations).bubble_fraction
+
+
 def formula(schedule: str, p: int, m: int, v: int) -> float:
     return (p - 1) / (m + p - 1) if schedule != "interleaved" else (p - 1) / (v * m + p - 1)
 
@@ -147,8 +156,8 @@ def main():
     depth = 1 if sleep else 40
     print(f"p={p} stages, m={m} micro-batches, v={v} (interleaved), compute={args.compute}, "
           f"t_f={t_f * 1e3:.0f}ms t_b={t_b * 1e3:.0f}ms per stage and micro-batch")
-    print(f"{'schedule':12s} {'bubble':>8s} {'formula':>8s} {'ratio':>6s} {'step ms':>8s} "
-          f"{'stage0 peak act KiB':>20s}")
+    print(f"{'schedule':12s} {'bubble':>8s} {'formula':>8s} {'ratio':>6s} {'replayed':>9s} "
+          f"{'step ms':>8s} {'stage0 peak act KiB':>20s}")
     runs = {}
     for name in ("gpipe", "1f1b", "interleaved"):
         vv = v if name == "interleaved" else 1
@@ -157,7 +166,10 @@ def main():
         bubbles = [bubble([o["spans"][k] for o in out]) for k in range(args.steps)]
         makespans = [max(float(o["spans"][k][:, 4].max()) for o in out) for k in range(args.steps)]
         b, f = statistics.median(bubbles), formula(name, p, m, vv)
-        print(f"{name:12s} {b:8.3f} {f:8.3f} {b / f:6.2f} {statistics.median(makespans) * 1e3:8.1f} "
+        r = statistics.median(replayed(name, p, m, vv, [o["spans"][k] for o in out])
+                              for k in range(args.steps))
+        print(f"{name:12s} {b:8.3f} {f:8.3f} {b / f:6.2f} {r:9.3f} "
+              f"{statistics.median(makespans) * 1e3:8.1f} "
               f"{out[0]['peak_bytes'] / 1024:20.1f}", flush=True)
         runs[f"{name} (p={p}, m={m}" + (f", v={vv})" if vv > 1 else ")")] = \
             [o["spans"][-1] for o in out]

@@ -81,6 +81,7 @@ class _Step:
     inputs: list
     targets: list
     stash: dict = field(default_factory=dict)
+    posted: dict = field(default_factory=dict)  # (kind, mb, chunk) -> (buffer, recv work)
     sends: list = field(default_factory=list)
     loss: torch.Tensor | None = None
 
@@ -126,6 +127,11 @@ class Pipeline:
             dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for i, a in enumerate(self.actions):
+            # NOTE: post this action's and the next one's receive before computing, so a
+            # peer's send finds its receive waiting (no round trip on the critical path).
+            self._post_recv(st, a)
+            if i + 1 < len(self.actions):
+                self._post_recv(st, self.actions[i + 1])
             if a.kind == "F":
                 self._forward(st, a, t0)
             else:
@@ -164,7 +170,7 @@ class Pipeline:
         if j == 0:
             x = st.inputs[a.microbatch]
         else:
-            x = self._recv_activation(self._peer(j - 1), a.microbatch, j - 1)
+            x = self._recv_activation(self._take(st, a), self._peer(j - 1), a.microbatch, j - 1)
         start = time.perf_counter()
         with self._saving():
             out = self.chunks[a.chunk](x)
@@ -179,10 +185,7 @@ class Pipeline:
     def _backward(self, st: _Step, a: Action, t0: float, sync: bool) -> None:
         j = self._virtual(a)
         x, out = st.stash.pop((a.microbatch, a.chunk))
-        grad = None
-        if j != self.last_virtual:
-            grad = torch.empty_like(out)
-            dist.recv(grad, self._peer(j + 1), group=self.group, tag=self._tag(a.microbatch, j, 2))
+        grad = self._take(st, a) if j != self.last_virtual else None
         start = time.perf_counter()
         chunk = self.chunks[a.chunk]
         ctx = chunk.no_sync() if (not sync and hasattr(chunk, "no_sync")) else contextlib.nullcontext()
@@ -204,9 +207,29 @@ class Pipeline:
         st.sends.append(dist.isend(header, dst, group=self.group, tag=self._tag(mb, j, 0)))
         st.sends.append(dist.isend(y, dst, group=self.group, tag=self._tag(mb, j, 1)))
 
-    def _recv_activation(self, src: int, mb: int, j: int) -> torch.Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=self.group, tag=self._tag(mb, j, 0))
+    def _post_recv(self, st: _Step, a: Action) -> None:
+        """Post (not wait for) the receive `a` needs: an activation header or a gradient."""
+        key, j = (a.kind, a.microbatch, a.chunk), self._virtual(a)
+        if key in st.posted:
+            return
+        if a.kind == "F" and j > 0:
+            buf, src, tag = torch.empty(_HEADER, dtype=torch.int64, device=self.device), \
+                self._peer(j - 1), self._tag(a.microbatch, j - 1, 0)
+        elif a.kind == "B" and j != self.last_virtual and (a.microbatch, a.chunk) in st.stash:
+            buf, src, tag = torch.empty_like(st.stash[(a.microbatch, a.chunk)][1]), \
+                self._peer(j + 1), self._tag(a.microbatch, j, 2)
+        else:
+            return
+        st.posted[key] = (buf, dist.irecv(buf, src, group=self.group, tag=tag))
+
+    def _take(self, st: _Step, a: Action) -> torch.Tensor:
+        """Wait for the receive posted for `a` and return its buffer. Blocks."""
+        self._post_recv(st, a)
+        buf, work = st.posted.pop((a.kind, a.microbatch, a.chunk))
+        work.wait()
+        return buf
+
+    def _recv_activation(self, header: torch.Tensor, src: int, mb: int, j: int) -> torch.Tensor:
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
         dist.recv(x, src, group=self.group, tag=self._tag(mb, j, 1))

@@ -179,11 +179,13 @@ class Simulation:
 
 
 def simulate(schedule: list[list[Action]], num_stages: int, num_virtual: int = 1,
-             t_f: float = 1.0, t_b: float = 1.0) -> Simulation:
+             t_f: float = 1.0, t_b: float = 1.0,
+             durations: list[list[float]] | None = None) -> Simulation:
     """Run the action lists on a model where each stage does one action at a time.
 
-    A chunk's F takes `t_f / num_virtual`, its B `t_b / num_virtual`; sends are free and
-    asynchronous. Raises ValueError naming the stuck actions if the lists deadlock.
+    A chunk's F takes `t_f / num_virtual`, its B `t_b / num_virtual` (or, when given,
+    `durations[stage][i]` for the i-th action of a stage, e.g. measured ones); sends are
+    free and asynchronous. Raises ValueError naming the stuck actions on a deadlock.
     """
     p, v = num_stages, num_virtual
     last = p * v - 1
@@ -204,7 +206,8 @@ def simulate(schedule: list[list[Action]], num_stages: int, num_virtual: int = 1
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[s], done[dep] if dep else 0.0)
-                end = start + (t_f if a.kind == "F" else t_b) / v
+                cost = (t_f if a.kind == "F" else t_b) / v
+                end = start + (durations[s][ptr[s]] if durations is not None else cost)
                 done[(a.kind, a.microbatch, j)] = clock[s] = end
                 spans[s].append((start, end, a))
                 ptr[s] += 1
