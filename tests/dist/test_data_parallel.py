@@ -160,6 +160,48 @@ def rank_backward_error_recovers():
             "params": flat(ours.module)}
 
 
+def variant_model(kind):
+    model = Net(seed=0)
+    if kind == "mixed_dtype":  # two dtypes -> two flat buffers, buckets never mixed
+        model.layers[2].double()
+        model.layers.insert(2, _Cast(torch.float64))
+        model.layers.insert(4, _Cast(torch.float32))
+    if kind == "tied":  # one Parameter used twice: one slot, one hook, one gradient
+        extra = nn.Linear(32, 32)
+        extra.weight = model.layers[2].weight
+        model.layers.insert(4, extra)
+    return model
+
+
+class _Cast(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+
+
+def variant_steps(model, dp, kind, rank, world):
+    """Train `dp` (DataParallel or the plain model) the way `kind` says; flat params."""
+    opt = make_opt("sgd", dp.parameters())
+    for x, y in batches():
+        x, y = shard(x, rank, world), shard(y, rank, world)
+        opt.zero_grad(set_to_none=kind != "zero_fill")
+        nn.functional.mse_loss(dp(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+
+
+def rank_variant(kind):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = variant_model(kind)
+    dp = disttrain.DataParallel(model, bucket_mb=0.001,
+                                gradient_as_bucket_view=kind != "no_view")
+    return {"params": variant_steps(model, dp, kind, rank, world),
+            "buckets": dp.num_buckets}
+
+
 def rank_bad_input():
     """Each bad argument -> the error message it produced (None if it did not raise)."""
     cases = {
@@ -276,6 +318,10 @@ SUITE_2 = [
     ("auto", "rank_auto_bucket", ()),
     ("backward_error", "rank_backward_error_recovers", ()),
     ("bad_input", "rank_bad_input", ()),
+    ("zero_fill", "rank_variant", ("zero_fill",)),
+    ("no_view", "rank_variant", ("no_view",)),
+    ("mixed_dtype", "rank_variant", ("mixed_dtype",)),
+    ("tied", "rank_variant", ("tied",)),
     ("unused_error", "rank_unused_error", ()),  # NOTE: last: it exercises the error path
 ]
 SUITE_4 = [
@@ -415,3 +461,15 @@ def test_bad_arguments_get_clear_errors(suite2):
     assert "fp16" in out["compression"]
     assert "nn.Module" in out["not_module"]
     assert "requires grad" in out["frozen"]
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("kind", ["zero_fill", "no_view", "mixed_dtype", "tied"])
+def test_variants_match_single_process(kind, suite2):
+    """zero_grad(set_to_none=False) (accumulate into the bucket), grads not as views,
+    parameters of two dtypes, and a parameter used by two layers."""
+    out = results(suite2, kind)
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    model = variant_model(kind)
+    expected = variant_steps(model, model, kind, 0, 1)
+    torch.testing.assert_close(out[0]["params"], expected)
