@@ -1,9 +1,11 @@
 """ZeRO stages 0-3 on real gloo ranks against a single-process run and DataParallel.
 
-One spawn per world size trains every (stage, optimizer) pair and DataParallel on the
-same data; the parent trains the unsharded reference. A second spawn measures
-per-rank model-state bytes (vs the ZeRO paper's formulas, fp32 variant) and the bytes
-each stage sends per step.
+One world-4 spawn (whose rank pairs {0,1} and {2,3} also run as two world-2 jobs over
+process groups) trains every (stage, optimizer) pair and DataParallel on the same data,
+resumes from state dicts and from a Checkpointer checkpoint saved at another world
+size, accumulates micro-batches with gradient clipping, and measures per-rank
+model-state bytes (vs the ZeRO paper's formulas, fp32 variant) and the bytes each stage
+sends per step. The parent trains the unsharded reference.
 """
 
 from __future__ import annotations
@@ -63,14 +65,38 @@ def train(model, opt, steps, rank=0, world=1, start=0):
         opt.step()
 
 
+def where(group):
+    """(rank, world) inside `group` (None = all ranks)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def every_stage(group):
+    """State dicts after STEPS for every (optimizer, stage) and for DataParallel."""
+    rank, world = where(group)
+    out = {}
+    for name in ("sgd", "adamw"):
+        for stage in range(4):
+            z = disttrain.Zero(make_model(), factory(name), stage=stage, group=group,
+                               bucket_mb=0.001)
+            train(z, z.optimizer, STEPS, rank, world)
+            out[f"{name}/zero{stage}"] = z.state_dict()
+        dp = disttrain.DataParallel(make_model(), group=group)
+        opt = factory(name)(list(dp.parameters()))
+        train(dp, opt, STEPS, rank, world)
+        out[f"{name}/dp"] = dp.module.state_dict()
+    return out
+
+
 CLIP = 0.5
 
 
-def accumulate_and_clip(rank, world):
+def accumulate_and_clip(group):
     """Every stage: each step = 2 micro-batches of backward, clip to CLIP, step."""
+    rank, world = where(group)
     out = {}
     for stage in range(4):
-        z = disttrain.Zero(make_model(), factory("adamw"), stage=stage, bucket_mb=0.001)
+        z = disttrain.Zero(make_model(), factory("adamw"), stage=stage, group=group,
+                           bucket_mb=0.001)
         norms = []
         for s in range(STEPS):
             x, y = batch(s)
@@ -84,88 +110,67 @@ def accumulate_and_clip(rank, world):
     return out
 
 
-def save_checkpoint(folder):
-    """World 2, stage 1: 2 steps, then a disttrain.Checkpointer save of model + optimizer."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    z = disttrain.Zero(make_model(), factory("adamw"), stage=1)
-    train(z, z.optimizer, 2, rank, world)
-    disttrain.Checkpointer(folder).save(2, model=z, optimizer=z.optimizer)
-
-
-def load_checkpoint(folder):
-    """World 4, stage 3 (and 2): load that checkpoint, take the third step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for stage in (2, 3):
-        z = disttrain.Zero(make_model(), factory("adamw"), stage=stage)
-        assert disttrain.Checkpointer(folder).load(model=z, optimizer=z.optimizer, rng=False) == 2
-        train(z, z.optimizer, 1, rank, world, start=2)
-        out[stage] = z.state_dict()
-    return out
-
-
-def train_everything(folder):
-    """Each rank: state dicts after STEPS for every stage/optimizer and DP; at world 2 a
-    resume check, at world 4 ZeRO over two groups of 2 and the memory/bytes measurements.
-
-    NOTE: one spawn per world size does it all: starting processes dominates test time.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for name in ("sgd", "adamw"):
-        for stage in range(4):
-            z = disttrain.Zero(make_model(), factory(name), stage=stage, bucket_mb=0.001)
-            train(z, z.optimizer, STEPS, rank, world)
-            out[f"{name}/zero{stage}"] = z.state_dict()
-        dp = disttrain.DataParallel(make_model())
-        opt = factory(name)(list(dp.parameters()))
-        train(dp, opt, STEPS, rank, world)
-        out[f"{name}/dp"] = dp.module.state_dict()
-    if world == 2:
-        out["resume"] = resume_matches_uninterrupted(rank, world)
-        out["accumulate"] = accumulate_and_clip(rank, world)
-        save_checkpoint(folder)
-    else:
-        out["checkpoint"] = load_checkpoint(folder)
-        out["groups"] = zero_over_groups_of_two(rank)
-        out["measure"] = measure_stages()
-    return out
-
-
-def zero_over_groups_of_two(rank):
-    """Ranks {0,1} and {2,3} each run ZeRO over their own group, as two dp=2 replicas."""
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    group = groups[rank // 2]
-    out = {}
-    for stage in (1, 3):
-        z = disttrain.Zero(make_model(), factory("adamw"), stage=stage, group=group)
-        train(z, z.optimizer, STEPS, rank % 2, 2)
-        out[stage] = z.state_dict()
-    return out
-
-
-def resume_matches_uninterrupted(rank, world):
+def resume_matches_uninterrupted(group):
     """Stage 2 and 3: save after 2 steps, load into fresh wrappers, 1 more step == 3 steps."""
+    rank, world = where(group)
     errors = {}
     for stage in (2, 3):
-        a = disttrain.Zero(make_model(), factory("adamw"), stage=stage)
+        a = disttrain.Zero(make_model(), factory("adamw"), stage=stage, group=group)
         train(a, a.optimizer, 2, rank, world)
         # NOTE: torch state dicts alias live tensors; clone as saving to disk would
         model_sd, opt_sd = clone(a.state_dict()), clone(a.optimizer.state_dict())
         train(a, a.optimizer, 1, rank, world, start=2)
-        b = disttrain.Zero(make_model(), factory("adamw"), stage=stage)
+        b = disttrain.Zero(make_model(), factory("adamw"), stage=stage, group=group)
         b.load_state_dict(model_sd)
         b.optimizer.load_state_dict(opt_sd)
         train(b, b.optimizer, 1, rank, world, start=2)
         sa, sb = a.state_dict(), b.state_dict()
         errors[stage] = max((sa[k] - sb[k]).abs().max().item() for k in sa)
     try:  # an optimizer state saved at stage 3 does not load at stage 2
-        b = disttrain.Zero(make_model(), factory("adamw"), stage=2)
+        b = disttrain.Zero(make_model(), factory("adamw"), stage=2, group=group)
         b.optimizer.load_state_dict(opt_sd)
         errors["mismatch"] = ""
     except ValueError as err:
         errors["mismatch"] = str(err)
     return errors
+
+
+def checkpoint_across_world_sizes(folder, pair):
+    """Save at world 4, stage 1 after 2 steps (disttrain.Checkpointer); load into
+    stages 2 and 3 over a group of 2 and take the third step there."""
+    rank, world = where(None)
+    z = disttrain.Zero(make_model(), factory("adamw"), stage=1)
+    train(z, z.optimizer, 2, rank, world)
+    disttrain.Checkpointer(folder).save(2, model=z, optimizer=z.optimizer)
+    dist.barrier()
+    rank, world = where(pair)
+    out = {}
+    for stage in (2, 3):
+        z = disttrain.Zero(make_model(), factory("adamw"), stage=stage, group=pair)
+        got = disttrain.Checkpointer(folder, group=pair).load(model=z, optimizer=z.optimizer,
+                                                              rng=False)
+        assert got == 2, got
+        train(z, z.optimizer, 1, rank, world, start=2)
+        out[stage] = z.state_dict()
+    return out
+
+
+def train_everything(folder):
+    """One world-4 job; ranks {0,1} and {2,3} are also two independent world-2 ZeRO jobs
+    (process groups of 2), so world 2 is covered twice without a second spawn.
+
+    NOTE: one spawn does it all: starting processes dominates this file's test time.
+    """
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[dist.get_rank() // 2]
+    return {
+        4: every_stage(None),
+        2: every_stage(pair),
+        "resume": resume_matches_uninterrupted(pair),
+        "accumulate": accumulate_and_clip(pair),
+        "checkpoint": checkpoint_across_world_sizes(folder, pair),
+        "measure": measure_stages(),
+    }
 
 
 def clone(obj):
@@ -190,52 +195,45 @@ def assert_close(got, want, what):
         torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4, msg=f"{what}: {k}")
 
 
-_RESULTS: dict[int, list] = {}
+_RESULTS: list = []
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("zero-ckpt"))
+def results(tmp_path_factory):
+    """Every rank's train_everything(), computed once per test session."""
+    if not _RESULTS:
+        folder = str(tmp_path_factory.mktemp("zero-ckpt"))
+        _RESULTS.extend(spawn(train_everything, 4, folder, timeout=170))
+    return _RESULTS
 
 
-def results(world, folder):
-    """Every rank's train_everything() at `world`, computed once per test session.
-
-    NOTE: world 4 loads the checkpoint world 2 saved, so world 2 runs first.
-    """
-    if world == 4:
-        results(2, folder)
-    if world not in _RESULTS:
-        _RESULTS[world] = spawn(train_everything, world, folder, timeout=140)
-    return _RESULTS[world]
-
-
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_stage_matches_single_process_and_data_parallel(world, folder):
-    out = results(world, folder)
+def test_every_stage_matches_single_process_and_data_parallel(world, tmp_path_factory):
+    out = [r[world] for r in results(tmp_path_factory)]
     for name in ("sgd", "adamw"):
         ref = reference(name)
-        assert_close(out[0][f"{name}/dp"], ref, f"{name} DataParallel vs single process")
-        for stage in range(4):
-            key = f"{name}/zero{stage}"
-            for rank in range(world):
+        for rank in range(4):
+            assert_close(out[rank][f"{name}/dp"], ref, f"{name} DataParallel vs single process")
+            for stage in range(4):
+                key = f"{name}/zero{stage}"
                 assert_close(out[rank][key], ref, f"{key} rank {rank} vs single process")
-                assert_close(out[rank][key], out[0][f"{name}/dp"], f"{key} vs DataParallel")
+                assert_close(out[rank][key], out[rank][f"{name}/dp"], f"{key} vs DataParallel")
         # the tied head really is the embedding after training
-        assert torch.equal(out[0][f"{name}/zero3"]["head.weight"], out[0][f"{name}/zero3"]["emb.weight"])
+        sd = out[0][f"{name}/zero3"]
+        assert torch.equal(sd["head.weight"], sd["emb.weight"])
 
 
-@pytest.mark.timeout(150)
-def test_resume_from_state_dicts_and_refuse_another_layout(folder):
-    for rank, out in enumerate(results(2, folder)):
+@pytest.mark.timeout(180)
+def test_resume_from_state_dicts_and_refuse_another_layout(tmp_path_factory):
+    for rank, out in enumerate(results(tmp_path_factory)):
         resume = out["resume"]
         assert resume[2] < 1e-6 and resume[3] < 1e-6, (rank, resume)
         assert "different ZeRO layout" in resume["mismatch"] and "stage" in resume["mismatch"]
 
 
-@pytest.mark.timeout(150)
-def test_accumulation_over_micro_batches_and_grad_clipping_match_single_process(folder):
+@pytest.mark.timeout(180)
+def test_accumulation_over_micro_batches_and_grad_clipping_match_single_process(
+        tmp_path_factory):
     model = make_model()
     opt = factory("adamw")(list(model.parameters()))
     norms = []
@@ -247,24 +245,17 @@ def test_accumulation_over_micro_batches_and_grad_clipping_match_single_process(
         opt.step()
     norms = torch.stack(norms)
     assert (norms > CLIP).all()  # clipping did something
-    for rank, out in enumerate(results(2, folder)):
+    for rank, out in enumerate(results(tmp_path_factory)):
         for stage, got in out["accumulate"].items():
             torch.testing.assert_close(got["norms"], norms, atol=1e-5, rtol=1e-4)
             assert_close(got["sd"], model.state_dict(), f"stage {stage} rank {rank}")
 
 
-@pytest.mark.timeout(150)
-def test_zero_over_a_subgroup_matches_single_process(folder):
-    ref = reference("adamw")
-    for rank, out in enumerate(results(4, folder)):
-        for stage, sd in out["groups"].items():
-            assert_close(sd, ref, f"stage {stage} over group of rank {rank}")
-
-
-@pytest.mark.timeout(150)
-def test_checkpoint_saved_at_world_2_stage_1_resumes_at_world_4_stages_2_and_3(folder):
+@pytest.mark.timeout(180)
+def test_checkpoint_saved_at_world_4_stage_1_resumes_at_world_2_stages_2_and_3(
+        tmp_path_factory):
     ref = reference("adamw")  # 3 uninterrupted steps
-    for rank, out in enumerate(results(4, folder)):
+    for rank, out in enumerate(results(tmp_path_factory)):
         for stage, sd in out["checkpoint"].items():
             assert_close(sd, ref, f"stage {stage} rank {rank} resumed from checkpoint")
 
@@ -305,10 +296,11 @@ def measure_stages():
     return out
 
 
-@pytest.mark.timeout(150)
-def test_model_state_bytes_match_the_paper_and_stage3_sends_one_and_a_half_times_dp(folder):
+@pytest.mark.timeout(180)
+def test_model_state_bytes_match_the_paper_and_stage3_sends_one_and_a_half_times_dp(
+        tmp_path_factory):
     world = 4
-    out = [r["measure"] for r in results(world, folder)]
+    out = [r["measure"] for r in results(tmp_path_factory)]
     psi = sum(p.numel() for p in make_mlp().parameters())
     for rank in range(world):
         for stage in list(range(4)) + ["dp"]:
