@@ -52,12 +52,18 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _SITE_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
 
 
+_dirs_cache: list[tuple[str, ...]] = []
+
+
 def _library_dirs() -> tuple[str, ...]:
-    dirs = [_DISTTRAIN_DIR + os.sep]
+    if _dirs_cache:
+        return _dirs_cache[0]
+    dirs = (_DISTTRAIN_DIR + os.sep,)
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "__file__", None):
-        dirs.append(os.path.dirname(torch.__file__) + os.sep)
-    return tuple(dirs)
+        dirs += (os.path.dirname(torch.__file__) + os.sep,)
+        _dirs_cache.append(dirs)  # final once torch is imported
+    return dirs
 
 
 def is_library(path: str, dirs: tuple[str, ...] | None = None) -> bool:
@@ -109,8 +115,8 @@ class Entry:
     """Operation name: all_reduce, broadcast, all_gather, barrier, send, recv, ..."""
     group: str
     """Which group: 'world', 'group ranks 0-1', or 'p2p 0<->1' for point-to-point."""
-    ranks: list[int]
-    """Global ranks of the group (or the two peers), to name who is missing."""
+    ranks: list[int] | tuple[int, ...]
+    """Global ranks of the group (or the two peers), to name who is missing (shared, not copied)."""
     shapes: list[list[int]]
     dtype: str
     site: str
@@ -171,7 +177,7 @@ class FlightRecorder:
         path, line, func = user_site(2)
         with self._lock:
             self._seq[group] += 1
-            entry = Entry(self._seq[group], op, group, list(ranks), shapes, dtype,
+            entry = Entry(self._seq[group], op, group, ranks, shapes, dtype,
                           f"{path}:{line}", func, time.time())
             self._counts[(group, op, entry.site)] += 1
             self._in_flight[id(entry)] = entry

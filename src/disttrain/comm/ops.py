@@ -75,14 +75,23 @@ def _check_ready(op: str) -> None:
                            "first (it works alone too, as a world of one)")
 
 
-def _group_info(group) -> tuple[str, list[int]]:
-    if group is None or group is dist.group.WORLD:
-        return "world", list(range(dist.get_world_size()))
+_groups: dict[int, tuple[object, str, tuple[int, ...]]] = {}  # id(group) -> (group, name, ranks)
+
+
+def _group_info(group) -> tuple[str, tuple[int, ...]]:
+    """(name, global ranks) of `group`, cached: this runs on every collective."""
+    if group is None:
+        group = dist.group.WORLD
+    hit = _groups.get(id(group))
+    if hit is not None and hit[0] is group:
+        return hit[1], hit[2]
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), "
                         f"got {type(group).__name__}; use mesh.group('dp') or dist.new_group(ranks)")
-    ranks = dist.get_process_group_ranks(group)
-    return f"group [{format_ranks(ranks)}]", ranks
+    ranks = tuple(dist.get_process_group_ranks(group))
+    name = "world" if group is dist.group.WORLD else f"group [{format_ranks(ranks)}]"
+    _groups[id(group)] = (group, name, ranks)
+    return name, ranks
 
 
 def _check_tensor(op: str, name: str, t) -> list[int]:
@@ -92,7 +101,7 @@ def _check_tensor(op: str, name: str, t) -> list[int]:
     return list(t.shape)
 
 
-def _check_rank(op: str, name: str, rank, ranks: list[int], group_name: str) -> None:
+def _check_rank(op: str, name: str, rank, ranks, group_name: str) -> None:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank not in ranks:
         raise ValueError(f"{op}: {name}={rank!r} is not a global rank of {group_name} (ranks "
                          f"{format_ranks(ranks)}); pass a global rank in that group")
@@ -132,7 +141,7 @@ def _failed(rec: FlightRecorder, entry: Entry, err: BaseException) -> Collective
     return CollectiveError(message, entry, rec.status == "timeout")
 
 
-def _run(op: str, call, group_name: str, ranks: list[int], shapes, dtype, async_op: bool):
+def _run(op: str, call, group_name: str, ranks, shapes, dtype, async_op: bool):
     rec = recorder()
     entry = rec.start(op, group_name, ranks, shapes, str(dtype).replace("torch.", ""))
     try:
@@ -232,7 +241,7 @@ def _p2p(op: str, tensor, peer: int, group, call, async_op: bool, peer_name: str
         raise ValueError(f"{op}: {peer_name}={peer} is this rank; point-to-point needs another rank")
     # NOTE: p2p is numbered per peer pair, not per group: stages send different counts.
     pair = f"p2p {min(me, peer)}<->{max(me, peer)}"
-    return _run(op, call, pair, sorted((me, peer)), [shape], tensor.dtype, async_op)
+    return _run(op, call, pair, (min(me, peer), max(me, peer)), [shape], tensor.dtype, async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
