@@ -3,8 +3,9 @@
 This module only re-exports the public API; see docs/design.md for the layers.
 """
 
-from disttrain import data, memory, ps, testing
+from disttrain import comm, data, memory, ps, testing
 from disttrain.checkpoint import Checkpointer
+from disttrain.finite import FiniteGradCheck, NonFiniteGradError
 from disttrain.mesh import Mesh
 from disttrain.parallel import DataParallel
 from disttrain.parallel.parallelize import parallelize
@@ -28,9 +29,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
     "DataParallel",
+    "FiniteGradCheck",
     "Mesh",
+    "NonFiniteGradError",
     "Zero",
     "backend",
+    "comm",
     "data",
     "ps",
     "device",
