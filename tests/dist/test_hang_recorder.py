@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
+import disttrain
 from disttrain import comm
 from disttrain.comm.hang_report import collective_report
 from disttrain.testing import RankFailedError, spawn
@@ -48,8 +50,26 @@ def every_op():
     return {"t": t, "state": rec.snapshot(), "flying": len(rec.in_flight())}
 
 
+def nonfinite_on_rank_one():
+    torch.manual_seed(0)
+    model = disttrain.DataParallel(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)))
+    check = disttrain.FiniteGradCheck(model)
+    x = torch.ones(4, 3)
+    if dist.get_rank() == 1:
+        x[0, 0] = float("nan")  # only rank 1's batch is bad; averaging would spread it
+    model(x).sum().backward()
+    try:
+        check.check()
+    except disttrain.NonFiniteGradError as err:
+        return {"msg": str(err), "bad": {str(k): v for k, v in err.bad.items()}}
+    return None
+
+
 def every_op_then_late(flag: str):
     out = every_op()
+    out["nonfinite"] = nonfinite_on_rank_one()
+    world = [e for e in comm.recorder().snapshot()["recent"] if e["group"] == "world"]
+    out["next_seq"] = world[-1]["seq"] + 1
     if dist.get_rank() == 1:  # stay alive (not in a collective) until rank 0 gave up
         deadline = time.monotonic() + 30
         while not os.path.exists(flag) and time.monotonic() < deadline:
@@ -66,7 +86,7 @@ def every_op_then_late(flag: str):
 
 
 @pytest.mark.timeout(60)
-def test_collectives_are_numbered_and_placed_and_a_timeout_names_op_and_call_site(tmp_path):
+def test_collectives_numbered_and_placed_nan_named_by_rank_and_timeout_names_call_site(tmp_path):
     out = spawn(every_op_then_late, 2, str(tmp_path / "flag"), collective_timeout=2,
                 env={"DISTTRAIN_TIMEOUT": "2"})
     for rank, res in enumerate(out):
@@ -84,9 +104,12 @@ def test_collectives_are_numbered_and_placed_and_a_timeout_names_op_and_call_sit
             (p2p[0], "p2p 0<->1", 1, p2p[1], p2p[2]),
         ]
         assert got == [(op, g, s, sh, f"{HERE}:{line_of(m)}") for op, g, s, sh, m in want]
+        # every rank stops together, told which parameters went bad on which rank
+        assert res["nonfinite"]["bad"] == {"1": ["module.0.weight", "module.1.weight"]}, res["nonfinite"]
+        assert "rank 1: module.0.weight, module.1.weight" in res["nonfinite"]["msg"]
     late = out[0]["late"]  # rank 1 never joined: gloo gave up after 2 s
     assert late["timed_out"] and late["status"] == "timeout" and late["exit"] == 124
-    assert late["msg"].startswith(f"all_reduce #5 (test_hang_recorder.py:{line_of('late')}) on "
+    assert late["msg"].startswith(f"all_reduce #{out[0]['next_seq']} (test_hang_recorder.py:{line_of('late')}) on "
                                   "world (ranks 0-1) did not complete within 2 s on rank 0")
     assert "--timeout" in late["msg"]
 
