@@ -87,3 +87,27 @@ def test_missing_action_and_bad_names():
         gpipe(2, 0)
     with pytest.raises(ValueError, match="needs num_virtual >= 2"):
         make_schedule("interleaved", 2, 4)
+
+
+def test_split_balances_by_cost_and_keeps_names():
+    import torch
+
+    from disttrain.models import GPT, GPTConfig
+    from disttrain.parallel.pipeline.split import partition, split_model, time_layers
+
+    assert partition([1, 1, 1, 1, 4], 2) == [(0, 4), (4, 5)]
+    costs = [2, 3, 1, 1, 2, 2, 1]
+    parts = partition(costs, 3)
+    assert [a for a, _ in parts] == [0, parts[0][1], parts[1][1]] and parts[-1][1] == 7
+    assert max(sum(costs[a:b]) for a, b in parts) == 5  # optimum: (2+3 | 1+1+2 | 2+1)
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3"):
+        partition([1, 1], 3)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, n_embd=8))
+    x = torch.randint(16, (2, 4))
+    costs = time_layers(model, x)
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    first, second = split_model(model, 2, 0)[0], split_model(model, 2, 1)[0]
+    names = [n for n, _ in first.named_parameters()] + [n for n, _ in second.named_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]  # whole-model names, no copies
+    torch.testing.assert_close(second(first(x)), model(x))

@@ -13,10 +13,13 @@ Pure: no process talks to another here.
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 
+import torch
 from torch import nn
 
-__all__ = ["partition", "layer_costs", "keep_layers", "split_model"]
+__all__ = ["partition", "layer_costs", "time_layers", "keep_layers", "split_model"]
 
 
 def partition(costs: list[float], num_parts: int) -> list[tuple[int, int]]:
@@ -58,6 +61,30 @@ def _layer_names(model: nn.Module, layers: list[str] | None) -> list[str]:
 def layer_costs(model: nn.Module, layers: list[str]) -> list[float]:
     """Parameter count of each named layer (the default balancing cost)."""
     return [float(sum(p.numel() for p in model.get_submodule(n).parameters())) for n in layers]
+
+
+def time_layers(model: nn.Module, example_input: torch.Tensor, layers: list[str] | None = None,
+                repeats: int = 3) -> list[float]:
+    """Measured seconds of forward + backward of each layer on `example_input` (a cost).
+
+    Runs the layers one after the other in this process (no communication), each alone
+    as a one-layer stage, and returns the median of `repeats` timings per layer.
+    """
+    names = _layer_names(model, layers)
+    x, out = example_input, []
+    for name in names:
+        layer = keep_layers(model, names, [name])
+        times = []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            y = layer(inp)
+            y.backward(torch.ones_like(y))
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times))
+        x = y.detach()
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def keep_layers(model: nn.Module, layers: list[str], keep: list[str]) -> nn.Module:
