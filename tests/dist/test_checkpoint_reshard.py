@@ -2,7 +2,9 @@
 
 1. Plain data parallel: saved by 4 DataParallel ranks (replicated: written once, by
    rank 0), loaded by 2 ranks and by 1 plain process: identical parameters and AdamW state.
-2. Sharded state: a toy strategy holds a weight and its optimizer moment as row slices
+2. Pipeline stages: 4 ranks each hold one layer of a 4-layer model (plain state_dict,
+   different keys per rank); loaded as 2 stages of 2 layers, and whole on 1 rank.
+3. Sharded state: a toy strategy holds a weight and its optimizer moment as row slices
    (10 rows over 4 ranks: 3, 3, 2, 2) through `sharded_state_dict()`; loaded whole on 1
    rank and resliced on 2 (5, 5), it holds exactly the right rows.
 """
@@ -18,6 +20,7 @@ import disttrain
 from disttrain.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointMismatchError,
     ShardedTensor,
     cli,
     even_slice,
@@ -63,6 +66,16 @@ class RowSharded:
         self.steps = sd["steps"]  # tensors were filled in place already
 
 
+def _stage(world: int) -> nn.Module:
+    """Pipeline stage `rank` of a 4-layer model cut into `world` stages; the layers of other
+    stages are Identity, so state_dict keys are the full model's names ("2.weight")."""
+    per = 4 // world
+    torch.manual_seed(3)
+    full = [nn.Linear(3, 3) for _ in range(4)]
+    mine = range(disttrain.rank() * per, (disttrain.rank() + 1) * per)
+    return nn.Sequential(*(full[i] if i in mine else nn.Identity() for i in range(4)))
+
+
 def save_at_world_four(plain_dir: str, sharded_dir: str):
     model = disttrain.DataParallel(_net(seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -76,6 +89,7 @@ def save_at_world_four(plain_dir: str, sharded_dir: str):
     strategy.bias += 1.5
     strategy.steps = 7
     Checkpointer(sharded_dir).save(7, model=strategy)
+    Checkpointer(os.path.join(sharded_dir, "pp")).save(1, model=_stage(4))
     params = [p.detach().clone() for p in model.parameters()]
     return {"params": params, "opt": _opt_state(opt), "files": sorted(os.listdir(
         os.path.join(plain_dir, "step_00000002")))}
@@ -88,6 +102,10 @@ def load_at_world_two(plain_dir: str, sharded_dir: str):
     step = ckpt.load(model=model, optimizer=opt)
     strategy = RowSharded(torch.zeros(ROWS, COLS), torch.zeros(ROWS, COLS))
     sharded_step = Checkpointer(sharded_dir).load(model=strategy)
+    stage = _stage(2)
+    for p in stage.parameters():
+        p.data.zero_()
+    Checkpointer(os.path.join(sharded_dir, "pp")).load(model=stage)
     dist.barrier()
     errors = []
     for kwargs in ({"step": 3 + disttrain.rank()}, {"step": 3, "extra": {"x": object()}
@@ -99,7 +117,7 @@ def load_at_world_two(plain_dir: str, sharded_dir: str):
     return {"step": step, "errors": errors, "params": [p.detach().clone() for p in model.parameters()],
             "opt": _opt_state(opt), "extra": ckpt.extra, "sharded_step": sharded_step,
             "weight": strategy.weight, "moment": strategy.moment, "bias": strategy.bias,
-            "steps": strategy.steps}
+            "steps": strategy.steps, "stage": stage.state_dict()}
 
 
 def _same(a, b) -> bool:
@@ -121,6 +139,8 @@ def test_world_four_loads_at_two_and_one(tmp_path, capsys):
     assert "rng/torch     uint8     [4, 5056]      4 pieces along dim 0" in text
 
     loaded = spawn(load_at_world_two, 2, plain, sharded, timeout=80)
+    torch.manual_seed(3)
+    full_model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4)))  # same init as _stage
     for r, out in enumerate(loaded):
         assert out["step"] == 2 and out["extra"] == {"note": "w4"}
         assert "different steps [3, 4]" in out["errors"][0]
@@ -134,6 +154,10 @@ def test_world_four_loads_at_two_and_one(tmp_path, capsys):
         assert torch.equal(out["weight"], _full(1)[rows]) and out["weight"].shape[0] == 5
         assert torch.equal(out["moment"], _full(2)[rows])
         assert torch.equal(out["bias"], torch.full((COLS,), 1.5))
+        # Pipeline 4 stages -> 2: each rank holds (and got) layers 2r and 2r+1.
+        assert sorted(out["stage"]) == [f"{i}.{k}" for i in (2 * r, 2 * r + 1)
+                                        for k in ("bias", "weight")]
+        assert all(torch.equal(v, full_model.state_dict()[k]) for k, v in out["stage"].items())
 
     # World of one, no process group, plain (unwrapped) model: the same state.
     model = _net(seed=9)
@@ -144,6 +168,14 @@ def test_world_four_loads_at_two_and_one(tmp_path, capsys):
     whole = RowSharded(torch.zeros(ROWS, COLS), torch.zeros(ROWS, COLS))
     assert Checkpointer(sharded).load(model=whole) == 7
     assert torch.equal(whole.weight, _full(1)) and torch.equal(whole.moment, _full(2))
+    reference = {k: v.clone() for k, v in full_model.state_dict().items()}
+    for p in full_model.parameters():
+        p.data.zero_()
+    assert Checkpointer(os.path.join(sharded, "pp")).load(model=full_model) == 1  # pp 4 -> 1
+    assert all(torch.equal(v, reference[k]) for k, v in full_model.state_dict().items())
+    with pytest.raises(CheckpointMismatchError, match=r"missing keys .*\['4.bias', '4.weight'\]"):
+        Checkpointer(os.path.join(sharded, "pp")).load(
+            model=nn.Sequential(*(nn.Linear(3, 3) for _ in range(5))))
 
 
 def _inspect(folder: str, capsys) -> str:

@@ -50,3 +50,29 @@ def test_rng_states_restore_the_same_draws():
     assert torch.equal(got[0], expected[0])
     assert got[1] == expected[1]
     assert np.array_equal(got[2], expected[2])
+
+
+@pytest.mark.timeout(10)
+def test_merge_unions_keys_and_refuses_disagreeing_values():
+    opt_a = state.encode({"state": {0: {"step": 1.0}}, "param_groups": [{"lr": 0.1}]}, "o")[0]
+    opt_b = state.encode({"state": {1: {"step": 1.0}}, "param_groups": [{"lr": 0.1}]}, "o")[0]
+    merged = state.merge(opt_a, opt_b, "o")
+    assert state.decode(merged, None) == {"state": {0: {"step": 1.0}, 1: {"step": 1.0}},
+                                          "param_groups": [{"lr": 0.1}]}
+    stage0 = state.encode({"0.weight": torch.zeros(1)}, "model")[0]
+    stage1 = state.encode({"2.weight": torch.zeros(1)}, "model")[0]
+    assert list(state.leaves(state.merge(stage0, stage1, "model"))) == [
+        "model/0.weight", "model/2.weight"]
+    other_lr = state.encode({"param_groups": [{"lr": 0.2}]}, "o")[0]
+    with pytest.raises(ValueError, match="o/param_groups/0/lr: 0.1 on one rank, 0.2 on another"):
+        state.merge(opt_a, other_lr, "o")
+
+
+@pytest.mark.timeout(10)
+def test_prune_keeps_this_ranks_tensors_and_every_value():
+    skeleton, _ = state.encode({"state": {0: {"m": torch.ones(1), "step": 3}, 1: {"m": torch.ones(1)}},
+                                "w": [torch.ones(1), 5]}, "o")
+    pruned = state.prune(skeleton, {"o/state/0/m"})
+    assert list(state.leaves(pruned)) == ["o/state/0/m"]
+    assert state.decode(pruned, lambda p: p) == {"state": {0: {"m": "o/state/0/m", "step": 3}, 1: {}},
+                                                 "w": [None, 5]}

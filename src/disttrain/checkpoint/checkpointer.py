@@ -26,8 +26,6 @@ filesystem shared by all ranks and torch.distributed.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 from typing import Any
@@ -105,7 +103,7 @@ class Checkpointer:
             raise failure
         if errors:
             raise CheckpointError(f"saving step {step} failed: {'; '.join(errors)}")
-        _check_replicas_agree(gathered, trees)
+        trees.update(_merged_trees(gathered))
         entries, writers = _plan(gathered, rank)
         final = io.step_dir_name(step)
         tmp = os.path.join(self.directory, f".tmp-{final}-{gathered[0]['nonce']}")
@@ -192,11 +190,10 @@ def _prepare(step, rank, world, model, optimizer, loader, extra):
         rank_state["loader"] = _json_only(loader.state_dict(), "loader.state_dict()")
     for name, t in rng.items():
         tensors[f"rng/{name}"] = ShardedTensor(t[None], (world, t.numel()), (rank, 0))
-    replicated = {k: v for k, v in trees.items() if k != "extra"}
     payload = {
         "step": step,
         "pieces": {p: _describe(t) for p, t in tensors.items()},
-        "digest": hashlib.sha256(json.dumps(replicated, sort_keys=True).encode()).hexdigest(),
+        "trees": {k: v for k, v in trees.items() if k != "extra"},
         "state": rank_state,
         "nonce": os.urandom(6).hex(),
     }
@@ -221,21 +218,30 @@ def _local(t: torch.Tensor | ShardedTensor) -> torch.Tensor:
     return t.local if isinstance(t, ShardedTensor) else t
 
 
-def _check_replicas_agree(gathered: list[dict], trees: dict) -> None:
-    """Same step everywhere; model/optimizer skeletons (keys and non-tensor values) too."""
+def _merged_trees(gathered: list[dict]) -> dict[str, Any]:
+    """One skeleton per object from every rank's: the same step and objects everywhere;
+    keys may differ (a pipeline stage holds its own layers), values may not."""
     steps = sorted({g["step"] for g in gathered})
     if len(steps) > 1:
         raise CheckpointError(f"ranks called save() with different steps {steps}; "
                               "every rank must save the same step")
-    bad = [r for r, g in enumerate(gathered) if g["digest"] != gathered[0]["digest"]]
-    if bad:
-        raise CheckpointError(
-            f"ranks {bad} hold a different {'/'.join(sorted(trees))} state (keys, "
-            "param_groups or step counts) than rank 0. Replicated state must be equal on "
-            "every rank; state that differs per rank (e.g. a sharded optimizer's) must be "
-            "declared through sharded_state_dict() returning ShardedTensor pieces "
-            "(see docs/design.md, Checkpoints)"
-        )
+    kinds = [sorted(g["trees"]) for g in gathered]
+    if any(k != kinds[0] for k in kinds):
+        raise CheckpointError(f"ranks passed different objects to save() ({kinds}); pass "
+                              "model=/optimizer= on every rank")
+    merged = dict(gathered[0]["trees"])
+    for r, g in enumerate(gathered[1:], start=1):
+        for key, tree in g["trees"].items():
+            try:
+                merged[key] = state.merge(merged[key], tree, key)
+            except ValueError as err:
+                raise CheckpointError(
+                    f"rank {r} and a lower rank disagree on replicated {key} state at {err}. "
+                    "Replicated values (hyperparameters, step counts) must be equal on every "
+                    "rank; state that differs per rank (a sharded optimizer's) must be "
+                    "declared through sharded_state_dict() (see docs/design.md, Checkpoints)"
+                ) from None
+    return merged
 
 
 def _plan(gathered: list[dict], rank: int) -> tuple[dict[str, TensorEntry], dict[str, int]]:

@@ -69,6 +69,7 @@ def load_newest_good(directory: str, targets: Targets, group=None, only_step=Non
         staged, status = None, {"ok": True}
         try:
             staged = _Staged(folder, targets, rank)
+            status["unwanted"] = sorted(staged.unwanted)
         except CorruptCheckpointError as err:
             status = {"corrupt": str(err)}
         except CheckpointMismatchError as err:
@@ -88,6 +89,7 @@ def load_newest_good(directory: str, targets: Targets, group=None, only_step=Non
                 warnings.warn(f"checkpoint {folder} is damaged, skipping it ({'; '.join(corrupt)}); "
                               f"{then}", CheckpointWarning, stacklevel=3)
             continue
+        _check_all_wanted(folder, statuses)
         staged.apply()
         return staged.manifest.step, folder, staged.extra
     if skipped:
@@ -95,6 +97,15 @@ def load_newest_good(directory: str, targets: Targets, group=None, only_step=Non
             f"every checkpoint in {directory} is damaged: " + " | ".join(skipped)
             + "; nothing was loaded (delete the folder to start over)")
     return None
+
+
+def _check_all_wanted(folder: str, statuses: list[dict]) -> None:
+    """Saved tensors that no rank's model/optimizer has a place for: another model."""
+    unwanted = set.intersection(*(set(s["unwanted"]) for s in statuses))
+    if unwanted:
+        raise CheckpointMismatchError(
+            f"checkpoint {folder} was saved from a different model: unexpected keys (in the "
+            f"checkpoint, wanted by no rank): {sorted(unwanted)}")
 
 
 def _want(t: torch.Tensor | ShardedTensor) -> Slice:
@@ -114,6 +125,7 @@ class _Staged:
         self.folder, self.rank = folder, rank
         self.manifest = Manifest.read(folder)
         self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self.unwanted: set[str] = set()  # saved tensor paths this rank has no place for
         self._actions: list[Callable[[], None]] = []
         for key in ("model", "optimizer"):
             obj = getattr(targets, key)
@@ -167,6 +179,7 @@ class _Staged:
     def _stage_into_destinations(self, key: str, owner: Any, saved: Any) -> None:
         """Current state says which keys and slices exist here: fill exactly those."""
         _, dest = state.encode(state.state_of(owner), key)
+        mine = state.prune(saved, set(dest))  # without other ranks' keys (pipeline stages)
         self._check_keys(key, set(state.leaves(saved)), dest)
         filled = {p: self.fetch(p, _want(t)) for p, t in dest.items()}
         if hasattr(owner, "sharded_state_dict"):
@@ -175,10 +188,10 @@ class _Staged:
                     for p, t in dest.items():
                         (t.local if isinstance(t, ShardedTensor) else t).copy_(filled[p])
                 if hasattr(owner, "load_sharded_state_dict"):
-                    owner.load_sharded_state_dict(state.decode(saved, dest.__getitem__))
+                    owner.load_sharded_state_dict(state.decode(mine, dest.__getitem__))
         else:
             def apply() -> None:
-                owner.load_state_dict(state.decode(saved, filled.__getitem__))
+                owner.load_state_dict(state.decode(mine, filled.__getitem__))
         self._actions.append(apply)
 
     def _stage_whole(self, key: str, owner: Any, saved: Any) -> None:
@@ -209,9 +222,13 @@ class _Staged:
                  f"{key} {list(_global_shape(t))}"
                  for p, t in dest.items() if p in saved and p in self.manifest.tensors
                  and self.manifest.tensors[p].global_shape != _global_shape(t)]
-        if missing or unexpected or wrong:
+        # NOTE: a key saved but not held here may be another rank's (a pipeline stage's
+        # layers); only keys that no rank holds are an error (_check_all_wanted).
+        self.unwanted |= saved - set(dest)
+        if missing or wrong:
             parts = [f"missing keys (in the {key}, not in the checkpoint): {missing}"] * bool(missing)
-            parts += [f"unexpected keys (in the checkpoint, not in the {key}): {unexpected}"] * bool(unexpected)
+            parts += [f"unexpected keys (in the checkpoint, not in this rank's {key}): "
+                      f"{unexpected}"] * bool(unexpected)
             parts += [f"shape mismatch: {'; '.join(wrong)}"] * bool(wrong)
             raise CheckpointMismatchError(
                 f"checkpoint {self.folder} was saved from a different {key}: "

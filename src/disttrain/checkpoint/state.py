@@ -15,6 +15,7 @@ Pure code: no processes, no files.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +31,8 @@ __all__ = [
     "decode",
     "encode",
     "leaves",
+    "merge",
+    "prune",
     "restore_rng",
     "state_of",
     "state_owner",
@@ -125,6 +128,59 @@ def leaves(skeleton: Any) -> Iterator[str]:
         else:
             for v in skeleton.values():
                 yield from leaves(v)
+
+
+def prune(skeleton: Any, keep: set[str]) -> Any:
+    """The skeleton without the tensors not in `keep` (another rank's pieces); a pruned
+    list item becomes None so positions do not shift."""
+    if isinstance(skeleton, list):
+        return [prune(v, keep) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    tag = _tag(skeleton)
+    if tag == "__tensor__":
+        return skeleton if skeleton[tag] in keep else None
+    if tag == "__intdict__":
+        return {tag: [[k, prune(v, keep)] for k, v in skeleton[tag] if not _dropped(v, keep)]}
+    if tag == "__tuple__":
+        return {tag: prune(skeleton[tag], keep)}
+    return {k: prune(v, keep) for k, v in skeleton.items() if not _dropped(v, keep)}
+
+
+def _dropped(node: Any, keep: set[str]) -> bool:
+    return isinstance(node, dict) and _tag(node) == "__tensor__" and node["__tensor__"] not in keep
+
+
+def _tag(node: dict) -> str | None:
+    return next(iter(node)) if len(node) == 1 and next(iter(node)) in _TAGS else None
+
+
+def merge(a: Any, b: Any, path: str) -> Any:
+    """The union of two ranks' skeletons (keys one rank lacks come from the other).
+
+    Raises ValueError naming the path where both hold a value and the values differ:
+    replicated hyperparameters must agree, keys may be spread over ranks (pipeline
+    stages each hold their own layers).
+    """
+    if isinstance(a, dict) and isinstance(b, dict) and _tag(a) == _tag(b):
+        tag = _tag(a)
+        if tag == "__intdict__":
+            out = {k: v for k, v in a[tag]}
+            for k, v in b[tag]:
+                out[k] = merge(out[k], v, f"{path}/{k}") if k in out else v
+            return {tag: [[k, v] for k, v in out.items()]}
+        if tag == "__tuple__":
+            return {tag: merge(a[tag], b[tag], path)}
+        if tag is None:
+            out = dict(a)
+            for k, v in b.items():
+                out[k] = merge(a[k], v, f"{path}/{k}") if k in a else v
+            return out
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [merge(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b))]
+    if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
+        raise ValueError(f"{path}: {json.dumps(a)[:80]} on one rank, {json.dumps(b)[:80]} on another")
+    return a
 
 
 def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
