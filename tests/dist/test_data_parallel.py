@@ -221,6 +221,23 @@ def rank_bad_input():
     return out
 
 
+def rank_mismatched_usage():
+    """Rank 0 uses both heads, rank 1 never uses `head_b`: rank 1 cannot launch the
+    bucket rank 0 is waiting on. Each must say why instead of hanging."""
+    rank = dist.get_rank()
+    ours = disttrain.DataParallel(Net(seed=0, extra_head=True))
+    x, y = batches(1)[0]
+    try:
+        loss = nn.functional.mse_loss(ours(x), y)
+        if rank == 0:  # NOTE: not through ours(): a second forward would broadcast buffers
+            hidden = ours.module.layers[:4](x)
+            loss = loss + nn.functional.mse_loss(ours.module.head_b(hidden), y)
+        loss.backward()
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def rank_find_unused():
     """Rank 0 uses head `layers[4]`, rank 1 uses `head_b`; nobody uses `spare`."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -473,3 +490,12 @@ def test_variants_match_single_process(kind, suite2):
     model = variant_model(kind)
     expected = variant_steps(model, model, kind, 0, 1)
     torch.testing.assert_close(out[0]["params"], expected)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_using_different_parameters_fail_loudly_not_silently():
+    out = spawn(rank_mismatched_usage, 2, collective_timeout=5, timeout=45,
+                env={"DISTTRAIN_TIMEOUT": "5"})
+    assert all(o is not None for o in out), out
+    assert "'head_b.weight' received no gradient" in out[1] and "on rank 1" in out[1]
+    assert "all_reduce" in out[0], out[0]

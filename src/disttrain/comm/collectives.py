@@ -3,6 +3,7 @@
 Group-aware: a `group` is any ProcessGroup (None = the default world group), and
 ranks passed in are *group* ranks, translated to the global ranks torch.distributed
 wants. Device-neutral: tensors stay on their own device (gloo on CPU, NCCL on CUDA).
+Collectives go through comm/ops.py, so they are recorded and a hang names them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from disttrain.comm import ops
 
 __all__ = ["group_rank", "group_size", "global_rank", "broadcast_tensors"]
 
@@ -47,7 +50,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src_in_group: int = 0,
         by_kind[(t.dtype, t.device)].append(t)
     for members in by_kind.values():
         flat = torch.cat([t.detach().reshape(-1) for t in members])  # (sum numel,)
-        dist.broadcast(flat, src=src, group=group)
+        ops.broadcast(flat, src=src, group=group)
         offset = 0
         for t in members:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -14,8 +14,9 @@ Training" (VLDB 2020), i.e. what torch DDP does, written out in Python:
    is left (unused parameters, when allowed), wait for every bucket, decompress, and
    leave the averaged gradient in `param.grad`; `loss.backward(); opt.step()` just works.
 
-Who talks to whom: the user's autograd backward -> these hooks -> torch.distributed
-allreduce on `group` (gloo or NCCL; tensors stay on their own device).
+Who talks to whom: the user's autograd backward -> these hooks -> recorded collectives
+(comm/ops.py: a hang names the bucket's allreduce and its call site) -> torch.distributed
+on `group` (gloo or NCCL; tensors stay on their own device).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from disttrain.comm import ops
 from disttrain.comm.buckets import BucketSizeTuner, FlatBucket, assign_buckets
 from disttrain.comm.collectives import broadcast_tensors, global_rank
 from disttrain.comm.compression import Compression, NoCompression, resolve_compression
@@ -140,7 +142,7 @@ class DataParallel(nn.Module):
         self.tuner.record(time.perf_counter() - start)
         if self.tuner.wants_agreement():
             times = torch.tensor(self.tuner.candidate_times(), dtype=torch.float64)
-            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
+            ops.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
             self.tuner.agree(times.tolist())
         if self.tuner.current_bytes() != self._sync.cap_bytes:
             self._sync.rebucket(self.tuner.current_bytes())
@@ -253,7 +255,7 @@ class _GradSync:
         while self.next_launch < len(self.buckets) and self.pending[self.next_launch] == 0:
             b = self.next_launch
             wire, ctx = self.compression.compress(self.buckets[b].buffer)
-            work = dist.all_reduce(wire, group=self.group, async_op=True)
+            work = ops.all_reduce(wire, group=self.group, async_op=True)
             self.works[b] = (work, wire, ctx)
             self.events.append(("launch", b))
             self.next_launch += 1
@@ -283,7 +285,7 @@ class _GradSync:
     def _global_used(self, missing: list[int]) -> list[bool]:
         flags = torch.ones(len(self.params), dtype=torch.int32, device=self.params[0].device)
         flags[missing] = 0
-        dist.all_reduce(flags, group=self.group)  # (P,) how many ranks used each param
+        ops.all_reduce(flags, group=self.group)  # (P,) how many ranks used each param
         return (flags > 0).tolist()
 
     def _wait_launched(self) -> None:
