@@ -55,7 +55,7 @@ def main(argv=None):
     cfg = GPTConfig(vocab_size=128, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd)
     torch.manual_seed(args.seed)  # NOTE: every rank builds the same full model first
-    model = GPT(cfg)
+    model = GPT(cfg).to(disttrain.device())
     disttrain.print0(f"{len(data):,} characters of stdlib source; "
                      f"{sum(p.numel() for p in model.parameters()):,} parameters")
     virtual = args.virtual if args.schedule == "interleaved" else 1
@@ -68,7 +68,7 @@ def main(argv=None):
     loader = batches(data, args.batch_size, args.block_size, gen)
     t0, first = time.perf_counter(), None
     for step in range(1, args.steps + 1):
-        x, y = next(loader)  # (B, T) each
+        x, y = (t.to(disttrain.device()) for t in next(loader))  # (B, T) each
         opt.zero_grad(set_to_none=True)
         loss = model.train_step(x, y).item()
         opt.step()

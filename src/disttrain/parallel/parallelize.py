@@ -116,7 +116,7 @@ class ParallelModel(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The unsharded parameters (or their gradients) on global rank 0; {} elsewhere.
+        """The unsharded parameters (or their gradients), on CPU, on global rank 0; {} elsewhere.
 
         Collective over the whole mesh: every rank must call it. Blocks.
         """
@@ -126,13 +126,14 @@ class ParallelModel(nn.Module):
         for i, name in enumerate(self._full):
             src = shape.rank_at(pp=self._stage_of(name), dp=0, tp=0)
             if rank == src == 0:
-                out[name] = local[name].clone()
+                out[name] = local[name].cpu().clone()
             elif rank == src:
                 dist.send(local[name].contiguous(), 0, tag=i)
             elif rank == 0:
                 full_shape, dtype = self._full[name]
-                out[name] = torch.empty(full_shape, dtype=dtype)
-                dist.recv(out[name], src, tag=i)
+                buf = torch.empty(full_shape, dtype=dtype, device=self.pipeline.device)
+                dist.recv(buf, src, tag=i)
+                out[name] = buf.cpu()
         return out
 
     def _stage_of(self, name: str) -> int:

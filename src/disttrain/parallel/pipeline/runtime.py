@@ -104,6 +104,10 @@ class Pipeline:
         self.loss_fn, self.group = loss_fn, group
         self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
         self.num_virtual = len(self.chunks)
+        used = {a.chunk for a in self.actions}
+        if used != set(range(self.num_virtual)):
+            raise ValueError(f"stage {stage} got {self.num_virtual} model chunk(s) but its "
+                             f"schedule uses chunks {sorted(used)}; give one chunk per virtual stage")
         self.last_virtual = num_stages * self.num_virtual - 1
         self.track_memory = track_memory
         first = next(self.chunks[0].parameters(), None)
