@@ -10,6 +10,7 @@
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,11 @@ def load_at_world_two(plain_dir: str, sharded_dir: str):
             Checkpointer(os.path.join(plain_dir, "bad")).save(model=model, **kwargs)
         except (CheckpointError, TypeError) as err:
             errors.append(f"{type(err).__name__}: {err}")
+    torch.manual_seed(disttrain.rank())  # a "replicated" layer that differs per rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Checkpointer(os.path.join(plain_dir, "differ")).save(1, model=nn.Linear(2, 2))
+    errors.append(" | ".join(str(w.message) for w in caught))
     return {"step": step, "errors": errors, "params": [p.detach().clone() for p in model.parameters()],
             "opt": _opt_state(opt), "extra": ckpt.extra, "sharded_step": sharded_step,
             "weight": strategy.weight, "moment": strategy.moment, "bias": strategy.bias,
@@ -146,6 +152,8 @@ def test_world_four_loads_at_two_and_one(tmp_path, capsys):
         assert "different steps [3, 4]" in out["errors"][0]
         assert out["errors"][1].startswith("TypeError" if r == 1 else "CheckpointError")
         assert ("" if r == 1 else "rank 1: ") + "extra/x: cannot checkpoint" in out["errors"][1]
+        differ = "differ between ranks (tensor: ranks whose copy differs from the first holder's): "
+        assert (differ + "{'model/bias': [1], 'model/weight': [1]}" in out["errors"][2]) == (r == 0)
         assert _same(out["params"], ref_params), f"rank {r} params"
         assert out["opt"].keys() == ref_opt.keys()
         assert all(torch.equal(out["opt"][k], ref_opt[k]) for k in ref_opt), f"rank {r} opt"

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
+import zlib
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from disttrain.checkpoint import io, reader, state
 from disttrain.checkpoint.manifest import (
     CheckpointError,
+    CheckpointWarning,
     Manifest,
     Piece,
     TensorEntry,
@@ -104,7 +107,16 @@ class Checkpointer:
         if errors:
             raise CheckpointError(f"saving step {step} failed: {'; '.join(errors)}")
         trees.update(_merged_trees(gathered))
-        entries, writers = _plan(gathered, rank)
+        entries, writers, differ = _plan(gathered, rank)
+        if differ and rank == 0:
+            warnings.warn(
+                f"step {step}: tensors saved as replicated differ between ranks (tensor: "
+                f"ranks whose copy differs from the first holder's): "
+                f"{dict(sorted(differ.items())[:8])} ({len(differ)} in all); the first "
+                "holder's copy is saved. Fine for per-rank buffers "
+                "such as BatchNorm statistics; a sharded layer (tensor parallel) must "
+                "declare its slice through sharded_state_dict() or its other pieces are lost",
+                CheckpointWarning, stacklevel=2)
         final = io.step_dir_name(step)
         tmp = os.path.join(self.directory, f".tmp-{final}-{gathered[0]['nonce']}")
         mine = {p: _local(tensors[p]) for p, r in writers.items() if r == rank}
@@ -208,10 +220,17 @@ def _json_only(value: Any, what: str) -> Any:
 
 
 def _describe(t: torch.Tensor | ShardedTensor) -> list:
+    """[dtype, global shape, offsets, shape, CRC-32 of the bytes (pieces: None)]."""
     if isinstance(t, ShardedTensor):
         return [dtype_name(t.local.dtype), list(t.global_shape), list(t.offsets),
-                list(t.local.shape)]
-    return [dtype_name(t.dtype), list(t.shape), [0] * t.dim(), list(t.shape)]
+                list(t.local.shape), None]
+    return [dtype_name(t.dtype), list(t.shape), [0] * t.dim(), list(t.shape), _crc(t)]
+
+
+def _crc(t: torch.Tensor) -> int:
+    """Cheap fingerprint, to notice 'replicated' tensors that differ between ranks."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy()) if flat.numel() else 0
 
 
 def _local(t: torch.Tensor | ShardedTensor) -> torch.Tensor:
@@ -244,16 +263,20 @@ def _merged_trees(gathered: list[dict]) -> dict[str, Any]:
     return merged
 
 
-def _plan(gathered: list[dict], rank: int) -> tuple[dict[str, TensorEntry], dict[str, int]]:
-    """The manifest's tensor table, and {path: rank} of the pieces the *caller* may write.
+def _plan(gathered: list[dict], rank: int):
+    """(manifest tensor table, {path: writer rank} for the pieces `rank` holds,
+    {path: ranks whose 'replicated' copy differs from the lowest rank's}).
 
-    Every rank computes the same plan from the same gathered data. The returned writer
-    map holds, for each path, the rank that writes the piece `rank` holds.
+    Every rank computes the same plan from the same gathered data.
     """
     entries: dict[str, TensorEntry] = {}
     owners: dict[tuple[str, Slice], int] = {}
+    crcs: dict[str, int] = {}
+    differ: dict[str, list[int]] = {}
     for r, g in enumerate(gathered):
-        for path, (dtype, gshape, offsets, shape) in g["pieces"].items():
+        for path, (dtype, gshape, offsets, shape, crc) in g["pieces"].items():
+            if crc is not None and crcs.setdefault(path, crc) != crc:
+                differ.setdefault(path, []).append(r)
             e = entries.setdefault(path, TensorEntry(dtype, tuple(gshape), []))
             if (e.dtype, e.global_shape) != (dtype, tuple(gshape)):
                 raise CheckpointError(
@@ -268,11 +291,11 @@ def _plan(gathered: list[dict], rank: int) -> tuple[dict[str, TensorEntry], dict
         check_tiling(path, e.global_shape, [p.slice for p in e.pieces])
     mine = gathered[rank]["pieces"]
     writers = {}
-    for path, (_, _, offsets, shape) in mine.items():
+    for path, (_, _, offsets, shape, _) in mine.items():
         piece = Slice(tuple(offsets), tuple(shape))
         if piece.numel:
             writers[path] = owners[(path, piece)]
-    return entries, writers
+    return entries, writers, differ
 
 
 def _write_mine(tmp: str, rank: int, mine: dict[str, torch.Tensor]) -> dict[str, Any]:
