@@ -6,6 +6,8 @@ losses, first-step gradients and parameters after the steps.
 """
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import disttrain
 from disttrain.mesh import Mesh
@@ -28,6 +30,10 @@ def pp_tp_then_dp_tp():
 
 def pp_dp_tp():
     mesh = Mesh(pp=2, dp=2, tp=2)
+    for axis in ("pp", "dp", "tp"):  # each axis group holds exactly the predicted peers
+        t = torch.tensor([float(mesh.rank)])
+        dist.all_reduce(t, group=mesh.group(axis))
+        assert t.item() == sum(mesh.peers(axis)), (axis, mesh.peers(axis))
     expected = ref.reference() if disttrain.rank() == 0 else None
     out = ref.run_parallel(mesh, schedule="interleaved", microbatches=2, num_virtual=2)
     if disttrain.rank() == 0:
