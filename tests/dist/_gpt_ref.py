@@ -5,6 +5,7 @@ on the whole global batch; a parallel run must match its losses, first-step grad
 and parameters after the last step.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -70,7 +71,7 @@ def run_parallel(mesh, steps=STEPS, batch=8, plan_tp=True, **kw):
 def assert_matches_reference(out, ref, atol=2e-5, rtol=1e-4):
     losses, grads0, params = out[:3]
     ref_losses, ref_grads0, ref_params = ref
-    assert losses == __import__("pytest").approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert grads0.keys() == ref_grads0.keys() and params.keys() == ref_params.keys()
     for name in ref_params:
         torch.testing.assert_close(grads0[name], ref_grads0[name], atol=atol, rtol=rtol,
