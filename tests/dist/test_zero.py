@@ -155,6 +155,35 @@ def checkpoint_across_world_sizes(folder, pair):
     return out
 
 
+def zero_with_tensor_parallel():
+    """Mesh(dp=2, tp=2): a column/row-parallel MLP, ZeRO (or DataParallel) over dp."""
+    from disttrain.parallel.tensor_parallel import apply_tp
+
+    mesh = disttrain.Mesh(dp=2, tp=2)
+    rank, world = mesh.local_rank("dp"), mesh.size("dp")
+    out = {}
+    for kind in ("dp", "zero1", "zero3"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        net = apply_tp(net, mesh, {"0": "colwise", "2": "rowwise"})
+        if kind == "dp":
+            model = disttrain.DataParallel(net, group=mesh.group("dp"))
+            opt = factory("adamw")(list(model.parameters()))
+        else:
+            model = disttrain.Zero(net, factory("adamw"), stage=int(kind[-1]),
+                                   group=mesh.group("dp"))
+            opt = model.optimizer
+        for s in range(STEPS):
+            g = torch.Generator().manual_seed(s)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+        out[kind] = {k: v.clone() for k, v in
+                     (model.module if kind == "dp" else model).state_dict().items()}
+    return out
+
+
 def train_everything(folder):
     """One world-4 job; ranks {0,1} and {2,3} are also two independent world-2 ZeRO jobs
     (process groups of 2), so world 2 is covered twice without a second spawn.
@@ -170,6 +199,7 @@ def train_everything(folder):
         "accumulate": accumulate_and_clip(pair),
         "checkpoint": checkpoint_across_world_sizes(folder, pair),
         "measure": measure_stages(),
+        "tp": zero_with_tensor_parallel(),
     }
 
 
@@ -258,6 +288,17 @@ def test_checkpoint_saved_at_world_4_stage_1_resumes_at_world_2_stages_2_and_3(
     for rank, out in enumerate(results(tmp_path_factory)):
         for stage, sd in out["checkpoint"].items():
             assert_close(sd, ref, f"stage {stage} rank {rank} resumed from checkpoint")
+
+
+@pytest.mark.timeout(180)
+def test_zero_over_the_dp_axis_of_a_tp_mesh_matches_data_parallel(tmp_path_factory):
+    for rank, out in enumerate(results(tmp_path_factory)):
+        tp = out["tp"]
+        for kind in ("zero1", "zero3"):
+            assert_close(tp[kind], tp["dp"], f"{kind} over dp with tp=2, rank {rank}")
+    # the two tp ranks of a dp replica hold different shards (TP really happened)
+    first = results(tmp_path_factory)
+    assert not torch.equal(first[0]["tp"]["dp"]["0.weight"], first[1]["tp"]["dp"]["0.weight"])
 
 
 # ---- memory and communication ------------------------------------------------------
