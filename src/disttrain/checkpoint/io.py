@@ -166,15 +166,20 @@ def all_gather_json(obj: Any, group=None) -> list[Any]:
     rank, world = _group_world(group)
     if world == 1:
         return [json.loads(json.dumps(obj))]
+    # NOTE: NCCL moves only CUDA tensors; gloo only CPU ones (untested here: no GPU).
+    dev = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev),
+                    group=group)
     longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[: data.numel()] = data.to(dev)
+    outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
     dist.all_gather(outs, padded, group=group)
-    return [json.loads(o[: int(s)].numpy().tobytes().decode()) for o, s in zip(outs, sizes)]
+    return [json.loads(o[: int(s)].cpu().numpy().tobytes().decode())
+            for o, s in zip(outs, sizes)]
 
 
 def broadcast_json(obj: Any, group=None, src_rank: int = 0) -> Any:
