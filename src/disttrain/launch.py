@@ -5,7 +5,7 @@ Who talks to whom: `cli.py` turns flags into a `RunConfig`; `run()` builds a tor
 `python -u disttrain/_entry.py script.py args` per local rank, watches them, restarts
 the group up to `max_restarts` times, and stops every rank when one fails or the
 launcher gets SIGINT/SIGTERM. `_entry.py` records a failing rank's traceback to its
-TORCHELASTIC_ERROR_FILE; `run()` prints it with that rank's prefix.
+TORCHELASTIC_ERROR_FILE; `run()` prints it with that rank's prefix (failures.py).
 
 Rendezvous follows torchrun: on one node without --master-addr a c10d store on
 `localhost:0` (the OS picks a free port, so a busy 29500 never matters); otherwise
@@ -18,7 +18,7 @@ every other rank's stdout/stderr is tee'd through a log file and printed as
 Hangs: `run()` creates a report folder (in the log folder) and passes it to the ranks
 as DISTTRAIN_REPORT_DIR; each rank's flight recorder (comm/flight.py) and faulthandler
 (_entry.py) write there. When a job fails inside a collective, `report_failures` prints
-one merged report (comm/hang_report.py): which ranks are missing, where each rank is,
+one merged report (failures.py, comm/hang_report.py): which ranks are missing, where each rank is,
 each rank's stack; the job then exits with EXIT_HANG (124).
 
 Parameter-server jobs (`--workers W --servers S`) start W+S ranks and set
@@ -40,23 +40,16 @@ from dataclasses import dataclass, field
 
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from disttrain.comm.flight import EXIT_HANG
-from disttrain.comm.hang_report import collective_report
+from disttrain.failures import PREFIX_TEMPLATE, rank_prefix, report_failures
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
 
 ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_entry.py")
-PREFIX_TEMPLATE = "[rank${rank}]: "
 MIN_SECRET_CHARS = 16
-
-
-def rank_prefix(rank: int) -> str:
-    """The prefix on every output line of `rank` (and of its traceback on failure)."""
-    return PREFIX_TEMPLATE.replace("${rank}", str(rank))
 
 
 @dataclass
@@ -247,88 +240,6 @@ def run(cfg: RunConfig) -> int:
     finally:
         if cfg.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _order(item: tuple[int, ProcessFailure]) -> tuple:
-    rank, failure = item
-    extra = _extra_info(failure)
-    when = float(extra.get("disttrain_time", failure.timestamp))
-    # Ranks with a recorded exception first: a killed rank is usually a consequence;
-    # of those, a collective that failed is usually a consequence of another rank's error.
-    return ("py_callstack" not in extra, _is_collective_error(failure), when, rank)
-
-
-def _is_collective_error(failure: ProcessFailure) -> bool:
-    message = failure.error_file_data.get("message")
-    text = message.get("message", "") if isinstance(message, dict) else ""
-    return text.startswith("CollectiveError") or failure.exitcode == EXIT_HANG
-
-
-def _extra_info(failure: ProcessFailure) -> dict:
-    message = failure.error_file_data.get("message")
-    return message.get("extraInfo", {}) if isinstance(message, dict) else {}
-
-
-def _describe_exit(failure: ProcessFailure) -> str:
-    if failure.exitcode < 0:
-        return f"was killed by signal {failure.signal_name()}"
-    return f"exited with code {failure.exitcode}"
-
-
-def report_failures(failures: dict[int, ProcessFailure], out, report_dir: str | None = None,
-                    world_size: int = 0) -> int:
-    """Print the first failure's traceback, rank-prefixed, and one line per other failure.
-
-    When a rank failed inside a collective (timeout or a peer gone), print instead the
-    merged report of every rank's flight recorder (unless another rank's own exception
-    came first: then that traceback, then the report). Returns the exit code for the
-    launcher: the first failing rank's (at least 1), EXIT_HANG for a collective failure.
-    """
-    ordered = sorted(failures.items(), key=_order)
-    rank, first = ordered[0]
-    hang = None
-    if report_dir:
-        codes = {r: f.exitcode for r, f in failures.items()}
-        hang = collective_report(report_dir, codes, max(world_size, max(failures) + 1))
-    if hang and _is_collective_error(first):
-        out.write(hang)
-        _other_failures(ordered, rank, out, skip_collective=True)
-        out.flush()
-        return EXIT_HANG
-    _print_first(rank, first, out)
-    _other_failures(ordered[1:], rank, out)
-    if hang:
-        out.write(hang)
-    out.flush()
-    code = first.exitcode
-    return code if code > 0 else (128 - code if code < 0 else 1)
-
-
-def _print_first(rank: int, first: ProcessFailure, out) -> None:
-    prefix = rank_prefix(rank)
-    out.write(f"disttrain run: rank {rank} {_describe_exit(first)} (pid {first.pid})\n")
-    callstack = _extra_info(first).get("py_callstack")
-    if callstack:
-        out.writelines(prefix + line + "\n" for line in callstack.rstrip("\n").split("\n"))
-    else:
-        out.write(f"{prefix}no Python exception was recorded (sys.exit, os._exit or a crash); see this rank's output above\n")
-
-
-def _other_failures(ordered, rank: int, out, skip_collective: bool = False) -> None:
-    """One line per other failed rank; the agent's SIGTERMs folded into one line."""
-    stopped = []
-    for other_rank, failure in ordered:
-        message = failure.error_file_data.get("message")
-        if skip_collective and (_is_collective_error(failure) or failure.exitcode == -signal.SIGTERM):
-            continue  # the merged report shows these
-        if isinstance(message, dict):
-            out.write(f"disttrain run: rank {other_rank} also failed: {message['message']}\n")
-        elif failure.exitcode == -signal.SIGTERM:
-            stopped.append(str(other_rank))  # the agent's own shutdown signal
-        else:
-            out.write(f"disttrain run: rank {other_rank} also {_describe_exit(failure)}\n")
-    if stopped:
-        out.write(f"disttrain run: stopped rank(s) {', '.join(stopped)} after rank {rank} failed\n")
 
 
 @contextlib.contextmanager

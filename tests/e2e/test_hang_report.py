@@ -38,12 +38,12 @@ def run_hang(mode: str, nproc: int):
     err = res.stderr
     assert err.count("a collective did not complete within 5 s") == 1, err  # ONE report
     assert "Traceback" not in err and "unbound_buffer.cc" not in err, err  # no raw gloo dump
+    assert "rank 0 exited with code" not in err and "[rank0]: Traceback" not in err
     return err
 
 
 def where_line(err: str) -> str:
-    lines = [ln.strip() for ln in err.splitlines() if " is at " in ln or " are at " in ln
-             or " is outside " in ln]
+    lines = [ln.strip() for ln in err.splitlines() if re.search(r" (is|are) (at|outside|in) ", ln)]
     assert len(lines) == 1, err
     return lines[0]
 
@@ -88,3 +88,17 @@ def test_rank_that_sleeps_is_named_with_its_stack():
     assert f"all_reduce #2 (hang.py:{after}) on world (ranks 0-1): rank 0 waited; missing: rank 1" in err
     assert_stack(err, 0, after)
     assert_stack(err, 1, sleep)  # from faulthandler, dumped when the launcher stopped rank 1
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_gloo_timeout_in_a_raw_torch_collective_still_gives_the_merged_report():
+    """rank 0 calls torch.distributed.all_reduce itself: gloo raises after 5 s."""
+    err = run_hang("raw", 2)
+    raw, sleep, first = line_of("raw"), line_of("raw-sleep"), line_of("first")
+    assert where_line(err) == (
+        f"rank 0 is in torch.distributed.all_reduce called at hang.py:{raw} in <module> (not "
+        "numbered: call disttrain.comm.all_reduce instead to see which one); rank 1 is outside "
+        f"any collective at hang.py:{sleep} in <module> (last completed all_reduce #1 (hang.py:{first}))")
+    assert "[rank0]: RuntimeError: Timed out waiting 5000ms for recv operation" in err
+    assert_stack(err, 0, raw)
+    assert_stack(err, 1, sleep)

@@ -23,12 +23,21 @@ import glob
 import json
 import os
 import re
+import signal
 
 from disttrain.comm.flight import format_ranks, is_library
 
 __all__ = ["load_states", "collective_report", "parse_stack", "RankView"]
 
 _FRAME = re.compile(r'File "(.+?)", line (\d+),? in (.+)')
+# A rank's own error that says a collective failed in the backend (not the user's bug).
+BACKEND_ERROR = re.compile(r"gloo|nccl|DistBackendError|DistNetworkError|Timed out waiting|"
+                           r"Connection (closed|reset) by peer", re.IGNORECASE)
+_TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
+COLLECTIVES = frozenset(
+    "all_reduce broadcast all_gather all_gather_into_tensor reduce_scatter reduce_scatter_tensor "
+    "barrier monitored_barrier send recv isend irecv gather scatter reduce all_to_all "
+    "all_to_all_single all_gather_object broadcast_object_list batch_isend_irecv".split())
 _NAME = re.compile(r"rank(\d+)\.a(\d+)\.(json|stacks)$")
 MAX_FRAMES = 12
 
@@ -36,12 +45,24 @@ MAX_FRAMES = 12
 class RankView:
     """What the launcher knows about one rank: its state, its stack, its exit."""
 
-    def __init__(self, rank: int, state: dict | None, fault: str | None, exitcode: int | None):
+    def __init__(self, rank: int, state: dict | None, fault: str | None, exitcode: int | None,
+                 error: tuple[str, str] | None = None):
         self.rank, self.state, self.exitcode = rank, state, exitcode
-        self.stack = _main_stack(fault) if fault else []
+        # NOTE: stack sources, best first: the rank's own exception traceback, the
+        # recorder's dump when its collective failed, faulthandler at SIGTERM/crash
+        # (exact, even inside C code; what a stopped rank has).
+        message, callstack = error or ("", "")
+        self.stack = parse_stack(callstack) if callstack else []
         if not self.stack and state and state.get("stacks"):
             stacks = state["stacks"]
             self.stack = parse_stack(stacks.get("MainThread") or next(iter(stacks.values())))
+        if not self.stack and fault:
+            self.stack = _main_stack(fault)
+        self.error = (state or {}).get("error") or (message if BACKEND_ERROR.search(message) else "")
+
+    def backend_trouble(self) -> bool:
+        status = (self.state or {}).get("status")
+        return status in ("timeout", "failed") or self.exitcode == 124 or bool(self.error)
 
     def in_flight(self) -> dict | None:
         flying = (self.state or {}).get("in_flight") or []
@@ -59,13 +80,26 @@ class RankView:
         last = self.last()
         after = f"last completed {describe(last)}" if last else "no collective completed yet"
         status = (self.state or {}).get("status")
-        if status == "exited":
+        if status == "exited" and not self.exitcode:  # a failed script also runs atexit
             return f"done: its script returned ({after})"
         here = self.user_frame()
         spot = f" at {os.path.basename(here[0])}:{here[1]} in {here[2]}" if here else ""
+        raw = self.torch_collective()
+        if raw:
+            return (f"in torch.distributed.{raw}{spot.replace(' at ', ' called at ', 1)} (not "
+                    f"numbered: call disttrain.comm.{raw} instead to see which one)")
+        code = self.exitcode
+        if code is not None and code != 124 and code != -signal.SIGTERM and code != 0:
+            how = f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            return f"dead: {how}{spot} ({after})"
         if self.state is None:
             return f"outside any disttrain collective{spot} (it issued none)"
         return f"outside any collective{spot} ({after})"
+
+    def torch_collective(self) -> str | None:
+        """The torch.distributed collective the stack is inside, if any (unrecorded path)."""
+        names = [f for p, _, f in self.stack if _TORCH_DIST in p and f in COLLECTIVES]
+        return names[0] if names else None
 
     def user_frame(self) -> tuple[str, int, str] | None:
         for path, line, func in reversed(self.stack):
@@ -89,7 +123,7 @@ def _main_stack(fault: str) -> list[tuple[str, int, str]]:
     blocks = [b for b in fault.split("\n\n") if "File " in b]
     # NOTE: faulthandler does not name threads; the main thread's stack runs the script
     # (`<module>`), worker threads start in threading's _bootstrap.
-    main = next((b for b in blocks if " in <module>" in b), blocks[0] if blocks else "")
+    main = next((b for b in blocks if " in <module>" in b), "")
     return list(reversed(parse_stack(main)))
 
 
@@ -115,9 +149,11 @@ def load_states(report_dir: str) -> tuple[int, dict[int, dict | None], dict[int,
     return attempt, states, faults
 
 
-def _collective_trouble(views: list[RankView]) -> bool:
-    return any((v.state or {}).get("status") in ("timeout", "failed") or v.exitcode == 124
-               for v in views)
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _slot_lines(views: list[RankView]) -> list[str]:
@@ -185,8 +221,9 @@ def _stack_lines(v: RankView) -> list[str]:
     frames = v.stack
     # Drop the launcher's own frames below the user's script (_entry.py, runpy).
     user = [i for i, f in enumerate(frames) if not is_library(f[0])]
-    if user:  # keep the first library frame the user's code called, drop the rest
-        frames = frames[user[0]:user[-1] + 2]
+    if user:  # keep the library call the user's code made (a collective's name), drop the rest
+        calls = [i for i, f in enumerate(frames) if i > user[-1] and f[2] in COLLECTIVES]
+        frames = frames[user[0]:(calls[0] if calls else user[-1] + 1) + 1]
     if not frames:
         return [f"[rank{v.rank}]: no stack recorded"]
     shown = frames[-MAX_FRAMES:]
@@ -203,21 +240,35 @@ def _short(error: str) -> str:
     return re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", first)[:200]
 
 
-def collective_report(report_dir: str, exit_codes: dict[int, int], world_size: int) -> str | None:
-    """The merged report text, or None when no rank failed inside a collective."""
+def _limit(views: list[RankView]) -> str:
+    timeouts = {v.state["timeout"] for v in views if v.state and v.state.get("timeout")}
+    for v in views:  # unrecorded path: gloo says how long it waited
+        m = re.search(r"Timed out waiting (\d+)ms", v.error)
+        if m and not timeouts:
+            timeouts.add(int(m[1]) / 1000)
+    return f" within {min(timeouts):g} s" if timeouts else ""
+
+
+def collective_report(report_dir: str, exit_codes: dict[int, int], world_size: int,
+                      errors: dict[int, tuple[str, str]] | None = None) -> str | None:
+    """The merged report text, or None when no rank failed inside a collective.
+
+    `errors`: rank -> (message, traceback text) of the exceptions ranks recorded; a
+    backend error there (gloo timeout, peer gone) counts even when the collective was
+    issued straight through torch.distributed and so was not recorded.
+    """
     _, states, faults = load_states(report_dir)
-    views = [RankView(r, states.get(r), faults.get(r), exit_codes.get(r)) for r in range(world_size)]
-    if not _collective_trouble(views):
+    errors = errors or {}
+    views = [RankView(r, states.get(r), faults.get(r), exit_codes.get(r), errors.get(r))
+             for r in range(world_size)]
+    if not any(v.backend_trouble() for v in views):
         return None
-    timeouts = {s.get("timeout") for s in states.values() if s.get("timeout")}
-    limit = f" within {min(timeouts):g} s" if timeouts else ""
-    lines = [f"disttrain run: a collective did not complete{limit}; where every rank was:"]
+    lines = [f"disttrain run: a collective did not complete{_limit(views)}; where every rank was:"]
     lines += ["  " + line for line in _slot_lines(views)]
     lines.append("  " + _where_line(views))
     for v in views:
-        err = (v.state or {}).get("error")
-        if err:
-            lines.append(f"[rank{v.rank}]: {_short(err)}")
+        if v.error:
+            lines.append(f"[rank{v.rank}]: {_short(v.error)}")
     for v in views:
         lines += _stack_lines(v)
     return "\n".join(lines) + "\n"

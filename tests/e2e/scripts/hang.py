@@ -2,7 +2,8 @@
 
 - skip:     the last rank skips the second all_reduce of three, then waits in a barrier;
 - mismatch: rank 1 calls broadcast where every other rank calls all_reduce;
-- sleep:    rank 1 sleeps forever instead of joining the second all_reduce.
+- sleep:    rank 1 sleeps forever instead of joining the second all_reduce;
+- raw:      as sleep, but rank 0 calls torch.distributed.all_reduce (not recorded).
 
 Lines the tests look for are marked `# at:NAME`.
 """
@@ -11,6 +12,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import disttrain
 from disttrain import comm
@@ -35,4 +37,8 @@ elif mode == "sleep":
     if rank == 1:
         time.sleep(600)  # at:sleep
     comm.all_reduce(t)  # at:after-sleep
+elif mode == "raw":
+    if rank == 1:
+        time.sleep(600)  # at:raw-sleep
+    dist.all_reduce(t)  # at:raw
 print(f"rank {rank} done (should not happen)", flush=True)
