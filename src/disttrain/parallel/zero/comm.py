@@ -14,7 +14,11 @@ the paper's claim: stages 1-2 move what data parallelism moves (2 Psi per step),
 algorithm internally. On a torch without reduce-scatter/all-gather into a flat tensor,
 `reduce_scatter` falls back to all_reduce + slice and is counted as the all_reduce it is.
 
-Who talks to whom: flat.py and stage3.py call these; these call torch.distributed.
+The calls go through `disttrain.comm.ops` (recorded in the flight recorder, so a hang
+names the op, group, shapes and call site instead of waiting silently).
+
+Who talks to whom: flat.py and stage3.py call these; these call disttrain.comm.ops,
+which calls torch.distributed.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "all_gather", "all_reduce", "reduce_scatter"]
+from disttrain.comm import ops
 
-_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+__all__ = ["CommStats", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
+
+_FLAT = hasattr(dist, "reduce_scatter_tensor") and hasattr(dist, "all_gather_into_tensor")
 
 
 @dataclass
@@ -66,7 +71,7 @@ def all_reduce(t: torch.Tensor, group, stats: CommStats, async_op: bool = False)
     """Sum `t` in place over `group`; returns a handle when `async_op` (else blocks)."""
     n = dist.get_world_size(group)
     stats.add("all_reduce", 2 * _ring(n) * t.numel() * t.element_size())
-    return dist.all_reduce(t, group=group, async_op=async_op)
+    return ops.all_reduce(t, group=group, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
@@ -76,14 +81,14 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats
     `out` may alias this rank's chunk of `inp` (in place). Handle when `async_op`.
     """
     n = dist.get_world_size(group)
-    if _RS is None:  # old torch: all_reduce a copy, keep our chunk
+    if not _FLAT:  # old torch: all_reduce a copy, keep our chunk
         tmp = inp.clone()
         all_reduce(tmp, group, stats)
         r = dist.get_rank(group)
         out.copy_(tmp[r * out.numel():(r + 1) * out.numel()])
         return _Done() if async_op else None
     stats.add("reduce_scatter", _ring(n) * inp.numel() * inp.element_size())
-    return _RS(out, inp, group=group, async_op=async_op)
+    return ops.reduce_scatter_tensor(out, inp, group=group, async_op=async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
@@ -91,11 +96,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
     """out (N*numel,) <- every rank's inp (numel,) in rank order; `inp` may alias out."""
     n = dist.get_world_size(group)
     stats.add("all_gather", _ring(n) * out.numel() * out.element_size())
-    if _AG is None:
-        parts = list(out.chunk(n))
-        work = dist.all_gather(parts, inp.clone(), group=group, async_op=async_op)
-        return work
-    return _AG(out, inp, group=group, async_op=async_op)
+    if not _FLAT:
+        return ops.all_gather(list(out.chunk(n)), inp.clone(), group=group, async_op=async_op)
+    return ops.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, group, stats: CommStats, src_in_group: int = 0) -> None:
@@ -103,4 +106,4 @@ def broadcast(t: torch.Tensor, group, stats: CommStats, src_in_group: int = 0) -
     n = dist.get_world_size(group)
     src = src_in_group if group is None else dist.get_global_rank(group, src_in_group)
     stats.add("broadcast", _ring(n) * t.numel() * t.element_size())
-    dist.broadcast(t, src=src, group=group)
+    ops.broadcast(t, src=src, group=group)
