@@ -26,6 +26,10 @@ examples:
 Options go before the script; everything after it is passed to the script.
 Rank 0 writes to the terminal as is; other ranks' lines start with [rankN]:.
 A failing rank's traceback is printed with its prefix and the job exits non-zero.
+A collective that does not complete within --timeout (default 60 s) ends the job
+with ONE report: the missing ranks, where every rank is (op #number, file:line) and
+each rank's stack; exit code 124. Collectives are numbered when issued through
+disttrain (disttrain.comm.all_reduce, DataParallel, ...).
 Ranks get DISTTRAIN_SECRET (a fresh per-job secret unless already set: multi-node
 jobs must export the same value on every node), DISTTRAIN_SERVERS and, with several
 processes per node, OMP_NUM_THREADS = cores / processes unless set.
@@ -50,7 +54,8 @@ def add_run_parser(subparsers) -> None:
     nodes.add_argument("--master-addr", help="address of node 0, reachable from every node")
     nodes.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the ranks up to K times after a failure (default 0)")
-    p.add_argument("--timeout", type=float, help="collective timeout in seconds for the ranks (DISTTRAIN_TIMEOUT)")
+    p.add_argument("--timeout", type=float, help="seconds a collective may wait before the job is stopped with a report naming the "
+                        "missing ranks (DISTTRAIN_TIMEOUT; default 60)")
     p.add_argument("--log-dir", help="keep every rank's stdout/stderr/error files in this folder")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

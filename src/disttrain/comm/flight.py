@@ -263,6 +263,8 @@ class FlightRecorder:
 
     def finish(self) -> None:
         """Record a normal exit (atexit): the launcher then knows this rank ended."""
+        if os.getpid() != self.pid:  # a forked child (DataLoader worker) is not this rank
+            return
         with self._lock:
             if self.status == "running":
                 self.status = "exited"
