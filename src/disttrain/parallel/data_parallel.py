@@ -56,6 +56,9 @@ class DataParallel(nn.Module):
     gradient_as_bucket_view: leave `param.grad` as a view into the bucket buffer.
 
     Construction blocks (a broadcast); forward/backward block only where DDP's do.
+    NOTE: as with DDP, every rank must run the same backward: reentrant activation
+    checkpointing (use_reentrant=True) runs nested backwards and is not supported; use
+    torch.utils.checkpoint(..., use_reentrant=False).
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float | str = 25,
