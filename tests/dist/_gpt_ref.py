@@ -14,7 +14,7 @@ from disttrain.models import GPT, GPTConfig
 from disttrain.parallel.parallelize import parallelize
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=4, n_head=4, n_embd=16)
-STEPS, LR = 2, 0.05
+STEPS, LR, MAX_NORM = 2, 0.05, 0.8  # the first step's norm is ~1.19: clipping is active
 
 
 def make_model(**over):
@@ -43,12 +43,13 @@ def reference(steps=STEPS, batch=8, **over):
         losses.append(loss.item())
         if s == 0:
             grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
     return losses, grads0, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def run_parallel(mesh, steps=STEPS, batch=8, plan_tp=True, **kw):
-    """Train on `mesh`; rank 0 returns (losses, grads0, params) unsharded, others None."""
+    """Train on `mesh`; rank 0 returns (losses and grad norms, grads0, params), others None."""
     model = make_model()
     x, y = make_batch(batch)
     dp, d = mesh.size("dp"), mesh.local_rank("dp")
@@ -61,6 +62,7 @@ def run_parallel(mesh, steps=STEPS, batch=8, plan_tp=True, **kw):
         losses.append(pm.train_step(x, y).item())
         if s == 0:
             grads0 = pm.full_state_dict(grads=True)
+        losses.append(pm.clip_grad_norm_(MAX_NORM).item())
         opt.step()
     params = pm.full_state_dict()
     if disttrain.rank() != 0:

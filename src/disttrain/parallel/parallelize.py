@@ -110,6 +110,32 @@ class ParallelModel(nn.Module):
             raise RuntimeError("a pipelined model runs through train_step(x, y), not forward()")
         return self.chunks[0](x)
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so the whole model's gradient norm is at most `max_norm`.
+
+        Same rule as torch.nn.utils.clip_grad_norm_ on the unsharded model: sharded
+        parameters count on every tp rank, replicated ones (LayerNorm, row-parallel
+        bias) once; squares are summed over the tp and pp groups (dp replicas already
+        hold averaged, equal gradients). Returns the total norm. Blocks.
+        """
+        sq = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
+        tp_first = self.mesh.local_rank("tp") == 0
+        for chunk in self.local_modules():
+            for mod in chunk.modules():
+                for name, p in mod.named_parameters(recurse=False):
+                    if p.grad is not None and (tp_first or _shard_dim(mod, name) is not None):
+                        sq += p.grad.float().pow(2).sum()
+        for axis in ("tp", "pp"):
+            if self.mesh.size(axis) > 1:
+                dist.all_reduce(sq, group=self.mesh.group(axis))
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
     def local_modules(self) -> list[nn.Module]:
         """The stage chunks without their DataParallel wrapper (names as in the full model)."""
         return [getattr(c, "module", c) for c in self.chunks]
