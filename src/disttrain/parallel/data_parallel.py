@@ -144,7 +144,9 @@ class DataParallel(nn.Module):
             return
         self.tuner.record(time.perf_counter() - start)
         if self.tuner.wants_agreement():
-            times = torch.tensor(self.tuner.candidate_times(), dtype=torch.float64)
+            device = self._named[0][1].device  # NOTE: NCCL reduces device tensors only
+            times = torch.tensor(self.tuner.candidate_times(), dtype=torch.float64,
+                                 device=device)
             ops.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
             self.tuner.agree(times.tolist())
         if self.tuner.current_bytes() != self._sync.cap_bytes:
