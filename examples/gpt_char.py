@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--sample-chars", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -71,6 +72,8 @@ def main(argv=None):
         x, y = (t.to(disttrain.device()) for t in next(loader))  # (B, T) each
         opt.zero_grad(set_to_none=True)
         loss = model.train_step(x, y).item()
+        if args.clip > 0:
+            model.clip_grad_norm_(args.clip)  # the whole model's norm, over every shard
         opt.step()
         first = loss if first is None else first
         if step == 1 or step % args.log_every == 0 or step == args.steps:
