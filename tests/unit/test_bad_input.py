@@ -15,6 +15,7 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import disttrain
@@ -42,6 +43,12 @@ def nan_grads():
 
 def straggler_ksync():
     ps.KSync(5).start([0, 1, 2])
+
+
+def init_alone(**kwargs):
+    if disttrain.is_initialized():
+        pytest.skip("a process group is already up in this test process")
+    disttrain.init(**kwargs)
 
 
 def timeout_env():
@@ -117,6 +124,25 @@ NO_GROUP = [
      "--timeout", "must be > 0 seconds"),
     ("short-secret", lambda: rank_env(RunConfig(script=HERE), {"DISTTRAIN_SECRET": "abc"}), ValueError,
      "DISTTRAIN_SECRET has 3 characters", "export DISTTRAIN_SECRET="),
+    ("init-unknown-backend", lambda: init_alone(backend="mpi"), ValueError,
+     "got 'mpi'", "backend must be 'gloo' or 'nccl'"),
+    ("init-store-without-rank", lambda: init_alone(store=dist.HashStore()), ValueError,
+     r"init\(store=\.\.\.\)", "also needs rank= and world_size="),
+    ("hash-ring-no-vnodes", lambda: ps.HashRing(["s0"], vnodes=0), ValueError,
+     "vnodes must be >= 1, got 0", r"64\.\.256 is typical"),
+    ("straggler-unknown-kind", lambda: ps.Straggler(kind="x"), ValueError,
+     "unknown straggler model 'x'", "use one of"),
+    ("sampler-not-map-style", lambda: data.DistributedSampler(None, num_replicas=2, rank=0), TypeError,
+     "NoneType has no __len__", "shard an IterableDataset inside its __iter__"),
+    ("pipeline-model-without-layers", lambda: pipeline.split_model(nn.Linear(2, 2), 2, 0), TypeError,
+     "Linear does not name its layers", r"give layers=\[\.\.\.\]"),
+    ("gpt-no-layers", lambda: GPTConfig(n_layer=0), ValueError, "GPTConfig.n_layer", "must be >= 1"),
+    ("1f1b-with-virtual-stages", lambda: pipeline.make_schedule("1f1b", 2, 4, 2), ValueError,
+     "runs one chunk per stage", "num_virtual must be 1"),
+    ("interleaved-without-virtual", lambda: pipeline.make_schedule("interleaved", 2, 4, 1), ValueError,
+     "schedule 'interleaved'", "needs num_virtual >= 2"),
+    ("plan-unknown-precision", lambda: plan.bytes_per_param("adam", "fp8"), ValueError,
+     "got 'fp8'", r"precision must be one of \['fp32', 'mixed'\]"),
 ]
 
 
@@ -181,6 +207,22 @@ WITH_GROUP = [
     ("ps-connect-outside-ps-job",
      lambda tmp: ps.connect(nn.Linear(2, 2), policy=ps.KSync(1), optimizer=sgd), RuntimeError,
      "needs 1 <= servers < world size", "disttrain run --workers W --servers S"),
+    ("checkpoint-step-not-int", lambda tmp: disttrain.Checkpointer(tmp).save("x", model=nn.Linear(2, 2)),
+     ValueError, "got 'x'", "step must be an int >= 0"),
+    ("checkpoint-extra-not-dict",
+     lambda tmp: disttrain.Checkpointer(tmp).save(1, model=nn.Linear(2, 2), extra=[1]), TypeError,
+     "extra must be a dict", "got list"),
+    ("mesh-unknown-axis", lambda tmp: disttrain.Mesh().group("xp"), ValueError,
+     "unknown mesh axis 'xp'", "axes are pp, dp, tp"),
+    ("parallelize-unknown-schedule",
+     lambda tmp: disttrain.parallelize(nn.Linear(2, 2), disttrain.Mesh(), None, schedule="zigzag"),
+     ValueError, "unknown schedule 'zigzag'", "choose one of"),
+    ("collective-group-not-a-group", lambda tmp: comm.all_reduce(torch.ones(2), group="dp"), TypeError,
+     "group must be a torch.distributed ProcessGroup", r"use mesh\.group\('dp'\)"),
+    ("send-to-self", lambda tmp: comm.send(torch.ones(2), dst=0), ValueError,
+     "dst=0 is this rank", "needs another rank"),
+    ("reduce-scatter-sizes", lambda tmp: comm.reduce_scatter_tensor(torch.ones(3), torch.ones(4)),
+     ValueError, "input has 4 elements, needs 1 x 3", "pad it"),
     ("checkpoint-of-another-model", checkpoint_of_other_model, CheckpointMismatchError,
      "was saved from a different model", r"shape mismatch: weight: checkpoint \[2, 3\], model \[2, 4\]"),
 ]
