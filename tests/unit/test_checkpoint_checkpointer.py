@@ -93,6 +93,19 @@ def test_keeps_newest_and_points_latest(tmp_path):
     assert ckpt.steps() == [30, 20]
 
 
+@pytest.mark.timeout(20)
+def test_restarting_at_an_earlier_step_makes_old_higher_steps_stale(tmp_path):
+    model = nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, keep=3)
+    for step in (100, 5, 6):  # a new run in the same folder
+        ckpt.save(step, model=model)
+    assert ckpt.steps() == [6, 5, 100]  # load tries 6, then 5; 100 is from the old run
+    ckpt.save(7, model=model)
+    assert ckpt.steps() == [7, 6, 5]  # the stale step is pruned first
+    (tmp_path / "latest").write_text("garbage")
+    assert ckpt.steps() == [7, 6, 5]
+
+
 def _save_steps(tmp_path, steps):
     model, opt = _fresh()
     ckpt = Checkpointer(tmp_path)

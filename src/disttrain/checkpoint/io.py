@@ -128,17 +128,23 @@ def read_latest(directory: str) -> str | None:
 
 
 def checkpoint_dirs(directory: str) -> list[str]:
-    """Committed checkpoint folders, newest first: `latest` first, then by step, descending."""
+    """Committed checkpoint folders, most recent first (the order load tries and prune keeps).
+
+    `latest` first, then lower steps, descending; steps above `latest`'s come last: they
+    belong to an abandoned run (training restarted from an earlier step in this folder).
+    """
     try:
         names = [n for n in os.listdir(directory) if _STEP_RE.match(n)
                  and os.path.isfile(os.path.join(directory, n, MANIFEST))]
     except FileNotFoundError:
         return []
-    names.sort(key=lambda n: int(_STEP_RE.match(n).group(1)), reverse=True)
+
+    def step(name: str) -> int:
+        return int(_STEP_RE.match(name).group(1))
+
     latest = read_latest(directory)
-    if latest in names:
-        names.remove(latest)
-        names.insert(0, latest)
+    top = step(latest) if latest in names else float("inf")
+    names.sort(key=lambda n: (n != latest, step(n) > top, -step(n)))
     return names
 
 
