@@ -1,11 +1,13 @@
 """The README's main job as a user runs it: `disttrain run --nproc 4 examples/digits.py`.
 
-Also the same script alone (`python examples/digits.py`, a world of one) and under
-torchrun. Each run must end with `final test accuracy: 0.9xxx`, at least 0.95.
+Also the same script alone (`python examples/digits.py`, a world of one). Each run
+must end with `final test accuracy: 0.9xxx`, at least 0.95. (Running under torchrun
+is covered for the launcher's own scripts in the launcher's e2e tests.)
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -46,21 +48,26 @@ def _final_accuracy(proc: subprocess.CompletedProcess) -> float:
     return accuracy
 
 
+@functools.cache
+def _alone_accuracy() -> float:
+    """`python examples/digits.py`: a world of one (run once, shared by both tests)."""
+    return _final_accuracy(_run([sys.executable, DIGITS], 60))
+
+
 @pytest.mark.timeout(90)
-def test_main_job_through_the_launcher():
-    proc = _run([sys.executable, "-m", "disttrain", "run", "--nproc", "4", DIGITS], 80)
-    _final_accuracy(proc)
+def test_script_alone():
+    assert _alone_accuracy() >= 0.95
+
+
+# NOTE: generous timeouts: about 15 s on an idle 2-core machine, 3x that when it is shared.
+@pytest.mark.timeout(210)
+def test_main_job_through_the_launcher_matches_the_script_alone():
+    proc = _run([sys.executable, "-m", "disttrain", "run", "--nproc", "4", DIGITS], 120)
+    world4 = _final_accuracy(proc)
     # one progress bar (rank 0's), run to the end: 10 epochs of ceil(1437 / 64) steps
     assert "230/230" in proc.stderr
     bar_lines = [ln for ln in proc.stderr.splitlines() if "step/s" in ln]
     assert bar_lines and not any(ln.lstrip().startswith("[rank") for ln in bar_lines)
-
-
-@pytest.mark.timeout(60)
-def test_alone_and_under_torchrun_give_the_same_accuracy():
-    alone = _final_accuracy(_run([sys.executable, DIGITS], 50))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", "2", DIGITS]
-    # NOTE: a world-2 run with per-rank batch 32 follows the world-1 run with batch 64 up to
-    # float rounding (same global batches, averaged gradients), so the accuracy agrees closely.
-    assert abs(_final_accuracy(_run(torchrun, 50)) - alone) <= 0.01
+    # World 4 with per-rank batch 16 sees the same global batches as world 1 with 64, and
+    # averaged gradients equal the big batch's up to rounding: the same accuracy, closely.
+    assert abs(world4 - _alone_accuracy()) <= 0.01, (world4, _alone_accuracy())
