@@ -80,6 +80,8 @@ def every_stage(group):
                                bucket_mb=0.001)
             train(z, z.optimizer, STEPS, rank, world)
             out[f"{name}/zero{stage}"] = z.state_dict()
+            with torch.no_grad():  # inference between steps (stage 3 gathers, no hooks)
+                out[f"{name}/zero{stage}/eval"] = z(torch.arange(VOCAB))
         dp = disttrain.DataParallel(make_model(), group=group)
         opt = factory(name)(list(dp.parameters()))
         train(dp, opt, STEPS, rank, world)
@@ -213,10 +215,14 @@ def clone(obj):
     return obj
 
 
-def reference(name):
+def ref_model(name):
     model = make_model()
     train(model, factory(name)(list(model.parameters())), STEPS)
-    return model.state_dict()
+    return model
+
+
+def reference(name):
+    return ref_model(name).state_dict()
 
 
 def assert_close(got, want, what):
@@ -248,6 +254,13 @@ def test_every_stage_matches_single_process_and_data_parallel(world, tmp_path_fa
                 key = f"{name}/zero{stage}"
                 assert_close(out[rank][key], ref, f"{key} rank {rank} vs single process")
                 assert_close(out[rank][key], out[rank][f"{name}/dp"], f"{key} vs DataParallel")
+        trained = ref_model(name)
+        with torch.no_grad():
+            want = trained(torch.arange(VOCAB))
+        for rank in range(4):
+            for stage in range(4):
+                torch.testing.assert_close(out[rank][f"{name}/zero{stage}/eval"], want,
+                                           atol=2e-5, rtol=1e-4)
         # the tied head really is the embedding after training
         sd = out[0][f"{name}/zero3"]
         assert torch.equal(sd["head.weight"], sd["emb.weight"])
