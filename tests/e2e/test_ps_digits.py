@@ -36,7 +36,7 @@ def test_digits_ps_reaches_90_percent(mode):
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", "1",
-           "examples/digits_ps.py", "--mode", mode, "--epochs", "3", *CASES[mode]]
+           "examples/digits_ps.py", "--mode", mode, "--epochs", "4", *CASES[mode]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{out[-3000:]}"
