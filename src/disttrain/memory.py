@@ -36,11 +36,17 @@ class ModelState:
         return self.params + self.grads + self.optimizer
 
     def __str__(self) -> str:
-        mb = 2**20
-        peak = "n/a" if self.peak_allocated is None else f"{self.peak_allocated / mb:.2f} MiB"
-        return (f"params {self.params / mb:.2f} MiB, grads {self.grads / mb:.2f} MiB, "
-                f"optimizer {self.optimizer / mb:.2f} MiB, total {self.total / mb:.2f} MiB, "
+        peak = "n/a" if self.peak_allocated is None else _human(self.peak_allocated)
+        return (f"params {_human(self.params)}, grads {_human(self.grads)}, "
+                f"optimizer {_human(self.optimizer)}, total {_human(self.total)}, "
                 f"peak allocated {peak}")
+
+
+def _human(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -23,7 +23,7 @@ through a separate alias tensor, so those saved views read the gathered values i
 backward and their version counters are untouched (FSDP's flat-parameter trick).
 
 Who talks to whom: api.Zero drives this; module hooks call back into `_pre_forward`,
-`_post_forward`, `_pre_backward` and `_on_full_grad`; those call comm.py.
+`_post_forward`, `_pre_backward_of` and `_on_full_grad_of`; those call comm.py.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ class _Unit:
         numel = -(-payload // world) * world
         self.pad = numel - payload
         p0 = params[0]
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise ValueError(f"ZeRO stage 3 flattens a module's own parameters into one "
+                             f"buffer, but they mix {sorted(map(str, kinds))}; give each "
+                             "dtype/device its own submodule, or use stage 2")
         flat = torch.zeros(numel, dtype=p0.dtype, device=p0.device)  # (numel,)
         torch.cat([p.detach().reshape(-1) for p in params], out=flat[:payload])
         size = numel // world
