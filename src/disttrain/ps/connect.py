@@ -97,7 +97,9 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
 
 def format_stats(stats: dict) -> str:
     """One line for a server's (or a job's) report."""
-    return (f"[ps server{stats.get('server', '?')}] {stats['policy']}: version {stats['version']}, "
+    return (f"[ps server{stats.get('server', '?')}] {stats['policy']}: "
+            f"{stats.get('keys', '?')} keys, {stats.get('bytes', 0) / 1e6:.2f} MB, "
+            f"version {stats['version']}, "
             f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
             f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "
             f"rejected frames {stats.get('rejected_frames', 0)}, staleness {stats['staleness']}")

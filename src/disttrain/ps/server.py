@@ -197,7 +197,8 @@ class Server:
         """Policy counters plus transport and partial-push counters (plain types)."""
         out = self.policy.stats()
         out.update(server=self.index, partial_dropped=self.partial_dropped,
-                   rejected_frames=sum(self.ep.rejected.values()))
+                   rejected_frames=sum(self.ep.rejected.values()), keys=len(self.keys),
+                   bytes=sum(p.numel() * p.element_size() for p in self.params.values()))
         return out
 
     def snapshot(self, path: str) -> None:
