@@ -39,16 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disttrain.checkpoint import io, reader, state
+from disttrain.checkpoint import io, plan, reader, state
 from disttrain.checkpoint.manifest import (
     CheckpointError,
     CheckpointWarning,
     Manifest,
-    Piece,
-    TensorEntry,
     dtype_name,
 )
-from disttrain.checkpoint.reshard import ShardedTensor, Slice, check_tiling
+from disttrain.checkpoint.reshard import ShardedTensor
 
 __all__ = ["Checkpointer"]
 
@@ -110,8 +108,8 @@ class Checkpointer:
             raise failure
         if errors:
             raise CheckpointError(f"saving step {step} failed: {'; '.join(errors)}")
-        trees.update(_merged_trees(gathered))
-        entries, writers, differ = _plan(gathered, rank)
+        trees.update(plan.merged_trees(gathered))
+        entries, writers, differ = plan.plan(gathered, rank)
         if differ and rank == 0:
             warnings.warn(
                 f"step {step}: tensors saved as replicated differ between ranks (tensor: "
@@ -239,67 +237,6 @@ def _crc(t: torch.Tensor) -> int:
 
 def _local(t: torch.Tensor | ShardedTensor) -> torch.Tensor:
     return t.local if isinstance(t, ShardedTensor) else t
-
-
-def _merged_trees(gathered: list[dict]) -> dict[str, Any]:
-    """One skeleton per object from every rank's: the same step and objects everywhere;
-    keys may differ (a pipeline stage holds its own layers), values may not."""
-    steps = sorted({g["step"] for g in gathered})
-    if len(steps) > 1:
-        raise CheckpointError(f"ranks called save() with different steps {steps}; "
-                              "every rank must save the same step")
-    kinds = [sorted(g["trees"]) for g in gathered]
-    if any(k != kinds[0] for k in kinds):
-        raise CheckpointError(f"ranks passed different objects to save() ({kinds}); pass "
-                              "model=/optimizer= on every rank")
-    merged = dict(gathered[0]["trees"])
-    for r, g in enumerate(gathered[1:], start=1):
-        for key, tree in g["trees"].items():
-            try:
-                merged[key] = state.merge(merged[key], tree, key)
-            except ValueError as err:
-                raise CheckpointError(
-                    f"rank {r} and a lower rank disagree on replicated {key} state at {err}. "
-                    "Replicated values (hyperparameters, step counts) must be equal on every "
-                    "rank; state that differs per rank (a sharded optimizer's) must be "
-                    "declared through sharded_state_dict() (see docs/design.md, Checkpoints)"
-                ) from None
-    return merged
-
-
-def _plan(gathered: list[dict], rank: int):
-    """(manifest tensor table, {path: writer rank} for the pieces `rank` holds,
-    {path: ranks whose 'replicated' copy differs from the lowest rank's}).
-
-    Every rank computes the same plan from the same gathered data.
-    """
-    entries: dict[str, TensorEntry] = {}
-    owners: dict[tuple[str, Slice], int] = {}
-    crcs: dict[str, int] = {}
-    differ: dict[str, list[int]] = {}
-    for r, g in enumerate(gathered):
-        for path, (dtype, gshape, offsets, shape, crc) in g["pieces"].items():
-            if crc is not None and crcs.setdefault(path, crc) != crc:
-                differ.setdefault(path, []).append(r)
-            e = entries.setdefault(path, TensorEntry(dtype, tuple(gshape), []))
-            if (e.dtype, e.global_shape) != (dtype, tuple(gshape)):
-                raise CheckpointError(
-                    f"{path}: rank {r} holds {dtype}{list(gshape)} but a lower rank holds "
-                    f"{e.dtype}{list(e.global_shape)}; all ranks must agree on global shapes"
-                )
-            piece = Slice(tuple(offsets), tuple(shape))
-            if piece.numel and (path, piece) not in owners:
-                owners[(path, piece)] = r
-                e.pieces.append(Piece(f"rank{r:05d}.safetensors", piece))
-    for path, e in entries.items():
-        check_tiling(path, e.global_shape, [p.slice for p in e.pieces])
-    mine = gathered[rank]["pieces"]
-    writers = {}
-    for path, (_, _, offsets, shape, _) in mine.items():
-        piece = Slice(tuple(offsets), tuple(shape))
-        if piece.numel:
-            writers[path] = owners[(path, piece)]
-    return entries, writers, differ
 
 
 def _write_mine(tmp: str, rank: int, mine: dict[str, torch.Tensor]) -> dict[str, Any]:
