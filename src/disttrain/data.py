@@ -24,6 +24,7 @@ Who talks to whom: reads rank / world size from `disttrain.runtime`; no collecti
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,8 +38,12 @@ __all__ = ["DistributedSampler", "ShardLoader", "shard_loader"]
 
 
 def _check_int(name: str, value: Any, low: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # int, numpy integers; not floats or strings
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
@@ -89,8 +94,8 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                 "inside its __iter__ using disttrain.rank() and disttrain.world_size()"
             )
         rank, num_replicas = _default_world(rank, num_replicas)
-        self.num_replicas = _check_int("num_replicas", num_replicas, low=1)
-        self.rank = _check_int("rank", rank)
+        self.num_replicas = num_replicas = _check_int("num_replicas", num_replicas, low=1)
+        self.rank = rank = _check_int("rank", rank)
         if not 0 <= rank < num_replicas:
             raise ValueError(
                 f"rank {rank} is out of range for num_replicas={num_replicas}: rank must be "
@@ -246,7 +251,7 @@ class ShardLoader:
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass use `epoch` (does not block)."""
         self.sampler.set_epoch(epoch)
-        self._epoch, self._pinned, self._pass = epoch, True, None
+        self._epoch, self._pinned, self._pass = self.sampler.epoch, True, None
 
     def _upcoming_epoch(self) -> int:
         if self.sampler.epoch != self._epoch:  # the user called sampler.set_epoch()

@@ -240,3 +240,11 @@ def test_loader_leaves_the_global_rng_alone():
     after = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(torch.rand(3), after)
+
+
+def test_numpy_integers_are_accepted():
+    np = pytest.importorskip("numpy")
+    s = DistributedSampler(range(10), np.int64(2), np.int32(1), seed=np.int64(4))
+    s.set_epoch(np.int64(3))
+    assert list(s) == _torch_indices(10, 2, 1, True, 4, False, 3)[0]
+    assert s.state_dict() == {"epoch": 3, "offset": 0} and type(s.state_dict()["epoch"]) is int
