@@ -5,8 +5,10 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from disttrain.checkpoint import state
+from disttrain.checkpoint import Checkpointer, state
 
 
 @pytest.mark.timeout(10)
@@ -76,3 +78,38 @@ def test_prune_keeps_this_ranks_tensors_and_every_value():
     assert list(state.leaves(pruned)) == ["o/state/0/m"]
     assert state.decode(pruned, lambda p: p) == {"state": {0: {"m": "o/state/0/m", "step": 3}, 1: {}},
                                                  "w": [None, 5]}
+
+
+def _trees():
+    scalars = st.none() | st.booleans() | st.integers(-2**62, 2**62) | st.text(max_size=5) \
+        | st.floats(allow_nan=False, width=64)
+    tensors = st.builds(lambda n, seed: torch.randn(n, generator=torch.Generator().manual_seed(seed)),
+                        st.integers(0, 4), st.integers(0, 100))
+    return st.recursive(
+        scalars | tensors,
+        lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
+        | st.dictionaries(st.text(min_size=1, max_size=4).filter(lambda k: not k.startswith("__")),
+                          inner, max_size=3)
+        | st.dictionaries(st.integers(0, 9), inner, max_size=3),
+        max_leaves=8)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=_trees())
+def test_any_extra_tree_round_trips_through_a_checkpoint(tree, tmp_path):
+    folder = tmp_path / str(abs(hash(repr(tree))))
+    Checkpointer(folder).save(1, extra={"x": tree})
+    extra = {}
+    assert Checkpointer(folder).load(extra=extra, rng=False) == 1
+    assert _same(extra["x"], tree)
