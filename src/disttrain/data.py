@@ -192,7 +192,7 @@ def _parse_state(state: Any) -> tuple[int, int]:
 
 
 def _check_global_batch(global_batch_size: int, world_size: int) -> int:
-    _check_int("global_batch_size", global_batch_size, low=1)
+    global_batch_size = _check_int("global_batch_size", global_batch_size, low=1)
     if global_batch_size % world_size == 0:
         return global_batch_size // world_size
     below = global_batch_size - global_batch_size % world_size
@@ -224,8 +224,8 @@ class ShardLoader:
                     "shuffle= instead"
                 )
         self.sampler = DistributedSampler(dataset, world_size, rank, shuffle, seed, drop_last)
-        self.global_batch_size = global_batch_size
         self.batch_size = _check_global_batch(global_batch_size, self.sampler.num_replicas)
+        self.global_batch_size = self.batch_size * self.sampler.num_replicas
         self.drop_last = bool(drop_last)
         # NOTE: DataLoader draws its workers' base seed from `generator` at every iter(),
         # from torch's global RNG when there is none. The loader owns one, reseeded from
