@@ -13,7 +13,7 @@ import signal
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from disttrain.comm.flight import EXIT_HANG
-from disttrain.comm.hang_report import BACKEND_ERROR, collective_report
+from disttrain.comm.hang_report import BACKEND_ERROR, collective_report, load_states
 
 __all__ = ["PREFIX_TEMPLATE", "rank_prefix", "report_failures"]
 
@@ -30,8 +30,10 @@ def _order(item: tuple[int, ProcessFailure]) -> tuple:
     extra = _extra_info(failure)
     when = float(extra.get("disttrain_time", failure.timestamp))
     # Ranks with a recorded exception first: a killed rank is usually a consequence;
-    # of those, a collective that failed is usually a consequence of another rank's error.
-    return ("py_callstack" not in extra, _is_collective_error(failure), when, rank)
+    # of those, a collective that failed is usually a consequence of another rank's error;
+    # of the others, SIGTERM last: it is how the agent stops the healthy ranks.
+    stopped = failure.exitcode == -signal.SIGTERM
+    return ("py_callstack" not in extra, stopped, _is_collective_error(failure), when, rank)
 
 
 def _message(failure: ProcessFailure) -> str:
@@ -78,7 +80,7 @@ def report_failures(failures: dict[int, ProcessFailure], out, report_dir: str | 
         _other_failures(ordered, rank, out, skip_collective=True)
         out.flush()
         return EXIT_HANG
-    _print_first(rank, first, out)
+    _print_first(rank, first, out, report_dir)
     _other_failures(ordered[1:], rank, out)
     if hang:
         out.write(hang)
@@ -87,14 +89,25 @@ def report_failures(failures: dict[int, ProcessFailure], out, report_dir: str | 
     return code if code > 0 else (128 - code if code < 0 else 1)
 
 
-def _print_first(rank: int, first: ProcessFailure, out) -> None:
+def _print_first(rank: int, first: ProcessFailure, out, report_dir: str | None = None) -> None:
     prefix = rank_prefix(rank)
     out.write(f"disttrain run: rank {rank} {_describe_exit(first)} (pid {first.pid})\n")
     callstack = _extra_info(first).get("py_callstack")
     if callstack:
         out.writelines(prefix + line + "\n" for line in callstack.rstrip("\n").split("\n"))
+        return
+    crash = _crash_dump(rank, first, report_dir)
+    if crash:  # a crash (SIGSEGV, SIGABRT, ...): the stacks faulthandler wrote (_entry.py)
+        out.write(f"{prefix}no Python exception; the rank's threads when it died:\n")
+        out.writelines(prefix + line + "\n" for line in crash.rstrip("\n").split("\n"))
     else:
         out.write(f"{prefix}no Python exception was recorded (sys.exit, os._exit or a crash); see this rank's output above\n")
+
+
+def _crash_dump(rank: int, failure: ProcessFailure, report_dir: str | None) -> str:
+    if not report_dir or failure.exitcode >= 0 or failure.exitcode == -signal.SIGTERM:
+        return ""
+    return load_states(report_dir)[2].get(rank, "").strip()
 
 
 def _other_failures(ordered, rank: int, out, skip_collective: bool = False) -> None:

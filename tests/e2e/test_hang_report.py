@@ -102,3 +102,15 @@ def test_gloo_timeout_in_a_raw_torch_collective_still_gives_the_merged_report():
     assert "[rank0]: RuntimeError: Timed out waiting 5000ms for recv operation" in err
     assert_stack(err, 0, raw)
     assert_stack(err, 1, sleep)
+
+
+@pytest.mark.timeout(60)
+def test_crashed_rank_shows_its_stack_instead_of_nothing():
+    """No Python exception to print: faulthandler's dump (enabled by _entry.py) is shown."""
+    script = SCRIPTS / "segfault.py"
+    res = disttrain("run", "--nproc", "2", str(script))
+    assert res.returncode == 128 + 11, res.stderr
+    lines = res.stderr.splitlines()
+    assert "[rank1]: Fatal Python error: Segmentation fault" in lines, res.stderr
+    crash = next(n for n, ln in enumerate(script.read_text().splitlines(), 1) if "# at:crash" in ln)
+    assert f'[rank1]:   File "{script}", line {crash} in crash' in lines, res.stderr

@@ -199,6 +199,9 @@ class FlightRecorder:
         with self._lock:
             self.status = "timeout" if timed_out else "failed"
             self.error = f"{type(err).__name__}: {str(err).strip()[:500]}"
+            # NOTE: stays in flight (the report places the rank by it) but the watchdog
+            # leaves it alone: the error is unwinding the user's code already.
+            entry.extra["failed"] = True
         self.write_state(stacks=True)
         return self.explain(entry, timed_out, err)
 
@@ -223,7 +226,7 @@ class FlightRecorder:
     def overdue(self, now: float | None = None) -> Entry | None:
         """The oldest in-flight collective older than timeout + grace, if any."""
         now = time.time() if now is None else now
-        flying = self.in_flight()
+        flying = [e for e in self.in_flight() if not e.extra.get("failed")]
         if flying and now - flying[0].started > self.timeout + self.grace:
             return flying[0]
         return None
