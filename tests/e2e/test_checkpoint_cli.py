@@ -1,5 +1,6 @@
 """`disttrain checkpoint inspect|convert` run as a user runs them, on real checkpoints."""
 
+import re
 import subprocess
 import sys
 
@@ -66,6 +67,17 @@ def test_convert_to_one_file_and_to_plain_weights(saved, tmp_path, capsys):
     assert out.returncode == 0, out.stderr
     fresh = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
     assert Checkpointer(tmp_path / "one").load(model=fresh) == 20
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+    out = _cli_here(capsys, "convert", str(folder), "--to", str(tmp_path / "three"),
+                    "--pieces", "3", "--dim", "1")
+    assert out.returncode == 0, out.stderr
+    text = _cli_here(capsys, "inspect", str(tmp_path / "three")).stdout
+    assert re.search(r"model/0.weight +float32 +\[6, 4\] +3 pieces along dim 1\n", text)
+    assert re.search(r"model/0.bias +float32 +\[6\] +whole\n", text)
+    assert "checksums: all ok" in text
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    assert Checkpointer(tmp_path / "three").load(model=fresh) == 20
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
     out = _cli_here(capsys, "convert", str(folder), "--to", str(tmp_path / "w.safetensors"))

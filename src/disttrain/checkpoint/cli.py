@@ -5,9 +5,10 @@ inspect DIR   prints the step, who saved it, every file with its size and whethe
               and the saved state (model / optimizer / extra / loader position). DIR is
               a checkpoint folder or the Checkpointer's folder (then every checkpoint is
               listed and the one `load` would pick is shown). Exit 1 if a file is damaged.
-convert DIR --to OUT
+convert DIR --to OUT [--pieces N --dim D]
               reassembles every tensor whole into a one-file checkpoint at OUT (a
-              Checkpointer folder that any layout loads), or, when OUT ends with
+              Checkpointer folder that any layout loads; with --pieces N, each tensor
+              cut into N pieces along D, one file each), or, when OUT ends with
               `.safetensors`, writes only the model's weights as a plain safetensors file
               with the model's own keys (for tools that know nothing of disttrain).
 
@@ -21,6 +22,7 @@ import functools
 import json
 import os
 import sys
+from typing import Any
 
 import safetensors.torch
 
@@ -34,7 +36,7 @@ from disttrain.checkpoint.manifest import (
     TensorEntry,
     dtype_from_name,
 )
-from disttrain.checkpoint.reshard import Slice, assemble
+from disttrain.checkpoint.reshard import Slice, assemble, even_slice
 from disttrain.checkpoint.state import leaves
 
 __all__ = ["add_checkpoint_parser", "main"]
@@ -53,6 +55,10 @@ def add_checkpoint_parser(subparsers) -> None:
     conv.add_argument("dir", help="a checkpoint folder or the Checkpointer folder")
     conv.add_argument("--to", required=True, dest="out",
                       help="output Checkpointer folder, or FILE.safetensors for model weights only")
+    conv.add_argument("--pieces", type=int, default=1,
+                      help="cut every tensor into N pieces along --dim, one file each "
+                           "(default 1: one file; any layout loads either)")
+    conv.add_argument("--dim", type=int, default=0, help="dimension to cut along (default 0)")
     conv.set_defaults(handler=_convert)
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 
@@ -151,6 +157,9 @@ def _whole(folder: str, m: Manifest, name: str, cache: dict):
 
 @_friendly
 def _convert(args: argparse.Namespace) -> int:
+    if args.pieces < 1 or args.dim < 0:
+        raise CheckpointError(f"--pieces must be >= 1 and --dim >= 0, got {args.pieces}, "
+                              f"{args.dim}")
     folder, _ = _resolve(args.dir)
     m = Manifest.read(folder)
     cache: dict = {}
@@ -165,16 +174,28 @@ def _convert(args: argparse.Namespace) -> int:
         return 0
     out_folder = os.path.join(args.out, io.step_dir_name(m.step))
     os.makedirs(out_folder, exist_ok=False)
-    entry = io.write_tensors(os.path.join(out_folder, "rank00000.safetensors"), tensors)
-    one = {"rank00000.safetensors": entry}
-    m.files = one
-    m.tensors = {name: TensorEntry(e.dtype, e.global_shape, [Piece(
-        "rank00000.safetensors", Slice((0,) * len(e.global_shape), e.global_shape))])
-        for name, e in m.tensors.items()}
+    files: dict[str, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        pieces = _cut(t, args.pieces, args.dim)
+        m.tensors[name] = TensorEntry(m.tensors[name].dtype, tuple(t.shape), [
+            Piece(f"rank{r:05d}.safetensors", piece) for r, piece in pieces])
+        for r, piece in pieces:
+            files.setdefault(f"rank{r:05d}.safetensors", {})[name] = t[piece.index()]
+    m.files = {f: io.write_tensors(os.path.join(out_folder, f), held)
+               for f, held in sorted(files.items())}
     io.write_durable(os.path.join(out_folder, MANIFEST), m.to_json().encode())
     io.write_latest(args.out, io.step_dir_name(m.step))
-    print(f"wrote {out_folder}: {len(tensors)} tensors in one file")
+    print(f"wrote {out_folder}: {len(tensors)} tensors in {len(m.files)} file(s)")
     return 0
+
+
+def _cut(t, pieces: int, dim: int) -> list[tuple[int, Slice]]:
+    """(file index, slice) pieces of `t`: `pieces` along `dim` when it has that dim."""
+    whole = [(0, Slice((0,) * t.dim(), tuple(t.shape)))]
+    if pieces == 1 or t.dim() <= dim:
+        return whole
+    cut = [(r, even_slice(t.shape, r, pieces, dim)) for r in range(pieces)]
+    return [(r, s) for r, s in cut if s.numel] or whole
 
 
 def main(argv: list[str] | None = None) -> int:
