@@ -38,6 +38,7 @@ def _debris(folder: str) -> list[str]:
 
 def _kill_when(folder: str, moment: str) -> int:
     """Start the saver, wait for 2 commits, kill at `moment`; returns the last printed step."""
+    os.makedirs(folder)
     child = subprocess.Popen([sys.executable, "-c", SAVER, folder], stdout=subprocess.PIPE,
                              text=True)
     try:
@@ -69,10 +70,14 @@ def _kill_when(folder: str, moment: str) -> int:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("moment", ["tmp", "data", "random"])
 def test_sigkill_during_save_keeps_last_good(tmp_path, moment):
-    folder = str(tmp_path)
-    last_printed = _kill_when(folder, moment)
-    if moment in ("tmp", "data"):
-        assert _debris(folder), "the kill should have interrupted a save"
+    for attempt in range(3):
+        folder = str(tmp_path / str(attempt))
+        last_printed = _kill_when(folder, moment)
+        # A save may, rarely, finish between the poll that saw it and the kill: retry.
+        if moment == "random" or _debris(folder):
+            break
+    else:
+        pytest.fail(f"3 kills at moment {moment!r} all landed between saves")
     extra = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)  # nothing committed is damaged
