@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -75,22 +76,24 @@ def _check_ready(op: str) -> None:
                            "first (it works alone too, as a world of one)")
 
 
-_groups: dict[int, tuple[object, str, tuple[int, ...]]] = {}  # id(group) -> (group, name, ranks)
+# NOTE: weak keys: a strong reference here would keep a destroyed process group (and its
+# gloo threads) alive until interpreter exit, where tearing it down can abort the process.
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> (name, ranks)
 
 
 def _group_info(group) -> tuple[str, tuple[int, ...]]:
     """(name, global ranks) of `group`, cached: this runs on every collective."""
     if group is None:
         group = dist.group.WORLD
-    hit = _groups.get(id(group))
-    if hit is not None and hit[0] is group:
-        return hit[1], hit[2]
+    hit = _groups.get(group)
+    if hit is not None:
+        return hit
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), "
                         f"got {type(group).__name__}; use mesh.group('dp') or dist.new_group(ranks)")
     ranks = tuple(dist.get_process_group_ranks(group))
     name = "world" if group is dist.group.WORLD else f"group [{format_ranks(ranks)}]"
-    _groups[id(group)] = (group, name, ranks)
+    _groups[group] = (name, ranks)
     return name, ranks
 
 
