@@ -10,6 +10,8 @@ and gradients with gloo p2p, on a pipeline of equal layers, and prints for each:
 - "replayed": the bubble the simulator computes for the same action lists with the
   measured action durations and free messages; measured minus replayed is what p2p
   latency and process wake-ups cost (interleaving has v times more hops);
+- step wall time (slowest rank, median) against torch.distributed.pipelining running the
+  same schedule on the same stages (the peer a user would otherwise pick);
 - with --gantt PATH, a PNG Gantt chart of the executed schedules (stages as rows).
 
 Stage compute: `--compute sleep` (default) makes each layer a real Linear plus a fixed
@@ -85,14 +87,48 @@ def run_rank(schedule, p, m, v, width, mb_size, t_f, t_b, depth, steps):
                     lambda out, y: (out - y).pow(2).mean(), group=mesh.group("pp"),
                     ranks=mesh.peers("pp"), track_memory=True)
     x, y = torch.randn(m * mb_size, width), torch.randn(m * mb_size, width)
-    results = []
+    results, walls = [], []
     for _ in range(steps + 1):  # first step warms up
+        dist.barrier()
+        t = time.perf_counter()
         pipe.step(x, y)
+        walls.append(time.perf_counter() - t)
         spans = torch.tensor([[0 if s.kind == "F" else 1, s.microbatch, s.chunk, s.start, s.end]
                               for s in pipe.spans], dtype=torch.float64)
         results.append(spans)
+    return {"spans": results[1:], "peak_bytes": pipe.peak_activation_bytes, "wall": walls[1:]}
+
+
+def run_torch_rank(schedule, p, m, v, width, mb_size, t_f, t_b, depth, steps):
+    """The peer: torch.distributed.pipelining on the same stages and data."""
+    from torch.distributed import pipelining as tpp
+
+    mesh = Mesh(pp=p)
+    stage = mesh.local_rank("pp")
+    torch.manual_seed(0)
+    model = Stack(p * v, width=width, t_f=t_f / v, t_b=t_b / v, depth=depth)
+    chunks = split_model(model, p, stage, v)
+    stages = [tpp.PipelineStage(c, i * p + stage, p * v, torch.device("cpu"),
+                                group=mesh.group("pp")) for i, c in enumerate(chunks)]
+    loss_fn = lambda out, y: (out - y).pow(2).mean()  # noqa: E731
+    if schedule == "interleaved":
+        sched = tpp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    else:
+        cls = tpp.ScheduleGPipe if schedule == "gpipe" else tpp.Schedule1F1B
+        sched = cls(stages[0], m, loss_fn=loss_fn)
+    x, y = torch.randn(m * mb_size, width), torch.randn(m * mb_size, width)
+    walls = []
+    for _ in range(steps + 1):
         dist.barrier()
-    return {"spans": results[1:], "peak_bytes": pipe.peak_activation_bytes}
+        t = time.perf_counter()
+        if stage == 0:
+            sched.step(x)
+        elif stage == p - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        walls.append(time.perf_counter() - t)
+    return {"wall": walls[1:]}
 
 
 def bubble(stage_spans: list[torch.Tensor]) -> float:
@@ -157,19 +193,22 @@ def main():
     print(f"p={p} stages, m={m} micro-batches, v={v} (interleaved), compute={args.compute}, "
           f"t_f={t_f * 1e3:.0f}ms t_b={t_b * 1e3:.0f}ms per stage and micro-batch")
     print(f"{'schedule':12s} {'bubble':>8s} {'formula':>8s} {'ratio':>6s} {'replayed':>9s} "
-          f"{'step ms':>8s} {'stage0 peak act KiB':>20s}")
+          f"{'step ms':>8s} {'torch ms':>9s} {'vs torch':>8s} {'stage0 peak act KiB':>20s}")
     runs = {}
     for name in ("gpipe", "1f1b", "interleaved"):
         vv = v if name == "interleaved" else 1
         out = spawn(run_rank, p, name, p, m, vv, args.width, args.mb_size, t_f, t_b, depth,
                     args.steps, timeout=300)
         bubbles = [bubble([o["spans"][k] for o in out]) for k in range(args.steps)]
-        makespans = [max(float(o["spans"][k][:, 4].max()) for o in out) for k in range(args.steps)]
+        wall = statistics.median(max(o["wall"][k] for o in out) for k in range(args.steps))
+        peer = spawn(run_torch_rank, p, name, p, m, vv, args.width, args.mb_size, t_f, t_b,
+                     depth, args.steps, timeout=300)
+        peer_wall = statistics.median(max(o["wall"][k] for o in peer) for k in range(args.steps))
         b, f = statistics.median(bubbles), formula(name, p, m, vv)
         r = statistics.median(replayed(name, p, m, vv, [o["spans"][k] for o in out])
                               for k in range(args.steps))
-        print(f"{name:12s} {b:8.3f} {f:8.3f} {b / f:6.2f} {r:9.3f} "
-              f"{statistics.median(makespans) * 1e3:8.1f} "
+        print(f"{name:12s} {b:8.3f} {f:8.3f} {b / f:6.2f} {r:9.3f} {wall * 1e3:8.1f} "
+              f"{peer_wall * 1e3:9.1f} {wall / peer_wall:8.2f} "
               f"{out[0]['peak_bytes'] / 1024:20.1f}", flush=True)
         runs[f"{name} (p={p}, m={m}" + (f", v={vv})" if vv > 1 else ")")] = \
             [o["spans"][-1] for o in out]

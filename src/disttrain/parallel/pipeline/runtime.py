@@ -6,8 +6,12 @@ virtual stage c*p + s, so stage p-1 feeds stage 0 between chunks); gradients flo
 other way. Sends are asynchronous (`isend`, waited at the end of the step); receives
 block when the action that needs them starts. Every message carries a tag made of
 (micro-batch, virtual stage, activation or gradient), so two stages may exchange both
-kinds in any order (gloo matches by tag). Activation shapes travel in a small header
-first; gradient shapes are known (those of the activation sent).
+kinds in any order (gloo matches by tag). In the first step, each activation is preceded
+by a small header with its shape; the receiver remembers the shape of each edge, so
+later steps send bare tensors and every receive can be posted before it is needed
+(as torch.distributed.pipelining infers shapes once). NOTE: stage output shapes must
+therefore stay the same from step to step (a sender that sees a change raises).
+Gradient shapes are known: those of the activation sent.
 
 The runtime records each action's compute span (after its receive, before its send) so
 bubbles are measured, not only computed, and can count bytes of tensors saved for
@@ -110,6 +114,9 @@ class Pipeline:
                              f"schedule uses chunks {sorted(used)}; give one chunk per virtual stage")
         self.last_virtual = num_stages * self.num_virtual - 1
         self.track_memory = track_memory
+        self.steps_done = 0
+        self._recv_shapes: dict[int, tuple] = {}  # edge (sending virtual stage) -> (shape, dtype)
+        self._sent_shapes: dict[int, tuple] = {}
         first = next(self.chunks[0].parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.meter = _Meter()
@@ -147,6 +154,7 @@ class Pipeline:
         if self.num_stages > 1:
             dist.broadcast(loss, self.ranks[self.last_virtual % self.num_stages], group=self.group)
         assert not st.stash, f"pipeline stage {self.stage} left {len(st.stash)} activations"
+        self.steps_done += 1
         return loss
 
     def _split(self, batch, what: str, virtual: int) -> list:
@@ -174,7 +182,7 @@ class Pipeline:
         if j == 0:
             x = st.inputs[a.microbatch]
         else:
-            x = self._recv_activation(self._take(st, a), self._peer(j - 1), a.microbatch, j - 1)
+            x = self._recv_activation(st, a, j - 1)
         start = time.perf_counter()
         with self._saving():
             out = self.chunks[a.chunk](x)
@@ -204,11 +212,18 @@ class Pipeline:
         if y.dim() > _HEADER - 2 or y.dtype not in _DTYPES:
             raise TypeError(f"pipeline can send tensors of up to {_HEADER - 2} dims of dtypes "
                             f"{_DTYPES}; stage output is {y.dtype} with shape {tuple(y.shape)}")
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=y.device)
-        header[0], header[1] = _DTYPES.index(y.dtype), y.dim()
-        header[2:2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+        if self.steps_done == 0:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=y.device)
+            header[0], header[1] = _DTYPES.index(y.dtype), y.dim()
+            header[2:2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+            st.sends.append(dist.isend(header, dst, group=self.group, tag=self._tag(mb, j, 0)))
+            self._sent_shapes[j] = (tuple(y.shape), y.dtype)
+        elif self._sent_shapes[j] != (tuple(y.shape), y.dtype):
+            raise ValueError(
+                f"pipeline stage {self.stage}: output of virtual stage {j} is {y.dtype} "
+                f"{tuple(y.shape)}, but was {self._sent_shapes[j][1]} {self._sent_shapes[j][0]} "
+                "in the first step; keep batch and sequence sizes fixed across steps")
         y = y.contiguous()
-        st.sends.append(dist.isend(header, dst, group=self.group, tag=self._tag(mb, j, 0)))
         st.sends.append(dist.isend(y, dst, group=self.group, tag=self._tag(mb, j, 1)))
 
     def _post_recv(self, st: _Step, a: Action) -> None:
@@ -217,8 +232,14 @@ class Pipeline:
         if key in st.posted:
             return
         if a.kind == "F" and j > 0:
-            buf, src, tag = torch.empty(_HEADER, dtype=torch.int64, device=self.device), \
-                self._peer(j - 1), self._tag(a.microbatch, j - 1, 0)
+            src = self._peer(j - 1)
+            if self.steps_done > 0:  # the tensor itself, its shape learned in step one
+                shape, dtype = self._recv_shapes[j - 1]
+                buf, tag = torch.empty(shape, dtype=dtype, device=self.device), \
+                    self._tag(a.microbatch, j - 1, 1)
+            else:  # first step: its shape header
+                buf, tag = torch.empty(_HEADER, dtype=torch.int64, device=self.device), \
+                    self._tag(a.microbatch, j - 1, 0)
         elif a.kind == "B" and j != self.last_virtual and (a.microbatch, a.chunk) in st.stash:
             buf, src, tag = torch.empty_like(st.stash[(a.microbatch, a.chunk)][1]), \
                 self._peer(j + 1), self._tag(a.microbatch, j, 2)
@@ -233,10 +254,15 @@ class Pipeline:
         work.wait()
         return buf
 
-    def _recv_activation(self, header: torch.Tensor, src: int, mb: int, j: int) -> torch.Tensor:
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
-        dist.recv(x, src, group=self.group, tag=self._tag(mb, j, 1))
+    def _recv_activation(self, st: _Step, a: Action, j: int) -> torch.Tensor:
+        """The activation virtual stage `j` sent for `a`'s micro-batch. Blocks."""
+        x = self._take(st, a)
+        if self.steps_done == 0:  # x is the header: now receive the tensor
+            dtype, ndim = _DTYPES[int(x[0])], int(x[1])
+            shape = tuple(x[2:2 + ndim].tolist())
+            self._recv_shapes[j] = (shape, dtype)
+            x = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(x, self._peer(j), group=self.group, tag=self._tag(a.microbatch, j, 1))
         return x.requires_grad_(x.is_floating_point())
 
     @contextlib.contextmanager
