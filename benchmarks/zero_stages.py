@@ -13,6 +13,11 @@ Two parts, both on an MLP with AdamW at world 4 (gloo, CPU):
 2. time: one job holding every variant; after warm-up they take turns, `--steps` timed
    steps each per round, the order rotating each round; median of rank 0's step times.
 
+Peers from torch in the same jobs: `torch_zero1` = DistributedDataParallel +
+ZeroRedundancyOptimizer (torch's ZeRO-1: gradients all-reduced, parameters broadcast by
+their owners) and `torch_fsdp` = FSDP2 `fully_shard` on every Linear and the root
+(torch's ZeRO-3).
+
     python benchmarks/zero_stages.py                       # the documented run
     python benchmarks/zero_stages.py --world 2 --width 512 --rounds 3
 """
@@ -33,7 +38,7 @@ import disttrain
 from disttrain import memory, plan
 from disttrain.testing import spawn
 
-VARIANTS = ("dp", "zero0", "zero1", "zero2", "zero3")
+VARIANTS = ("dp", "zero0", "zero1", "zero2", "zero3", "torch_zero1", "torch_fsdp")
 
 
 def make_mlp(width: int, depth: int) -> nn.Sequential:
@@ -49,6 +54,22 @@ def build(variant: str, width: int, depth: int, bucket_mb: float):
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     if variant == "dp":
         model = disttrain.DataParallel(make_mlp(width, depth), bucket_mb=bucket_mb)
+        return model, adamw(list(model.parameters()))
+    if variant == "torch_zero1":  # torch's ZeRO-1: DDP + ZeroRedundancyOptimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = nn.parallel.DistributedDataParallel(make_mlp(width, depth),
+                                                    bucket_cap_mb=bucket_mb)
+        return model, ZeroRedundancyOptimizer(model.parameters(),
+                                              optimizer_class=torch.optim.AdamW, lr=1e-4)
+    if variant == "torch_fsdp":  # torch's ZeRO-3: FSDP2, one unit per Linear, as ours
+        from torch.distributed.fsdp import fully_shard
+
+        model = make_mlp(width, depth)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
         return model, adamw(list(model.parameters()))
     model = disttrain.Zero(make_mlp(width, depth), adamw, stage=int(variant[-1]),
                            bucket_mb=bucket_mb)
@@ -102,14 +123,17 @@ def memory_rank(variant, width, depth, batch, steps, bucket_mb):
     step(model, opt, x, y)  # NOTE: optimizer state appears at the first step
     reset_peak_rss()  # the peak below is over training steps, not construction
     for _ in range(steps):
-        if variant != "dp":
+        if variant.startswith("zero"):
             model.comm_stats.reset()
         step(model, opt, x, y)
-    ms = memory.model_state(model) if variant != "dp" else memory.model_state(model, opt)
+    if variant.startswith("zero"):
+        ms = memory.model_state(model)
+    else:  # ZeroRedundancyOptimizer keeps this rank's optimizer in .optim
+        ms = memory.model_state(model, getattr(opt, "optim", opt))
     engine = getattr(model, "engine", None)
     return {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer,
             "rss_growth": peak_rss() - before, "engine_peak": getattr(engine, "peak", None),
-            "sent": model.comm_stats.total() if variant != "dp" else None}
+            "sent": model.comm_stats.total() if variant.startswith("zero") else None}
 
 
 def time_rank(width, depth, batch, steps, rounds, warmup, bucket_mb):
@@ -156,7 +180,8 @@ def main() -> None:
     for v in VARIANTS:
         r = spawn(memory_rank, a.world, v, a.width, a.depth, a.batch, a.mem_steps, a.bucket_mb,
                   timeout=600, collective_timeout=300)[0]
-        stage = 0 if v == "dp" else int(v[-1])
+        peers = {"dp": 0, "torch_zero1": 1, "torch_fsdp": 3}
+        stage = peers[v] if v in peers else int(v[-1])
         want = plan.model_state_bytes(psi, a.world, stage, "adamw", "fp32").total
         total = r["params"] + r["grads"] + r["optimizer"]
         peak = "-" if not r["engine_peak"] else f"{r['engine_peak'] / mib:.1f}"

@@ -56,6 +56,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
+        if hasattr(t, "to_local"):  # a DTensor (torch FSDP2, TP): count this rank's piece
+            t = t.to_local()
         st = t.untyped_storage()
         key = (str(t.device), st.data_ptr())
         if st.nbytes() == 0 or key in seen:
