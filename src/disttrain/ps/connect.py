@@ -51,6 +51,8 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     timeout: seconds of silence after which a worker or server counts as lost
         (default DISTTRAIN_PS_TIMEOUT or 10).
     host: interface servers bind and advertise (default DISTTRAIN_PS_HOST or 127.0.0.1).
+    overlap: push each gradient from its hook while backward runs (default); pass False
+        when accumulating gradients over several backward passes before one push.
     snapshot: path template with `{server}`, e.g. "ckpt/ps{server}.safetensors": a server
         restores from it at start if it exists and saves to it when the job ends.
     exit: on a server, exit the process cleanly once served (False: return the stats).
