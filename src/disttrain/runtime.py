@@ -12,6 +12,7 @@ The state lives in torch.distributed itself; this module keeps none of its own.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -125,6 +126,10 @@ def shutdown() -> None:
     """Destroy the default process group if there is one (does not block on peers)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        # NOTE: a reference cycle (autograd hooks, cached work handles) can keep the gloo
+        # group alive; freed during interpreter exit, its threads sometimes abort the
+        # process ("terminate called without an active exception"). Free it now.
+        gc.collect()
 
 
 def is_initialized() -> bool:
