@@ -60,7 +60,13 @@ def _launch(mode: str):
 
 
 def _finish(procs, limit=60):
-    return [(p.wait(timeout=limit), p.stdout.read()) for p in procs]
+    try:
+        return [(p.wait(timeout=limit), p.stdout.read()) for p in procs]
+    finally:  # never leave ranks behind when a wait times out
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 @pytest.mark.timeout(90)
