@@ -114,7 +114,7 @@ class Entry:
     op: str
     """Operation name: all_reduce, broadcast, all_gather, barrier, send, recv, ..."""
     group: str
-    """Which group: 'world', 'group ranks 0-1', or 'p2p 0<->1' for point-to-point."""
+    """Which group: 'world', 'group [0-1]' (its global ranks), or 'p2p 0<->1' for point-to-point."""
     ranks: list[int] | tuple[int, ...]
     """Global ranks of the group (or the two peers), to name who is missing (shared, not copied)."""
     shapes: list[list[int]]
@@ -272,6 +272,8 @@ class FlightRecorder:
             if self.status == "running":
                 self.status = "exited"
         self.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)  # NOTE: its last write must not land after ours
         self.write_state()
 
     # ---- watchdog ----
