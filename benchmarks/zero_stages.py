@@ -19,6 +19,7 @@ their owners) and `torch_fsdp` = FSDP2 `fully_shard` on every Linear and the roo
 (torch's ZeRO-3).
 
     python benchmarks/zero_stages.py                       # the documented run
+    python benchmarks/zero_stages.py --parts time --rounds 12
     python benchmarks/zero_stages.py --world 2 --width 512 --rounds 3
 """
 
@@ -164,6 +165,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=4.0,
                     help="gradient bucket MiB for DP and stages 0-2 (4 = one 1024x1024 layer)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--parts", nargs="+", choices=("memory", "time"), default=["memory", "time"])
     a = ap.parse_args()
     # NOTE: glibc serves big blocks from mmap only below a threshold that grows as blocks
     # are freed; pinning it makes freed tensors leave the RSS at once, so peak RSS follows
@@ -174,6 +176,14 @@ def main() -> None:
     print(f"MLP {a.depth}x{a.width} ({psi / 1e6:.2f} M params, fp32 model states 16 Psi = "
           f"{16 * psi / mib:.0f} MiB), AdamW, world {a.world}, per-rank batch {a.batch}, "
           f"buckets {a.bucket_mb:g} MiB\n")
+    if "memory" in a.parts:
+        memory_table(a, psi)
+    if "time" in a.parts:
+        time_table(a)
+
+
+def memory_table(a, psi: int) -> None:
+    mib = 2**20
     print("| variant | params MiB | grads MiB | optimizer MiB | total MiB | paper MiB "
           "| stage-3 gathered peak MiB | peak RSS growth MiB | MB sent/step |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -189,6 +199,9 @@ def main() -> None:
         print(f"| {v} | {r['params'] / mib:.1f} | {r['grads'] / mib:.1f} | "
               f"{r['optimizer'] / mib:.1f} | {total / mib:.1f} | {want / mib:.1f} | {peak} | "
               f"{r['rss_growth'] / mib:.0f} | {sent} |", flush=True)
+
+
+def time_table(a) -> None:
     times = spawn(time_rank, a.world, a.width, a.depth, a.batch, a.steps, a.rounds, a.warmup,
                   a.bucket_mb, timeout=1200, collective_timeout=300)[0]
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
