@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from disttrain import __version__
+from disttrain.checkpoint.cli import add_checkpoint_parser
 from disttrain.plan import add_plan_parser
 
 __all__ = ["main", "build_parser", "add_run_parser"]
@@ -86,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
-COMMANDS = (add_run_parser, add_plan_parser)
+COMMANDS = (add_run_parser, add_plan_parser, add_checkpoint_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

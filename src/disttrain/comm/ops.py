@@ -85,12 +85,12 @@ def _group_info(group) -> tuple[str, tuple[int, ...]]:
     """(name, global ranks) of `group`, cached: this runs on every collective."""
     if group is None:
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):  # NOTE: before the lookup: weak keys only
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), "
+                        f"got {type(group).__name__}; use mesh.group('dp') or dist.new_group(ranks)")
     hit = _groups.get(group)
     if hit is not None:
         return hit
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), "
-                        f"got {type(group).__name__}; use mesh.group('dp') or dist.new_group(ranks)")
     ranks = tuple(dist.get_process_group_ranks(group))
     name = "world" if group is dist.group.WORLD else f"group [{format_ranks(ranks)}]"
     _groups[group] = (name, ranks)
