@@ -101,7 +101,7 @@ def test_collectives_numbered_and_placed_nan_named_by_rank_and_timeout_names_cal
             ("all_gather", "world", 3, [[3]], "ag"),
             ("all_reduce", "world", 4, [[2, 5]], "async"),
             ("barrier", "group [0-1]", 1, [], "sub"),
-            (p2p[0], "p2p 0<->1", 1, p2p[1], p2p[2]),
+            (p2p[0], "p2p 0->1", 1, p2p[1], p2p[2]),
         ]
         assert got == [(op, g, s, sh, f"{HERE}:{line_of(m)}") for op, g, s, sh, m in want]
         # every rank stops together, told which parameters went bad on which rank

@@ -121,3 +121,22 @@ def test_faulthandler_dump_of_a_stopped_rank_gives_its_main_thread_stack(tmp_pat
     i = lines.index("[rank1]: stack (most recent call last):")
     assert lines[i + 1:i + 3] == [f'[rank1]:   File "{script}", line 6, in <module>',
                                   f'[rank1]:   File "{script}", line 4, in nap']
+
+
+def test_point_to_point_is_numbered_per_direction_and_a_send_meets_its_recv(tmp_path):
+    def p2p(rank, op, flying):
+        rec = FlightRecorder(rank, 3, timeout=5, report_dir=str(tmp_path))
+        for _ in range(2):
+            rec.end(rec.start(op, "p2p 0->1", (0, 1), [[8]], "float32"))
+        if flying:
+            rec.start(op, "p2p 0->1", (0, 1), [[8]], "float32")
+        rec.status = "timeout" if flying else "running"
+        rec.write_state()
+
+    p2p(0, "isend", flying=True)  # message #3 from 0 to 1 is posted by both sides
+    p2p(1, "irecv", flying=True)
+    p2p(2, "barrier", flying=False)
+    report = collective_report(str(tmp_path), {0: 124, 1: 124}, 3)
+    assert "mismatch" not in report
+    assert "isend #3 (test_hang_report.py" in report and "on p2p 0->1 (ranks 0-1): rank 0 waited" in report
+    assert "irecv #3" in report

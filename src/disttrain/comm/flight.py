@@ -114,7 +114,7 @@ class Entry:
     op: str
     """Operation name: all_reduce, broadcast, all_gather, barrier, send, recv, ..."""
     group: str
-    """Which group: 'world', 'group [0-1]' (its global ranks), or 'p2p 0<->1' for point-to-point."""
+    """Which group: 'world', 'group [0-1]' (its global ranks), or 'p2p 0->1' (one direction)."""
     ranks: list[int] | tuple[int, ...]
     """Global ranks of the group (or the two peers), to name who is missing (shared, not copied)."""
     shapes: list[list[int]]

@@ -242,9 +242,10 @@ def _p2p(op: str, tensor, peer: int, group, call, async_op: bool, peer_name: str
     me = dist.get_rank()
     if peer == me:
         raise ValueError(f"{op}: {peer_name}={peer} is this rank; point-to-point needs another rank")
-    # NOTE: p2p is numbered per peer pair, not per group: stages send different counts.
-    pair = f"p2p {min(me, peer)}<->{max(me, peer)}"
-    return _run(op, call, pair, (min(me, peer), max(me, peer)), [shape], tensor.dtype, async_op)
+    # NOTE: p2p is numbered per direction, not per group: message #k from 0 to 1 is the
+    # sender's k-th send and the receiver's k-th receive (stages send different counts).
+    src, dst = (me, peer) if op in ("send", "isend") else (peer, me)
+    return _run(op, call, f"p2p {src}->{dst}", (src, dst), [shape], tensor.dtype, async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
