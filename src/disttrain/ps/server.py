@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from disttrain.ps.policy import Decision, Policy
 from disttrain.ps.ring import Chunk
-from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message
+from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message, encode
 
 __all__ = ["Server", "PSError"]
 
@@ -62,7 +62,7 @@ class Server:
         self.finished: set[int] = set()
         self.partial_dropped = 0
         self._pid = 0
-        self._published: tuple[int, list[torch.Tensor]] | None = None
+        self._published: tuple[int, list] | None = None  # (version, signed parts)
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -179,10 +179,13 @@ class Server:
             self.ep.send(Message("params", {"version": version}), self.idents[w])
             return
         if self._published is None or self._published[0] != version:
-            # a frozen copy per version: zero-copy sends may still read it after later steps
-            self._published = (version, [p.detach().clone() for p in self.params.values()])
-        self.ep.send(Message("params", {"version": version}, self.keys, self._published[1]),
-                     self.idents[w])
+            # NOTE: a frozen copy per version (zero-copy sends may still read it after later
+            # steps), signed once: every worker pulling this version gets the same frame.
+            frozen = [p.detach().clone() for p in self.params.values()]
+            parts = encode(Message("params", {"version": version}, self.keys, frozen),
+                           self.ep.secret)
+            self._published = (version, parts)
+        self.ep.send_parts(self._published[1], self.idents[w])
 
     def _check_liveness(self) -> None:
         now = time.monotonic()

@@ -7,7 +7,7 @@ A message is one ZeroMQ multipart frame:
 header = {"op": str, "meta": {str: int|str|...}, "keys": [str]*n, "dtypes": [str]*n,
 "shapes": [[int]]*n}; buffer_i holds tensor i's raw bytes (C order), sent without a
 copy for big tensors and received as a view of ZeroMQ's buffer (zero-copy both ways).
-mac = HMAC-SHA256(job secret, len|header|len|sha256 of each 1 MB piece of buffer_0|...),
+mac = HMAC-SHA256(job secret, len|header|len|sha256 of each 256 KB piece of buffer_0|...),
 checked before anything is parsed. Hard limits bound the header, the number of tensors and each tensor's size;
 a frame that breaks a limit, fails the MAC or does not parse raises `FrameError`, which
 `Endpoint.recv` counts and drops, so one bad peer never stops a server.
@@ -90,28 +90,43 @@ def job_secret() -> bytes:
     return key
 
 
-_PIECE = 1 << 20  # hashing unit; pieces are hashed on several cores for big frames
+_PIECE = 256 << 10  # hashing unit (fixed: part of the MAC format, not of the machine)
+_PARALLEL_FROM = 1 << 20  # frames at least this big hash on several threads
 _pool: ThreadPoolExecutor | None = None
 
 
-def _sha256(piece) -> bytes:
-    return hashlib.sha256(piece).digest()  # NOTE: hashlib drops the GIL on big inputs
+def _hash_run(pieces) -> list[bytes]:
+    # NOTE: hashlib drops the GIL on big inputs, so runs on pool threads hash in parallel
+    return [hashlib.sha256(p).digest() for p in pieces]
+
+
+def _digests(pieces: list) -> list[bytes]:
+    """SHA-256 of each piece, in order; big frames are cut into one run of consecutive
+    pieces per core (one task each, the calling thread hashing the last run itself)."""
+    global _pool
+    cores = min(8, os.cpu_count() or 1)
+    total = sum(len(p) for p in pieces)
+    if cores < 2 or total < _PARALLEL_FROM or len(pieces) < 2:
+        return _hash_run(pieces)
+    if _pool is None:
+        _pool = ThreadPoolExecutor(cores - 1, "ps-hmac")
+    n = min(cores, len(pieces))
+    bounds = [len(pieces) * i // n for i in range(n + 1)]
+    runs = [pieces[a:b] for a, b in zip(bounds, bounds[1:])]
+    futures = [_pool.submit(_hash_run, r) for r in runs[:-1]]
+    last = _hash_run(runs[-1])
+    return [d for f in futures for d in f.result()] + last
 
 
 def _mac(secret: bytes, header, buffers) -> bytes:
     """HMAC-SHA256(secret, len|header|{len|sha256(piece)...} per buffer).
 
-    Hash-then-MAC over 1 MB pieces: as strong as HMAC over the raw bytes (SHA-256 is
-    collision resistant) but the pieces of a big frame hash in parallel.
+    Hash-then-MAC over 256 KB pieces: as strong as HMAC over the raw bytes (SHA-256 is
+    collision resistant) but the pieces of a big frame hash on several cores. Each
+    byte is read once, from the memory it lives in (memoryview slices, no copy).
     """
-    global _pool
     pieces = [b[i:i + _PIECE] for b in buffers for i in range(0, len(b), _PIECE)]
-    if len(pieces) > 2 and (os.cpu_count() or 1) > 1:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "ps-hmac")
-        digests = iter(list(_pool.map(_sha256, pieces)))
-    else:
-        digests = iter([_sha256(p) for p in pieces])
+    digests = iter(_digests(pieces))
     h = hmac.new(secret, digestmod=hashlib.sha256)
     # NOTE: length prefixes make the split between parts part of what is authenticated.
     h.update(len(header).to_bytes(8, "little"))
@@ -199,7 +214,11 @@ class Endpoint:
 
     def send(self, msg: Message, to: bytes | None = None) -> None:
         """Queue `msg` (to peer identity `to` on a ROUTER); does not block on the peer."""
-        parts = encode(msg, self.secret)
+        self.send_parts(encode(msg, self.secret), to)
+
+    def send_parts(self, parts: list, to: bytes | None = None) -> None:
+        """Queue parts made by `encode` (e.g. one frame signed once, sent to many peers);
+        big buffers go without a copy, so leave their memory alone afterwards."""
         if self.router:
             parts = [to, *parts]
         copy = sum(len(p) for p in parts) < _COPY_BELOW
