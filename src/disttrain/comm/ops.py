@@ -187,9 +187,10 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
         raise ValueError(f"all_gather: tensor_list must be a list of {len(ranks)} tensors (one per "
                          f"rank of {name}), got {got}; use [torch.empty_like(t) for _ in range(n)]")
     for i, t in enumerate(tensor_list):
-        if _check_tensor("all_gather", f"tensor_list[{i}]", t) != shape:
-            raise ValueError(f"all_gather: tensor_list[{i}] has shape {tuple(t.shape)} but tensor "
-                             f"has {tuple(shape)}; every slot must match the input's shape")
+        if _check_tensor("all_gather", f"tensor_list[{i}]", t) != shape or t.dtype != tensor.dtype:
+            raise ValueError(f"all_gather: tensor_list[{i}] is {t.dtype} {tuple(t.shape)} but tensor "
+                             f"is {tensor.dtype} {tuple(shape)}; every slot must match the input "
+                             "(use torch.empty_like(tensor))")
     return _run("all_gather", lambda: dist.all_gather(list(tensor_list), tensor, group=group,
                                                       async_op=async_op),
                 name, ranks, [shape], tensor.dtype, async_op)
