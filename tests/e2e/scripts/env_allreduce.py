@@ -25,5 +25,8 @@ report.update(
     secret=os.environ.get("DISTTRAIN_SECRET"),
     secret_in_cmdline=os.environ.get("DISTTRAIN_SECRET", "-") in open("/proc/self/cmdline").read(),
 )
-print("REPORT " + json.dumps(report), flush=True)
+# NOTE: one write per line: under torchrun the ranks share one stdout pipe, and print()'s
+# separate newline write lets two ranks' reports interleave on one line.
+sys.stdout.write("REPORT " + json.dumps(report) + "\n")
+sys.stdout.flush()
 disttrain.shutdown()
