@@ -142,6 +142,12 @@ def rank_env(cfg: RunConfig, environ: dict[str, str]) -> dict[str, str]:
     (required for parameter-server jobs, whose frames it authenticates).
     """
     env = {"DISTTRAIN_SERVERS": str(cfg.servers or 0)}
+    # NOTE: torch >= 2.5 shares the rendezvous TCPStore with the ranks and keeps it across
+    # restarts, so a restarted rank can read a dead peer's gloo address from the previous
+    # attempt (pytorch/pytorch#135712: "connectFullMesh ... Connection refused"). The agent
+    # reads this in the launcher's own environment; every attempt then gets a fresh store.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = environ.get(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     secret = environ.get("DISTTRAIN_SECRET")
     if secret is not None and len(secret) < MIN_SECRET_CHARS:
         raise ValueError(

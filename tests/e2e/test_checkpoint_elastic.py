@@ -71,12 +71,6 @@ def test_sigkilled_worker_restarts_from_checkpoint_and_matches(tmp_path):
     script.write_text(SCRIPT)
     out = tmp_path / "final.safetensors"
     env = {k: v for k, v in os.environ.items() if k not in LEAKY}
-    # NOTE: torch >= 2.5 shares the rendezvous TCPStore with the ranks and keeps it across
-    # restarts, so a restarted rank can read a dead peer's gloo address from the previous
-    # attempt (pytorch/pytorch#135712; seen here as "connectFullMesh ... Connection
-    # refused"). Opting out gives every attempt a fresh store. Remove once `disttrain run`
-    # sets it itself.
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     res = subprocess.run(
         [sys.executable, "-m", "disttrain", "run", "--nproc", "2", "--max-restarts", "1",
          str(script), str(tmp_path / "ckpt"), str(out), "7"],
