@@ -1,5 +1,8 @@
 """Frames: round trip, HMAC rejection, limits, and a fuzzed parser that never crashes."""
 
+import hashlib
+import hmac
+
 import msgpack
 import pytest
 import torch
@@ -62,6 +65,26 @@ def test_limits_are_enforced_before_the_mac():
         decode(parts + [b""], KEY, Limits(max_tensors=1))
     with pytest.raises(ValueError, match="max_tensors"):
         Limits(max_tensors=0)
+
+
+@pytest.mark.timeout(20)
+def test_big_frames_hashed_on_several_threads_match_and_catch_one_flipped_byte():
+    # 2 MB + 3 bytes: several 256 KB pieces (parallel path) and a short last piece
+    big = torch.arange((2 << 20) // 4 + 1, dtype=torch.float32)
+    parts = encode(Message("params", {"version": 1}, ["w", "b"], [big, torch.ones(3)]), KEY)
+    assert torch.equal(decode(parts, KEY).tensors[0], big)
+    ref = hmac.new(KEY, digestmod=hashlib.sha256)  # the format, hashed in one thread
+    ref.update(len(parts[1]).to_bytes(8, "little") + bytes(parts[1]))
+    for b in map(bytes, parts[2:]):
+        ref.update(len(b).to_bytes(8, "little"))
+        for i in range(0, len(b), 256 << 10):
+            ref.update(hashlib.sha256(b[i:i + (256 << 10)]).digest())
+    assert parts[0] == ref.digest()
+    for at in (0, 300_000, len(parts[2]) - 1):  # first, a middle and the last piece
+        buf = bytearray(parts[2])
+        buf[at] ^= 0x10
+        with pytest.raises(FrameError, match="HMAC"):
+            decode([parts[0], parts[1], bytes(buf), parts[3]], KEY)
 
 
 def _signed(header: bytes, buffers):
