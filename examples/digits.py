@@ -9,6 +9,8 @@ evaluation. Every rank holds a full replica of the model; each step, each rank c
 gradients on its global_batch_size // world_size samples and `disttrain.DataParallel`
 averages them by allreduce during backward, so all replicas stay identical and the run
 follows the same trajectory as one process with the whole global batch.
+`--zero 1|2|3` uses `disttrain.Zero` instead (ZeRO, Rajbhandari et al. 2019): the same
+trajectory, with optimizer state (1), gradients (2) and parameters (3) sharded over ranks.
 The last line, printed by rank 0, is `final test accuracy: 0.9xxx`.
 """
 
@@ -34,14 +36,10 @@ parser.add_argument("--global-batch-size", type=int, default=64,
 parser.add_argument("--lr", type=float, default=2e-3)
 parser.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
 parser.add_argument("--seed", type=int, default=0, help="model init and data order")
-parser.add_argument("--zero", type=int, default=0,
-                    help="ZeRO stage; only 0 (plain data parallel) for now")
+parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                    help="ZeRO stage: 0 plain data parallel; 1 shards optimizer state, "
+                         "2 also gradients, 3 also parameters")
 args = parser.parse_args()
-# NOTE: --zero 1/2/3 (sharded optimizer state, gradients, parameters) is not wired into
-# this example yet; until it is, only stage 0, plain data parallelism, is accepted.
-if args.zero != 0:
-    parser.error(f"--zero {args.zero}: this example supports only --zero 0 (plain data "
-                 "parallel) for now")
 SPLIT_SEED = 0  # fixed, so that runs with different --seed share one test set
 
 # -----------------------------------------------------------------------------
@@ -71,8 +69,13 @@ mlp = nn.Sequential(
     nn.Linear(args.hidden, args.hidden), nn.ReLU(),
     nn.Linear(args.hidden, 10),
 )
-model = disttrain.DataParallel(mlp.to(device))
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+if args.zero == 0:  # every rank holds the whole model and optimizer state
+    model = disttrain.DataParallel(mlp.to(device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+else:  # ZeRO: each rank keeps 1/world_size of the optimizer state (and grads, params)
+    model = disttrain.Zero(mlp.to(device), lambda ps: torch.optim.AdamW(
+        ps, lr=args.lr, weight_decay=1e-4), stage=args.zero)
+    optimizer = model.optimizer  # steps this rank's shard, then shares the result
 
 # -----------------------------------------------------------------------------
 # training loop

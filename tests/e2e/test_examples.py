@@ -1,4 +1,5 @@
 """The README's main job as a user runs it: `disttrain run --nproc 4 examples/digits.py`.
+Also `--zero 3` (ZeRO stage 3) at 2 processes.
 
 Also the same script alone (`python examples/digits.py`, a world of one). Each run
 must end with `final test accuracy: 0.9xxx`, at least 0.95. (Running under torchrun
@@ -71,3 +72,13 @@ def test_main_job_through_the_launcher_matches_the_script_alone():
     # World 4 with per-rank batch 16 sees the same global batches as world 1 with 64, and
     # averaged gradients equal the big batch's up to rounding: the same accuracy, closely.
     assert abs(world4 - _alone_accuracy()) <= 0.01, (world4, _alone_accuracy())
+
+
+@pytest.mark.timeout(120)
+def test_zero_stage_3_through_the_launcher_reaches_the_same_accuracy():
+    # ZeRO-3 shards parameters, gradients and optimizer state over the 2 ranks; 3 epochs
+    # of the same global batches as stage 0 are enough for >= 0.95 (0.9611 when written).
+    proc = _run([sys.executable, "-m", "disttrain", "run", "--nproc", "2", DIGITS,
+                 "--zero", "3", "--epochs", "3"], 100)
+    assert _final_accuracy(proc) >= 0.95
+    assert "69/69" in proc.stderr  # 3 epochs of ceil(1437 / 64) steps, to the end
