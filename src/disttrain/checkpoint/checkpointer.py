@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disttrain.checkpoint import io, plan, reader, state
+from disttrain.checkpoint import io, modules, plan, reader, state
 from disttrain.checkpoint.manifest import (
     CheckpointError,
     CheckpointWarning,
@@ -191,7 +191,7 @@ def _prepare(step, rank, world, model, optimizer, loader, extra):
     trees, tensors = {}, {}
     for key, obj in (("model", model), ("optimizer", optimizer)):
         if obj is not None:
-            trees[key], found = state.encode(state.state_of(obj), key)
+            trees[key], found = state.encode(_state_for(key, obj, model), key)
             tensors.update(found)
     if extra is not None:
         if not isinstance(extra, dict):
@@ -212,6 +212,20 @@ def _prepare(step, rank, world, model, optimizer, loader, extra):
         "nonce": os.urandom(6).hex(),
     }
     return trees, tensors, payload
+
+
+def _state_for(key: str, obj: Any, model: Any) -> Any:
+    """The state saved for `obj`; a plain optimizer of a TP/PP model is keyed by
+    parameter name with sliced moments (modules.optimizer_state), so it reshards."""
+    if key == "optimizer" and model is not None and _plain_optimizer(obj):
+        owner = state.state_owner(model)
+        if isinstance(owner, torch.nn.Module) and modules.needs_by_name(owner):
+            return modules.optimizer_state(obj, owner)
+    return state.state_of(obj)
+
+
+def _plain_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer) and not hasattr(obj, "sharded_state_dict")
 
 
 def _json_only(value: Any, what: str) -> Any:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.checkpoint import io, state
+from disttrain.checkpoint import io, modules, state
 from disttrain.checkpoint.manifest import (
     CheckpointError,
     CheckpointMismatchError,
@@ -122,7 +122,7 @@ class _Staged:
     """Everything one rank will apply from one checkpoint, read and verified."""
 
     def __init__(self, folder: str, targets: Targets, rank: int):
-        self.folder, self.rank = folder, rank
+        self.folder, self.rank, self.targets = folder, rank, targets
         self.manifest = Manifest.read(folder)
         self._files: dict[str, dict[str, torch.Tensor]] = {}
         self.unwanted: set[str] = set()  # saved tensor paths this rank has no place for
@@ -171,7 +171,9 @@ class _Staged:
                 f"do not pass {key}= to load, or save with {key}=")
         owner = state.state_owner(obj)
         saved = trees[key]
-        if hasattr(owner, "sharded_state_dict") or isinstance(owner, nn.Module):
+        if key == "optimizer" and modules.is_by_name(saved):
+            self._stage_by_name(owner, saved)
+        elif hasattr(owner, "sharded_state_dict") or isinstance(owner, nn.Module):
             self._stage_into_destinations(key, owner, saved)
         else:
             self._stage_whole(key, owner, saved)
@@ -182,7 +184,7 @@ class _Staged:
         mine = state.prune(saved, set(dest))  # without other ranks' keys (pipeline stages)
         self._check_keys(key, set(state.leaves(saved)), dest)
         filled = {p: self.fetch(p, _want(t)) for p, t in dest.items()}
-        if hasattr(owner, "sharded_state_dict"):
+        if hasattr(owner, "sharded_state_dict") or hasattr(owner, "local_modules"):
             def apply() -> None:
                 with torch.no_grad():
                     for p, t in dest.items():
@@ -192,6 +194,36 @@ class _Staged:
         else:
             def apply() -> None:
                 owner.load_state_dict(state.decode(mine, filled.__getitem__))
+        self._actions.append(apply)
+
+    def _stage_by_name(self, opt: Any, saved: Any) -> None:
+        """An optimizer saved keyed by parameter name (a TP/PP model's): slice each
+        state tensor as this rank's parameter is sliced, fill it in place."""
+        model = self.targets.model
+        if model is None or not isinstance(opt, torch.optim.Optimizer):
+            raise CheckpointMismatchError(
+                f"checkpoint {self.folder} holds optimizer state keyed by parameter name "
+                "(saved from a tensor- or pipeline-parallel model); pass model= too, and a "
+                "torch optimizer over that model's parameters, to load it")
+        owner = state.state_owner(model)
+        modules.materialize(opt)
+        try:
+            _, dest = state.encode(modules.optimizer_state(opt, owner), "optimizer")
+        except ValueError as err:
+            raise CheckpointMismatchError(f"optimizer: {err}") from None
+        self._check_keys("optimizer", set(state.leaves(saved)), dest)
+        filled = {p: self.fetch(p, _want(t)) for p, t in dest.items()}
+        mine = state.prune(saved, set(dest))
+
+        def apply() -> None:
+            with torch.no_grad():
+                for p, t in dest.items():
+                    (t.local if isinstance(t, ShardedTensor) else t).copy_(filled[p])
+            try:
+                modules.load_optimizer_state(opt, owner, state.decode(mine, dest.__getitem__))
+            except ValueError as err:
+                raise CheckpointMismatchError(f"optimizer state does not fit: {err}") from None
+
         self._actions.append(apply)
 
     def _stage_whole(self, key: str, owner: Any, saved: Any) -> None:

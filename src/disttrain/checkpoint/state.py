@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from disttrain.checkpoint.modules import module_state
 from disttrain.checkpoint.reshard import ShardedTensor
 
 __all__ = [
@@ -58,10 +59,14 @@ def state_owner(obj: Any) -> Any:
 
 def state_of(obj: Any) -> Any:
     """What a checkpoint stores for `obj`: its owner's `sharded_state_dict()` if it has
-    one, else its `state_dict()`. Does not block (unless the object's method does)."""
+    one; for a module, its state under global names with tensor-parallel slices as
+    `ShardedTensor`s (modules.py); else its `state_dict()`. Does not block (unless the
+    object's method does)."""
     owner = state_owner(obj)
     if hasattr(owner, "sharded_state_dict"):
         return owner.sharded_state_dict()
+    if isinstance(owner, nn.Module):
+        return module_state(owner)
     return owner.state_dict()
 
 

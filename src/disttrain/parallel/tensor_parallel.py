@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.checkpoint.reshard import ShardedTensor
 from disttrain.parallel.tp_comm import f, g, gather_last_dim, scatter_last_dim
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -68,6 +69,19 @@ class ColumnParallelLinear(nn.Module):
         b = linear.bias
         self.bias = nn.Parameter(b.detach()[lo:hi].clone()) if b is not None else None
 
+    def sharded_state_dict(self) -> dict:
+        """weight and bias as row slices of the unsharded nn.Linear's (for Checkpointer).
+
+        The global tensor is exactly the unsharded layer's: shard r holds rows
+        [r*out/tp, (r+1)*out/tp) (for GPT's qkv, laid out (nh, 3, hs), whole heads).
+        """
+        lo = self.weight.shape[0] * dist.get_rank(self.group)
+        out = {"weight": ShardedTensor(self.weight.detach(), (self.out_features, self.in_features),
+                                       (lo, 0))}
+        if self.bias is not None:
+            out["bias"] = ShardedTensor(self.bias.detach(), (self.out_features,), (lo,))
+        return out
+
     def forward(self, x):  # (..., in) replicated
         y = F.linear(f(x, self.group), self.weight, self.bias)  # (..., out/tp)
         return gather_last_dim(y, self.group) if self.gather_output else y
@@ -103,6 +117,15 @@ class RowParallelLinear(nn.Module):
         # NOTE: the bias is replicated and added once, after the sum.
         self.bias = nn.Parameter(b.detach().clone()) if b is not None else None
 
+    def sharded_state_dict(self) -> dict:
+        """weight as a column slice of the unsharded nn.Linear's; bias replicated."""
+        lo = self.weight.shape[1] * dist.get_rank(self.group)
+        out = {"weight": ShardedTensor(self.weight.detach(), (self.out_features, self.in_features),
+                                       (0, lo))}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach()
+        return out
+
     def forward(self, x):  # (..., in/tp), or (..., in) when not input_is_parallel
         if not self.input_is_parallel:
             x = scatter_last_dim(x, self.group)
@@ -132,6 +155,11 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
         self.vocab_start, self.vocab_end = _shard_range(emb.num_embeddings, group, "num_embeddings")
         self.weight = nn.Parameter(emb.weight.detach()[self.vocab_start:self.vocab_end].clone())
+
+    def sharded_state_dict(self) -> dict:
+        """weight as a row (vocabulary) slice of the unsharded nn.Embedding's."""
+        return {"weight": ShardedTensor(self.weight.detach(), (self.num_embeddings,
+                                        self.embedding_dim), (self.vocab_start, 0))}
 
     def forward(self, ids):  # (...) token ids over the full vocabulary
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

@@ -1,0 +1,149 @@
+"""Checkpoints across model-parallel layouts: tp 2 -> 1, pp 2 -> 1, tp 2 -> pp 2 -> 1.
+
+Two gloo ranks train the tiny GPT at tp=2 (SGD with momentum and weight decay) and at
+pp=2 (AdamW), save with `Checkpointer`, then take one more step and write the full
+parameters (`ParallelModel.full_state_dict`). The pp=2 mesh also loads the tp=2
+checkpoint (another parallel layout). This process then loads each checkpoint into a
+plain, differently initialised GPT and optimizer (world 1): parameters and optimizer
+state must equal the single-process reference trained the same steps, and one more step
+must give the parallel run's parameters. `disttrain checkpoint convert` consolidates the
+tp=2 checkpoint offline into one file that loads to the same bits.
+"""
+
+import json
+import os
+import warnings
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+
+import disttrain
+from disttrain.checkpoint import Checkpointer, CheckpointWarning, cli
+from disttrain.mesh import Mesh
+from disttrain.models import GPT
+from disttrain.parallel.parallelize import parallelize
+from disttrain.testing import spawn
+from tests.dist import _gpt_ref as ref
+
+STEPS = 2
+OPTS = {
+    "tp": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    "pp": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+}
+LAYOUTS = {"tp": (dict(tp=2), {}), "pp": (dict(pp=2), dict(microbatches=1))}
+
+
+def _build(tag, mesh_tag=None):
+    shape, kw = LAYOUTS[mesh_tag or tag]
+    pm = parallelize(ref.make_model(), Mesh(**shape),
+                     plan=GPT.tp_plan if "tp" in shape else None, **kw)
+    cls, hp = OPTS[tag]
+    return pm, cls(pm.parameters(), **hp)
+
+
+def _step(pm, opt, x, y):
+    opt.zero_grad()
+    pm.train_step(x, y)
+    opt.step()
+
+
+def train_save_step(root):
+    """Each layout: STEPS steps, save, one more step; rank 0 writes the full params."""
+    warnings.simplefilter("error", CheckpointWarning)  # e.g. TP slices saved as replicated
+    x, y = ref.make_batch()
+    for tag in ("tp", "pp"):
+        pm, opt = _build(tag)
+        for _ in range(STEPS):
+            _step(pm, opt, x, y)
+        Checkpointer(os.path.join(root, tag)).save(STEPS, model=pm, optimizer=opt)
+        _step(pm, opt, x, y)
+        full = pm.full_state_dict()
+        if disttrain.rank() == 0:
+            safetensors.torch.save_file(full, os.path.join(root, f"{tag}_next.safetensors"))
+    # tp=2's SGD checkpoint into the pp=2 layout: one more step gives tp=2's next params
+    pm, opt = _build("tp", mesh_tag="pp")
+    assert Checkpointer(os.path.join(root, "tp")).load(model=pm, optimizer=opt) == STEPS
+    _step(pm, opt, x, y)
+    full = pm.full_state_dict()
+    if disttrain.rank() == 0:
+        safetensors.torch.save_file(full, os.path.join(root, "tp_via_pp_next.safetensors"))
+    return True
+
+
+def _reference(tag):
+    """Single-process GPT trained STEPS steps: (model, optimizer)."""
+    model = ref.make_model()
+    cls, hp = OPTS[tag]
+    opt = cls(model.parameters(), **hp)
+    x, y = ref.make_batch()
+    for _ in range(STEPS):
+        _plain_step(model, opt, x, y)
+    return model, opt
+
+
+def _plain_step(model, opt, x, y):
+    opt.zero_grad()
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+
+
+def _fresh(tag):
+    torch.manual_seed(1234)  # not the training seed: the load must supply every value
+    model = GPT(ref.make_model().cfg)
+    cls, hp = OPTS[tag]
+    return model, cls(model.parameters(), **{**hp, "lr": 0.5})
+
+
+def _close(a, b, what, atol, rtol=1e-4):
+    torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _check_loaded(tag, folder, atol):
+    """Load into world 1; compare with the reference; return the loaded pair."""
+    model, opt = _fresh(tag)
+    assert Checkpointer(folder).load(model=model, optimizer=opt, rng=False) == STEPS
+    ref_model, ref_opt = _reference(tag)
+    assert opt.param_groups[0]["lr"] == OPTS[tag][1]["lr"]
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        _close(p, q, f"{tag} param {name}", atol)
+        st, ref_st = opt.state[p], ref_opt.state[q]
+        assert st.keys() == ref_st.keys() and st, name
+        for key in st:
+            _close(st[key], ref_st[key], f"{tag} optimizer {name}.{key}", atol)
+    return model, opt
+
+
+@pytest.mark.timeout(90)
+def test_tp_and_pp_checkpoints_load_into_one_process_and_each_other(tmp_path):
+    assert spawn(train_save_step, 2, str(tmp_path), timeout=80) == [True, True]
+    x, y = ref.make_batch()
+    for tag, atol in (("tp", 2e-5), ("pp", 1e-6)):
+        model, opt = _check_loaded(tag, str(tmp_path / tag), atol)
+        _plain_step(model, opt, x, y)
+        nxt = safetensors.torch.load_file(str(tmp_path / f"{tag}_next.safetensors"))
+        assert nxt.keys() == dict(model.named_parameters()).keys()
+        for name, p in model.named_parameters():
+            _close(p.detach(), nxt[name], f"{tag} after one more step: {name}", atol)
+    via_pp = safetensors.torch.load_file(str(tmp_path / "tp_via_pp_next.safetensors"))
+    tp_next = safetensors.torch.load_file(str(tmp_path / "tp_next.safetensors"))
+    for name, t in tp_next.items():
+        _close(via_pp[name], t, f"tp checkpoint stepped at pp=2: {name}", 2e-5)
+
+    # offline: consolidate the tp=2 checkpoint into one file (world-1 layout)
+    out = tmp_path / "consolidated"
+    assert cli.main(["convert", str(tmp_path / "tp"), "--to", str(out)]) == 0
+    folder = out / f"step_{STEPS:08d}"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert sorted(os.listdir(folder)) == ["manifest.json", "rank00000.safetensors"]
+    qkv = manifest["tensors"]["model/blocks.0.attn.qkv.weight"]
+    assert qkv["global_shape"] == [48, 16] and len(qkv["pieces"]) == 1
+    a, a_opt = _fresh("tp")
+    b, b_opt = _fresh("tp")
+    Checkpointer(str(tmp_path / "tp")).load(model=a, optimizer=a_opt, rng=False)
+    Checkpointer(str(out)).load(model=b, optimizer=b_opt, rng=False)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(a_opt.state[p]["momentum_buffer"], b_opt.state[q]["momentum_buffer"])
