@@ -1,4 +1,4 @@
-"""Hybrid parallelism: apply TP, then PP, then DP to a model over a `Mesh`.
+"""Hybrid parallelism: apply TP, then PP, then DP or ZeRO to a model over a `Mesh`.
 
 The GPT-3 layout the user's documents describe (pipeline stages, data-parallel replicas
 of each stage, tensor parallelism inside a machine), as torchtitan composes it: one
@@ -8,9 +8,15 @@ NOTE: the order is fixed. TP first, because it swaps modules inside layers and m
 the whole model; then PP, which cuts the (sharded) model into stage chunks by layer;
 then DP, which wraps each chunk so its gradients are averaged over the mesh's dp group
 (after the chunk's last backward of the step, not after every micro-batch).
+NOTE: with zero=k > 0 the dp step is `Zero(chunk, stage=k, group=mesh.group("dp"))`
+instead of DataParallel, still last: ZeRO flattens (stage 3: removes) the parameters it
+is given, so it must see the final TP shards of one stage chunk; each (pp, tp) coordinate
+shards its own chunk over its dp peers. ZeRO keeps gradient *sums* until the step, so
+every micro-batch's backward reduces (no no_sync) and the sums accumulate correctly.
 
 Who talks to whom: tp groups allreduce inside layers (Megatron f/g), pp groups exchange
-activations and gradients point to point, dp groups allreduce gradient buckets.
+activations and gradients point to point, dp groups allreduce gradient buckets (ZeRO:
+reduce-scatter gradients, all-gather parameters).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from disttrain.parallel.tensor_parallel import (
     apply_tp,
     vocab_parallel_cross_entropy,
 )
+from disttrain.parallel.zero import Zero
 
-__all__ = ["parallelize", "ParallelModel"]
+__all__ = ["parallelize", "ParallelModel", "ChunkOptimizers"]
 
 
 def token_loss(group=None):
@@ -45,15 +52,25 @@ def token_loss(group=None):
 def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None,
                 schedule: str = "1f1b", microbatches: int = 1, num_virtual: int = 1,
                 loss_fn=None, layers: list[str] | None = None, costs: list[float] | None = None,
-                dp_options: dict | None = None, track_memory: bool = False) -> ParallelModel:
-    """Shard `model` over `mesh`: TP (plan), PP (schedule, micro-batches), DP. Blocks.
+                dp_options: dict | None = None, track_memory: bool = False, zero: int = 0,
+                optimizer_factory=None) -> ParallelModel:
+    """Shard `model` over `mesh`: TP (plan), PP (schedule, micro-batches), DP or ZeRO. Blocks.
 
     Every rank passes the same, identically initialised model. `loss_fn(output, target)`
     runs on the last pipeline stage; by default it is token cross-entropy, vocab-parallel
     over the tp group when tp > 1 (the output layer colwise in the plan, as in
-    GPT.tp_plan). `dp_options` go to DataParallel (bucket_mb, compression, ...).
+    GPT.tp_plan). `zero`: 0 plain DataParallel over dp; 1-3 ZeRO stage over dp (needs
+    `optimizer_factory`, params -> torch optimizer; use `.optimizer` of the result).
+    `optimizer_factory` with zero=0 builds a plain optimizer over the local shards.
+    `dp_options` go to DataParallel (bucket_mb, compression, ...) or Zero (bucket_mb).
     """
     pp, tp, dp = mesh.size("pp"), mesh.size("tp"), mesh.size("dp")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0 (DataParallel) or a ZeRO stage 1, 2 or 3; got {zero!r}")
+    if zero and optimizer_factory is None:
+        raise ValueError(f"zero={zero} shards the optimizer state, so parallelize builds the "
+                         "optimizer: pass optimizer_factory=lambda ps: torch.optim.AdamW(ps, "
+                         "lr=...) and step model.optimizer")
     actions = make_schedule(schedule, pp, microbatches, num_virtual)  # checks before any work
     names = _layer_names(model, layers) if pp * num_virtual > 1 else []
     costs = layer_costs(model, names) if names and costs is None else costs
@@ -69,29 +86,47 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
         owner = {n: v % pp for v, (a, b) in enumerate(ranges) for n in names[a:b]}
     else:
         chunks, owner = [model], {}
-    if dp > 1:
+    info = [_param_info(c) for c in chunks]  # before ZeRO stage 3 removes the parameters
+    device = next(model.parameters()).device
+    if zero:
+        chunks = [Zero(c, optimizer_factory, stage=zero, group=mesh.group("dp"),
+                       **(dp_options or {})) for c in chunks]
+    elif dp > 1:
         from disttrain.parallel.data_parallel import DataParallel
 
         chunks = [DataParallel(c, group=mesh.group("dp"), **(dp_options or {})) for c in chunks]
     pipe = Pipeline(chunks, actions[stage], stage, pp, microbatches,
                     loss_fn or token_loss(mesh.group("tp") if tp > 1 else None),
                     group=mesh.group("pp"), ranks=mesh.peers("pp"), track_memory=track_memory)
-    return ParallelModel(chunks, pipe, mesh, full, owner)
+    pipe.device = device  # NOTE: a stage-3 chunk has no parameter to read the device from
+    pm = ParallelModel(chunks, pipe, mesh, full, owner, info)
+    if zero:
+        opts = [c.optimizer for c in chunks]
+        pm.optimizer = opts[0] if len(opts) == 1 else ChunkOptimizers(opts)
+    elif optimizer_factory is not None:
+        pm.optimizer = optimizer_factory(list(pm.parameters()))
+    return pm
 
 
 class ParallelModel(nn.Module):
     """This rank's share of a model: its stage chunks (TP shards, maybe DP-wrapped).
 
-    `parameters()` are the local shards (give them to any torch optimizer);
-    `train_step(x, y)` runs the pipeline schedule; `full_state_dict()` reassembles
-    the whole model on global rank 0.
+    `parameters()` are the local TP shards (give them to any torch optimizer) when
+    zero=0; with ZeRO use `.optimizer` (over this rank's dp shards), which parallelize
+    builds from `optimizer_factory`. `train_step(x, y)` runs the pipeline schedule;
+    `full_state_dict()` reassembles the whole model on global rank 0.
     """
 
-    def __init__(self, chunks, pipeline: Pipeline, mesh: Mesh, full_shapes: dict, owner: dict):
+    def __init__(self, chunks, pipeline: Pipeline, mesh: Mesh, full_shapes: dict, owner: dict,
+                 info: list[dict] | None = None):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.pipeline, self.mesh = pipeline, mesh
         self._full, self._owner = full_shapes, owner
+        self._info = info or [_param_info(c) for c in self.local_modules()]
+        self.optimizer = None  # set by parallelize when it builds one
+        self._counted = [_counted_ranges(c, i, mesh.local_rank("tp") == 0)
+                         for c, i in zip(self.chunks, self._info) if isinstance(c, Zero)]
 
     def train_step(self, inputs, targets) -> torch.Tensor:
         """Forward + backward of one batch (this dp replica's share). Blocks.
@@ -119,6 +154,8 @@ class ParallelModel(nn.Module):
         bias) once; squares are summed over the tp and pp groups (dp replicas already
         hold averaged, equal gradients). Returns the total norm. Blocks.
         """
+        if self._counted:
+            return self._clip_zero(max_norm)
         sq = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
         tp_first = self.mesh.local_rank("tp") == 0
         for chunk in self.local_modules():
@@ -136,8 +173,30 @@ class ParallelModel(nn.Module):
                 p.grad.mul_(coef.to(p.grad.dtype))
         return norm
 
+    @torch.no_grad()
+    def _clip_zero(self, max_norm: float) -> torch.Tensor:
+        """clip_grad_norm_ over ZeRO shards: dp ranks hold disjoint pieces, summed too."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
+        zeros = [c for c in self.chunks if isinstance(c, Zero)]
+        for z, counted in zip(zeros, self._counted):
+            z.optimizer._prepare()  # NOTE: wait for reductions, sums -> means, once per step
+            for shard, ranges in zip(z.engine.shard_parameters(), counted):
+                if shard.grad is not None:
+                    sq += sum((shard.grad[a:b].float().pow(2).sum() for a, b in ranges),
+                              torch.zeros((), device=sq.device))
+        for axis in ("dp", "tp", "pp"):
+            if self.mesh.size(axis) > 1:
+                dist.all_reduce(sq, group=self.mesh.group(axis))
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for z in zeros:
+            for shard in z.engine.shard_parameters():
+                if shard.grad is not None:
+                    shard.grad.mul_(coef.to(shard.grad.dtype))
+        return norm
+
     def local_modules(self) -> list[nn.Module]:
-        """The stage chunks without their DataParallel wrapper (names as in the full model)."""
+        """The stage chunks without their DataParallel/Zero wrapper (full-model names)."""
         return [getattr(c, "module", c) for c in self.chunks]
 
     @torch.no_grad()
@@ -171,18 +230,96 @@ class ParallelModel(nn.Module):
     def _unshard_tp(self, grads: bool) -> dict[str, torch.Tensor]:
         group, tp = self.mesh.group("tp"), self.mesh.size("tp")
         out = {}
-        for chunk in self.local_modules():
-            for mod_name, mod in chunk.named_modules():
-                for p_name, p in mod.named_parameters(recurse=False):
-                    t = p.grad if grads else p
-                    t = torch.zeros_like(p) if t is None else t.detach()
-                    dim = _shard_dim(mod, p_name)
-                    if dim is not None and tp > 1:
-                        parts = [torch.empty_like(t) for _ in range(tp)]
-                        dist.all_gather(parts, t.contiguous(), group=group)
-                        t = torch.cat(parts, dim=dim)
-                    out[f"{mod_name}.{p_name}" if mod_name else p_name] = t
+        for chunk, info in zip(self.chunks, self._info):
+            if isinstance(chunk, Zero):
+                local = _unshard_zero(chunk, info, grads, self.mesh.group("dp"))
+            else:
+                local = {id(p): p.grad if grads else p for p in chunk.parameters()}
+            for pid, (name, shape, dim) in info.items():
+                t = local.get(pid)
+                t = torch.zeros(shape, device=self.pipeline.device) if t is None else t.detach()
+                if dim is not None and tp > 1:
+                    parts = [torch.empty_like(t) for _ in range(tp)]
+                    dist.all_gather(parts, t.contiguous(), group=group)
+                    t = torch.cat(parts, dim=dim)
+                out[name] = t
         return out
+
+
+class ChunkOptimizers:
+    """The ZeRO optimizers of several stage chunks (interleaved pipeline) as one.
+
+    step() and zero_grad() run each in chunk order (they block, like ZeroOptimizer's);
+    `param_groups` lists every chunk's groups, so an lr change reaches all of them.
+    """
+
+    def __init__(self, optimizers: list):
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"chunks": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("chunks", [])
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"optimizer state has {len(saved)} chunk(s), this stage "
+                             f"{len(self.optimizers)}; load it with the same pipeline layout")
+        for o, sd in zip(self.optimizers, saved):
+            o.load_state_dict(sd)
+
+
+def _param_info(chunk: nn.Module) -> dict[int, tuple[str, torch.Size, int | None]]:
+    """id(param) -> (full-model name, local shape, tp shard dim or None) of a stage chunk."""
+    info = {}
+    for mod_name, mod in chunk.named_modules():
+        for p_name, p in mod.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            info.setdefault(id(p), (name, p.shape, _shard_dim(mod, p_name)))
+    return info
+
+
+def _counted_ranges(z: Zero, info: dict, tp_first: bool) -> list[list[tuple[int, int]]]:
+    """Per ZeRO shard: the (a, b) slices whose squares count in the norm on this tp rank.
+
+    TP-sharded parameters count on every tp rank, replicated ones on tp rank 0 only.
+    """
+    out = []
+    for lo, hi, segs in z.engine.segments():
+        ranges = []
+        for pid, off, numel in segs:
+            a, b = max(lo, off), min(hi, off + numel)
+            if a < b and pid in info and (tp_first or info[pid][2] is not None):
+                ranges.append((a - lo, b - lo))
+        out.append(ranges)
+    return out
+
+
+@torch.no_grad()
+def _unshard_zero(z: Zero, info: dict, grads: bool, group) -> dict[int, torch.Tensor]:
+    """id(param) -> this tp rank's full local tensor, all-gathered over dp. Blocks."""
+    if grads:
+        z.optimizer._prepare()  # NOTE: averaged gradients, as DataParallel leaves them
+    world, out = dist.get_world_size(group), {}
+    for shard, (_, _, segs) in zip(z.engine.shard_parameters(), z.engine.segments()):
+        t = shard.grad if grads else shard
+        t = torch.zeros_like(shard) if t is None else t.detach()
+        flat = torch.empty(t.numel() * world, dtype=t.dtype, device=t.device)  # (bucket,)
+        dist.all_gather(list(flat.chunk(world)), t.contiguous(), group=group)
+        for pid, off, numel in segs:
+            out[pid] = flat[off:off + numel].view(info[pid][1])
+    return out
 
 
 def _shard_dim(mod: nn.Module, param: str) -> int | None:
