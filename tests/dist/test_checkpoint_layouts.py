@@ -1,9 +1,10 @@
-"""Checkpoints across model-parallel layouts: tp 2 -> 1, pp 2 -> 1, tp 2 -> pp 2 -> 1.
+"""Checkpoints across model-parallel layouts: tp 2 -> 1, pp 2 -> 1, tp 2 -> pp 2, pp 2 -> dp 2.
 
 Two gloo ranks train the tiny GPT at tp=2 (SGD with momentum and weight decay) and at
 pp=2 (AdamW), save with `Checkpointer`, then take one more step and write the full
-parameters (`ParallelModel.full_state_dict`). The pp=2 mesh also loads the tp=2
-checkpoint (another parallel layout). This process then loads each checkpoint into a
+parameters (`ParallelModel.full_state_dict`). The tp=2 checkpoint also loads into a
+GPT sharded by `apply_tp` alone (bitwise the saver's shards and momenta), into a pp=2
+mesh, and the pp=2 one into a dp=2 mesh; a step there gives the saver's next params. This process then loads each checkpoint into a
 plain, differently initialised GPT and optimizer (world 1): parameters and optimizer
 state must equal the single-process reference trained the same steps, and one more step
 must give the parallel run's parameters. `disttrain checkpoint convert` consolidates the
@@ -24,6 +25,7 @@ from disttrain.checkpoint import Checkpointer, CheckpointWarning, cli
 from disttrain.mesh import Mesh
 from disttrain.models import GPT
 from disttrain.parallel.parallelize import parallelize
+from disttrain.parallel.tensor_parallel import apply_tp
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
 
@@ -32,7 +34,7 @@ OPTS = {
     "tp": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "pp": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
 }
-LAYOUTS = {"tp": (dict(tp=2), {}), "pp": (dict(pp=2), dict(microbatches=1))}
+LAYOUTS = {"tp": (dict(tp=2), {}), "pp": (dict(pp=2), dict(microbatches=1)), "dp": (dict(dp=2), {})}
 
 
 def _build(tag, mesh_tag=None):
@@ -58,18 +60,37 @@ def train_save_step(root):
         for _ in range(STEPS):
             _step(pm, opt, x, y)
         Checkpointer(os.path.join(root, tag)).save(STEPS, model=pm, optimizer=opt)
+        if tag == "tp":
+            _same_layout_into_apply_tp(root, pm, opt)
         _step(pm, opt, x, y)
         full = pm.full_state_dict()
         if disttrain.rank() == 0:
             safetensors.torch.save_file(full, os.path.join(root, f"{tag}_next.safetensors"))
-    # tp=2's SGD checkpoint into the pp=2 layout: one more step gives tp=2's next params
-    pm, opt = _build("tp", mesh_tag="pp")
-    assert Checkpointer(os.path.join(root, "tp")).load(model=pm, optimizer=opt) == STEPS
-    _step(pm, opt, x, y)
-    full = pm.full_state_dict()
-    if disttrain.rank() == 0:
-        safetensors.torch.save_file(full, os.path.join(root, "tp_via_pp_next.safetensors"))
+    # tp=2's checkpoint at pp=2, pp=2's at dp=2: one more step gives the saver's next params
+    for tag, mesh_tag in (("tp", "pp"), ("pp", "dp")):
+        pm, opt = _build(tag, mesh_tag=mesh_tag)
+        assert Checkpointer(os.path.join(root, tag)).load(model=pm, optimizer=opt) == STEPS
+        _step(pm, opt, *(t.chunk(2)[disttrain.rank()] for t in (x, y)) if mesh_tag == "dp"
+              else (x, y))
+        full = pm.full_state_dict()
+        if disttrain.rank() == 0:
+            safetensors.torch.save_file(full, os.path.join(root, f"{tag}_via_{mesh_tag}.safetensors"))
     return True
+
+
+def _same_layout_into_apply_tp(root, pm, opt):
+    """The tp=2 checkpoint into a plain GPT sharded by apply_tp (no ParallelModel)."""
+    model = apply_tp(ref.make_model(), pm.mesh, GPT.tp_plan)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fresh = torch.optim.SGD(model.parameters(), **OPTS["tp"][1])
+    Checkpointer(os.path.join(root, "tp")).load(model=model, optimizer=fresh, rng=False)
+    mine = dict(pm.local_modules()[0].named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, mine[name]), name
+        assert torch.equal(fresh.state[p]["momentum_buffer"],
+                           opt.state[mine[name]]["momentum_buffer"]), name
 
 
 def _reference(tag):
@@ -117,7 +138,7 @@ def _check_loaded(tag, folder, atol):
 
 
 @pytest.mark.timeout(90)
-def test_tp_and_pp_checkpoints_load_into_one_process_and_each_other(tmp_path):
+def test_tp_and_pp_checkpoints_load_into_one_process_and_other_layouts(tmp_path):
     assert spawn(train_save_step, 2, str(tmp_path), timeout=80) == [True, True]
     x, y = ref.make_batch()
     for tag, atol in (("tp", 2e-5), ("pp", 1e-6)):
@@ -127,10 +148,12 @@ def test_tp_and_pp_checkpoints_load_into_one_process_and_each_other(tmp_path):
         assert nxt.keys() == dict(model.named_parameters()).keys()
         for name, p in model.named_parameters():
             _close(p.detach(), nxt[name], f"{tag} after one more step: {name}", atol)
-    via_pp = safetensors.torch.load_file(str(tmp_path / "tp_via_pp_next.safetensors"))
-    tp_next = safetensors.torch.load_file(str(tmp_path / "tp_next.safetensors"))
-    for name, t in tp_next.items():
-        _close(via_pp[name], t, f"tp checkpoint stepped at pp=2: {name}", 2e-5)
+    for tag, mesh_tag in (("tp", "pp"), ("pp", "dp")):
+        via = safetensors.torch.load_file(str(tmp_path / f"{tag}_via_{mesh_tag}.safetensors"))
+        nxt = safetensors.torch.load_file(str(tmp_path / f"{tag}_next.safetensors"))
+        assert via.keys() == nxt.keys()
+        for name, t in nxt.items():
+            _close(via[name], t, f"{tag} checkpoint stepped at {mesh_tag}=2: {name}", 2e-5)
 
     # offline: consolidate the tp=2 checkpoint into one file (world-1 layout)
     out = tmp_path / "consolidated"
