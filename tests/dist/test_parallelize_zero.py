@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import disttrain
-from disttrain.mesh import Mesh
+from disttrain.mesh import Mesh, MeshShape
 from disttrain.models import GPT
-from disttrain.parallel.parallelize import parallelize
+from disttrain.parallel.parallelize import ChunkOptimizers, parallelize
+from disttrain.parallel.zero import ZeroOptimizer
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
 
@@ -25,6 +26,8 @@ def run_zero(mesh, zero, steps=ref.STEPS, batch=8, **kw):
     x, y = x.chunk(dp)[d], y.chunk(dp)[d]  # this replica's share of the global batch
     pm = parallelize(model, mesh, plan=GPT.tp_plan, zero=zero,
                      optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=ref.LR), **kw)
+    several = kw.get("num_virtual", 1) > 1  # one ZeRO optimizer per chunk, behind one
+    assert isinstance(pm.optimizer, ChunkOptimizers if several else ZeroOptimizer)
     losses, grads0 = [], None
     for s in range(steps):
         pm.optimizer.zero_grad()
@@ -37,31 +40,29 @@ def run_zero(mesh, zero, steps=ref.STEPS, batch=8, **kw):
     return (losses, grads0, params) if disttrain.rank() == 0 else None
 
 
-def dp_tp_every_stage():
+def every_stage_on_two_meshes():
     expected = ref.reference() if disttrain.rank() == 0 else None
-    mesh = Mesh(dp=2, tp=2)
-    for zero in (1, 2, 3):
-        out = run_zero(mesh, zero, schedule="1f1b", microbatches=2)
+    runs = [(Mesh(dp=2, tp=2), zero, dict(schedule="1f1b", microbatches=2)) for zero in (1, 2, 3)]
+    pp_dp = Mesh(pp=2, dp=2)  # several chunks per stage: one ZeRO optimizer each, as one
+    runs += [(pp_dp, 1, dict(schedule="gpipe", microbatches=2)),
+             (pp_dp, 2, dict(schedule="interleaved", microbatches=2, num_virtual=2)),
+             (pp_dp, 3, dict(schedule="interleaved", microbatches=2, num_virtual=2))]
+    for mesh, zero, kw in runs:
+        out = run_zero(mesh, zero, **kw)
         if disttrain.rank() == 0:
             ref.assert_matches_reference(out, expected)
     return True
 
 
-def pp_dp_with_zero():
-    expected = ref.reference() if disttrain.rank() == 0 else None
-    mesh = Mesh(pp=2, dp=2)
-    for zero in (1, 2, 3):
-        out = run_zero(mesh, zero, schedule="1f1b", microbatches=2)
-        if disttrain.rank() == 0:
-            ref.assert_matches_reference(out, expected)
-    return True
+@pytest.mark.timeout(150)
+def test_dp_x_tp_and_pp_x_dp_with_zero_1_2_3_match_single_process():
+    assert spawn(every_stage_on_two_meshes, 4, timeout=140) == [True] * 4
 
 
-@pytest.mark.timeout(120)
-def test_dp_x_tp_with_zero_1_2_3_matches_single_process():
-    assert spawn(dp_tp_every_stage, 4, timeout=110) == [True] * 4
-
-
-@pytest.mark.timeout(120)
-def test_pp_x_dp_with_zero_1_2_3_matches_single_process():
-    assert spawn(pp_dp_with_zero, 4, timeout=110) == [True] * 4
+@pytest.mark.timeout(30)
+def test_bad_zero_arguments_say_how_to_fix_them():
+    model = ref.make_model()
+    with pytest.raises(ValueError, match="zero must be 0 .* or a ZeRO stage 1, 2 or 3; got 4"):
+        parallelize(model, MeshShape(), zero=4)
+    with pytest.raises(ValueError, match="pass optimizer_factory=lambda ps"):
+        parallelize(model, MeshShape(), zero=2)
