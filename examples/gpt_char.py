@@ -7,6 +7,7 @@ running Python: no download. The same script runs alone or under a launcher:
     disttrain run --nproc 2 examples/gpt_char.py --tp 2
     disttrain run --nproc 4 examples/gpt_char.py --pp 2 --dp 2 --schedule gpipe
     disttrain run --nproc 8 examples/gpt_char.py --pp 2 --dp 2 --tp 2 --microbatches 4
+    disttrain run --nproc 4 examples/gpt_char.py --dp 2 --tp 2 --zero 2  # ZeRO over dp
 
 It prints the loss going down and, at the end, a sample of generated text.
 """
@@ -29,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per layer")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="0: DataParallel over dp; 1-3: ZeRO stage over dp (optimizer state, "
+                        "+ gradients, + parameters sharded)")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step")
     p.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved only)")
     p.add_argument("--steps", type=int, default=150)
@@ -50,7 +54,7 @@ def main(argv=None):
     disttrain.init()
     mesh = disttrain.Mesh(pp=args.pp, dp=args.dp, tp=args.tp)
     disttrain.print0(f"mesh pp={args.pp} dp={args.dp} tp={args.tp}, schedule {args.schedule}, "
-                     f"{args.microbatches} micro-batches")
+                     f"{args.microbatches} micro-batches, zero {args.zero}")
 
     data = encode(stdlib_text())  # (N,) ASCII codes
     cfg = GPTConfig(vocab_size=128, block_size=args.block_size, n_layer=args.n_layer,
@@ -60,9 +64,12 @@ def main(argv=None):
     disttrain.print0(f"{len(data):,} characters of stdlib source; "
                      f"{sum(p.numel() for p in model.parameters()):,} parameters")
     virtual = args.virtual if args.schedule == "interleaved" else 1
+    # NOTE: parallelize builds the optimizer: with ZeRO it holds only this rank's dp shard
     model = disttrain.parallelize(model, mesh, plan=GPT.tp_plan, schedule=args.schedule,
-                                  microbatches=args.microbatches, num_virtual=virtual)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+                                  microbatches=args.microbatches, num_virtual=virtual,
+                                  zero=args.zero,
+                                  optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+    opt = model.optimizer
 
     # every rank of one dp replica (its pp stages and tp shards) reads the same batches
     gen = torch.Generator().manual_seed(args.seed + 1000 * mesh.local_rank("dp"))

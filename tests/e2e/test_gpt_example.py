@@ -1,4 +1,5 @@
-"""examples/gpt_char.py as a user runs it: pipelined under the launcher, and a bad mesh.
+"""examples/gpt_char.py as a user runs it: pipelined, and with ZeRO-1 over dp, under the
+launcher, and a bad mesh.
 
 A tiny configuration so it trains on a busy 2-core machine in seconds: the loss must go
 down, a sample must be printed once (by rank 0), and a mesh that does not fit the
@@ -48,3 +49,15 @@ def test_mesh_that_does_not_fit_the_world_names_every_factor():
     proc = _run([sys.executable, GPT_CHAR, "--pp", "2", "--tp", "2", "--steps", "1"], 50)
     assert proc.returncode != 0
     assert "pp(2) * dp(1) * tp(2) != world_size(1)" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_zero_1_over_dp_2_lowers_loss_and_samples():
+    cmd = [sys.executable, "-m", "disttrain", "run", "--nproc", "2", GPT_CHAR, "--dp", "2",
+           "--zero", "1", *TINY]
+    proc = _run(cmd, 80)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "mesh pp=1 dp=2 tp=1, schedule 1f1b, 2 micro-batches, zero 1" in proc.stdout
+    first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout).groups())
+    assert first > 4.0 and last < first - 0.8, proc.stdout
+    assert proc.stdout.count("--- sample ---") == 1
