@@ -27,7 +27,7 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 
-__all__ = ["BY_NAME", "is_by_name", "load_optimizer_state", "materialize", "module_state",
+__all__ = ["BY_NAME", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state",
            "needs_by_name", "optimizer_state", "param_shards"]
 
 BY_NAME = "by-parameter-name"
@@ -141,6 +141,13 @@ def materialize(opt: torch.optim.Optimizer) -> None:
         for v in opt.state[p].values():
             if isinstance(v, torch.Tensor):
                 v.zero_()
+
+
+def drop_state(opt: torch.optim.Optimizer, owner: nn.Module, names: list[str]) -> None:
+    """Forget the optimizer state of the named parameters (as if never stepped)."""
+    for _, name, p, _, _ in _names_in(opt, owner):
+        if name in names:
+            opt.state.pop(p, None)
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, owner: nn.Module,

@@ -208,9 +208,14 @@ class _Staged:
         owner = state.state_owner(model)
         modules.materialize(opt)
         try:
-            _, dest = state.encode(modules.optimizer_state(opt, owner), "optimizer")
+            tree = modules.optimizer_state(opt, owner)
         except ValueError as err:
             raise CheckpointMismatchError(f"optimizer: {err}") from None
+        # NOTE: parameters the saver had no state for (frozen, never stepped) start empty.
+        stateless = [n for n in tree["state"] if n not in saved.get("state", {})]
+        for n in stateless:
+            del tree["state"][n]
+        _, dest = state.encode(tree, "optimizer")
         self._check_keys("optimizer", set(state.leaves(saved)), dest)
         filled = {p: self.fetch(p, _want(t)) for p, t in dest.items()}
         mine = state.prune(saved, set(dest))
@@ -219,6 +224,7 @@ class _Staged:
             with torch.no_grad():
                 for p, t in dest.items():
                     (t.local if isinstance(t, ShardedTensor) else t).copy_(filled[p])
+            modules.drop_state(opt, owner, stateless)
             try:
                 modules.load_optimizer_state(opt, owner, state.decode(mine, dest.__getitem__))
             except ValueError as err:
