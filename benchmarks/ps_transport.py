@@ -37,6 +37,7 @@ import secrets
 import socket
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -131,17 +132,27 @@ def _bench_zmq(numel: int, tag: str) -> float | None:
         ctx.term()
 
 
-def _mac_floor(numel: int) -> float | None:
-    """Seconds to MAC `numel` float32s 4 times, as one push+pull does (trainer only)."""
+def _mac_floor(numel: int, tag: str) -> float | None:
+    """Seconds to MAC `numel` float32s 4 times, as one push+pull does (median of 5).
+
+    The trainer hashes while the server waits on the store (asleep, not in a collective
+    that may spin), so the MAC gets the cores it gets in a real push+pull.
+    """
+    store = dist.distributed_c10d._get_default_store()
     if disttrain.rank() != 0:
+        store.wait([f"mac/{tag}"], timedelta(seconds=600))
         return None
     buf = memoryview(torch.randn(numel).numpy()).cast("B")
     step = DEFAULT_CHUNK_BYTES
     parts = [buf[i:i + step] for i in range(0, len(buf), step)] or [buf]
-    t0 = time.perf_counter()
-    for _ in range(4):
-        _mac(b"k" * 32, b"header", parts)
-    return time.perf_counter() - t0
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            _mac(b"k" * 32, b"header", parts)
+        times.append(time.perf_counter() - t0)
+    store.set(f"mac/{tag}", "done")
+    return statistics.median(times[1:])
 
 
 def _rpc_block(sizes: list[int], port: int, rpc_tcp: bool) -> dict:
@@ -171,7 +182,7 @@ def _ours_block(sizes: list[int], rep: int) -> dict:
         dist.barrier()
         out[str(nbytes)]["zmq"] = _bench_zmq(numel, f"{nbytes}-{rep}")
         dist.barrier()
-        out[str(nbytes)]["mac"] = _mac_floor(numel)
+        out[str(nbytes)]["mac"] = _mac_floor(numel, f"{nbytes}-{rep}")
         dist.barrier()
     return out
 
