@@ -1,10 +1,12 @@
-"""Checkpoints across model-parallel layouts: tp 2 -> 1, pp 2 -> 1, tp 2 -> pp 2, pp 2 -> dp 2.
+"""Checkpoints across model-parallel layouts: tp 2 -> 1, pp 2 -> 1, tp 2 -> pp 2, pp 2 -> dp 2,
+tp 1 -> 2.
 
 Two gloo ranks train the tiny GPT at tp=2 (SGD with momentum and weight decay) and at
 pp=2 (AdamW), save with `Checkpointer`, then take one more step and write the full
 parameters (`ParallelModel.full_state_dict`). The tp=2 checkpoint also loads into a
 GPT sharded by `apply_tp` alone (bitwise the saver's shards and momenta), into a pp=2
-mesh, and the pp=2 one into a dp=2 mesh; a step there gives the saver's next params. This process then loads each checkpoint into a
+mesh, the pp=2 one into a dp=2 mesh, and a single-process checkpoint (optimizer saved
+by position with its parameter names) into tp=2; a step there gives the next params. This process then loads each checkpoint into a
 plain, differently initialised GPT and optimizer (world 1): parameters and optimizer
 state must equal the single-process reference trained the same steps, and one more step
 must give the parallel run's parameters. `disttrain checkpoint convert` consolidates the
@@ -34,6 +36,8 @@ OPTS = {
     "tp": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "pp": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
 }
+# (checkpoint folder, optimizer, layout loading it); "plain" is saved by this process
+CROSS = (("tp", "tp", "pp"), ("pp", "pp", "dp"), ("plain", "tp", "tp"))
 LAYOUTS = {"tp": (dict(tp=2), {}), "pp": (dict(pp=2), dict(microbatches=1)), "dp": (dict(dp=2), {})}
 
 
@@ -77,14 +81,15 @@ def train_save_step(root):
         if disttrain.rank() == 0:
             safetensors.torch.save_file(full, os.path.join(root, f"{tag}_next.safetensors"))
     # tp=2's checkpoint at pp=2, pp=2's at dp=2: one more step gives the saver's next params
-    for tag, mesh_tag in (("tp", "pp"), ("pp", "dp")):
+    for folder, tag, mesh_tag in CROSS:
         pm, opt = _build(tag, mesh_tag=mesh_tag)
-        assert Checkpointer(os.path.join(root, tag)).load(model=pm, optimizer=opt) == STEPS
+        ckpt = Checkpointer(os.path.join(root, folder))
+        assert ckpt.load(model=pm, optimizer=opt, rng=False) == STEPS
         _step(pm, opt, *(t.chunk(2)[disttrain.rank()] for t in (x, y)) if mesh_tag == "dp"
               else (x, y))
         full = pm.full_state_dict()
         if disttrain.rank() == 0:
-            safetensors.torch.save_file(full, os.path.join(root, f"{tag}_via_{mesh_tag}.safetensors"))
+            safetensors.torch.save_file(full, os.path.join(root, f"{folder}_via_{mesh_tag}.safetensors"))
     return True
 
 
@@ -150,8 +155,10 @@ def _check_loaded(tag, folder, atol):
 
 @pytest.mark.timeout(90)
 def test_tp_and_pp_checkpoints_load_into_one_process_and_other_layouts(tmp_path):
-    assert spawn(train_save_step, 2, str(tmp_path), timeout=80) == [True, True]
     x, y = ref.make_batch()
+    plain, plain_opt = _reference("tp")  # tp 1 -> 2: saved here, loaded at tp=2 by the ranks
+    Checkpointer(str(tmp_path / "plain")).save(STEPS, model=plain, optimizer=plain_opt)
+    assert spawn(train_save_step, 2, str(tmp_path), timeout=80) == [True, True]
     for tag, atol in (("tp", 2e-5), ("pp", 1e-6)):
         model, opt = _check_loaded(tag, str(tmp_path / tag), atol)
         _plain_step(model, opt, x, y)
@@ -159,8 +166,8 @@ def test_tp_and_pp_checkpoints_load_into_one_process_and_other_layouts(tmp_path)
         assert nxt.keys() == dict(model.named_parameters()).keys()
         for name, p in model.named_parameters():
             _close(p.detach(), nxt[name], f"{tag} after one more step: {name}", atol)
-    for tag, mesh_tag in (("tp", "pp"), ("pp", "dp")):
-        via = safetensors.torch.load_file(str(tmp_path / f"{tag}_via_{mesh_tag}.safetensors"))
+    for folder, tag, mesh_tag in CROSS:
+        via = safetensors.torch.load_file(str(tmp_path / f"{folder}_via_{mesh_tag}.safetensors"))
         nxt = safetensors.torch.load_file(str(tmp_path / f"{tag}_next.safetensors"))
         assert via.keys() == nxt.keys()
         for name, t in nxt.items():

@@ -219,8 +219,12 @@ def _state_for(key: str, obj: Any, model: Any) -> Any:
     parameter name with sliced moments (modules.optimizer_state), so it reshards."""
     if key == "optimizer" and model is not None and _plain_optimizer(obj):
         owner = state.state_owner(model)
-        if isinstance(owner, torch.nn.Module) and modules.needs_by_name(owner):
-            return modules.optimizer_state(obj, owner)
+        if isinstance(owner, torch.nn.Module):
+            if modules.needs_by_name(owner):
+                return modules.optimizer_state(obj, owner)
+            names = modules.position_names(obj, owner)
+            if names is not None:  # lets it load into a TP/PP model later
+                return {**state.state_of(obj), modules.NAMES_KEY: names}
     return state.state_of(obj)
 
 

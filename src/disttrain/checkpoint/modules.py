@@ -27,8 +27,8 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 
-__all__ = ["BY_NAME", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state",
-           "needs_by_name", "optimizer_state", "param_shards"]
+__all__ = ["BY_NAME", "NAMES_KEY", "by_name_from_positions", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state",
+           "needs_by_name", "optimizer_state", "param_shards", "position_names"]
 
 BY_NAME = "by-parameter-name"
 
@@ -141,6 +141,50 @@ def materialize(opt: torch.optim.Optimizer) -> None:
         for v in opt.state[p].values():
             if isinstance(v, torch.Tensor):
                 v.zero_()
+
+
+NAMES_KEY = "disttrain_param_names"
+
+
+def position_names(opt: torch.optim.Optimizer, owner: nn.Module) -> list[str] | None:
+    """Names of the optimizer's parameters in state_dict() position order (None when
+    some parameter is not the model's). Saved beside a positional state so that it can
+    later load into a TP/PP model."""
+    try:
+        return [name for _, name, *_ in _names_in(opt, owner)]
+    except ValueError:
+        return None
+
+
+def by_name_from_positions(saved: Any) -> tuple[dict, dict[str, str]] | None:
+    """A positional optimizer skeleton saved with its parameter names, re-keyed by
+    name: (by-name skeleton, {by-name tensor path: saved tensor path}); None when the
+    names were not saved."""
+    names = saved.get(NAMES_KEY) if isinstance(saved, dict) else None
+    if not names:
+        return None
+    st = saved.get("state", {})
+    items = st.get("__intdict__", []) if isinstance(st, dict) else []
+    rename: dict[str, str] = {}
+    by_name = {names[i]: _relabel(sub, f"optimizer/state/{i}/", f"optimizer/state/{names[i]}/",
+                                  rename) for i, sub in items}
+    groups = saved.get("param_groups", [])
+    group_of = {names[i]: gi for gi, g in enumerate(groups) for i in g.get("params", [])}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    return ({"format": BY_NAME, "param_groups": groups, "group_of": group_of,
+             "state": by_name}, rename)
+
+
+def _relabel(node: Any, old: str, new: str, rename: dict[str, str]) -> Any:
+    if isinstance(node, list):
+        return [_relabel(v, old, new, rename) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if set(node) == {"__tensor__"} and node["__tensor__"].startswith(old):
+        path = new + node["__tensor__"][len(old):]
+        rename[path] = node["__tensor__"]
+        return {"__tensor__": path}
+    return {k: _relabel(v, old, new, rename) for k, v in node.items()}
 
 
 def drop_state(opt: torch.optim.Optimizer, owner: nn.Module, names: list[str]) -> None:

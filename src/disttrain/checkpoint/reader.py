@@ -173,6 +173,14 @@ class _Staged:
         saved = trees[key]
         if key == "optimizer" and modules.is_by_name(saved):
             self._stage_by_name(owner, saved)
+        elif key == "optimizer" and self._model_needs_by_name(owner):
+            converted = modules.by_name_from_positions(saved)
+            if converted is None:
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.folder} holds optimizer state by position without "
+                    "parameter names (saved without model=), so it cannot be sliced for "
+                    "this tensor/pipeline-parallel model; save with model= and optimizer=")
+            self._stage_by_name(owner, *converted)
         elif hasattr(owner, "sharded_state_dict") or isinstance(owner, nn.Module):
             self._stage_into_destinations(key, owner, saved)
         else:
@@ -196,9 +204,18 @@ class _Staged:
                 owner.load_state_dict(state.decode(mine, filled.__getitem__))
         self._actions.append(apply)
 
-    def _stage_by_name(self, opt: Any, saved: Any) -> None:
-        """An optimizer saved keyed by parameter name (a TP/PP model's): slice each
-        state tensor as this rank's parameter is sliced, fill it in place."""
+    def _model_needs_by_name(self, opt: Any) -> bool:
+        model = self.targets.model
+        if model is None or not isinstance(opt, torch.optim.Optimizer) or hasattr(
+                opt, "sharded_state_dict"):
+            return False
+        owner = state.state_owner(model)
+        return isinstance(owner, nn.Module) and modules.needs_by_name(owner)
+
+    def _stage_by_name(self, opt: Any, saved: Any, rename: dict | None = None) -> None:
+        """An optimizer saved keyed by parameter name (a TP/PP model's), or by position
+        with names (`rename`: by-name path -> saved path): slice each state tensor as
+        this rank's parameter is sliced, fill it in place."""
         model = self.targets.model
         if model is None or not isinstance(opt, torch.optim.Optimizer):
             raise CheckpointMismatchError(
@@ -217,7 +234,7 @@ class _Staged:
             del tree["state"][n]
         _, dest = state.encode(tree, "optimizer")
         self._check_keys("optimizer", set(state.leaves(saved)), dest)
-        filled = {p: self.fetch(p, _want(t)) for p, t in dest.items()}
+        filled = {p: self.fetch((rename or {}).get(p, p), _want(t)) for p, t in dest.items()}
         mine = state.prune(saved, set(dest))
 
         def apply() -> None:
@@ -235,6 +252,8 @@ class _Staged:
     def _stage_whole(self, key: str, owner: Any, saved: Any) -> None:
         """A plain optimizer: its fresh state_dict has no state yet, so load all of it."""
         tree = state.decode(saved, lambda p: self.fetch(p, None))
+        if isinstance(tree, dict):
+            tree.pop(modules.NAMES_KEY, None)
         groups = getattr(owner, "param_groups", None)
         if groups is not None and isinstance(tree, dict) and "param_groups" in tree:
             have = [len(g["params"]) for g in groups]
