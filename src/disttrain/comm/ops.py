@@ -211,6 +211,11 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
                 name, ranks, [shape], input.dtype, async_op)
 
 
+# NOTE: torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name
+# warns); older releases only have the old one.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False):
     """Reduce `input` over ranks and keep this rank's 1/N slice in `output` (blocks unless async_op)."""
@@ -222,8 +227,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, needs "
                          f"{len(ranks)} x {output.numel()} (group size x output); pad it")
     return _run("reduce_scatter_tensor",
-                lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group,
-                                                   async_op=async_op),
+                lambda: _reduce_scatter(output, input, op=op, group=group, async_op=async_op),
                 name, ranks, [shape], input.dtype, async_op)
 
 
