@@ -3,7 +3,9 @@
 `Checkpointer(directory, keep=3)`: every rank calls `save(step, model=, optimizer=,
 loader=, extra=)` and `load(...) -> step`. Files are safetensors plus a JSON manifest
 (manifest.py) recording each tensor's global shape and the slice each file holds, so a
-checkpoint saved under one layout loads under another (reshard.py). See
+checkpoint saved under one layout loads under another (reshard.py); tensor- and
+pipeline-parallel models and their optimizers are saved under the unsharded model's
+parameter names (modules.py), so tp/pp 2 -> 1 and back load the same values. See
 docs/design.md, "Checkpoints", for the format and the `sharded_state_dict()` protocol.
 """
 
