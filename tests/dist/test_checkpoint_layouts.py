@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import disttrain
-from disttrain.checkpoint import Checkpointer, CheckpointWarning, cli
+from disttrain.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointWarning, cli
 from disttrain.mesh import Mesh
 from disttrain.models import GPT
 from disttrain.parallel.parallelize import parallelize
@@ -189,3 +189,6 @@ def test_tp_and_pp_checkpoints_load_into_one_process_and_other_layouts(tmp_path)
         assert torch.equal(p, q), name
         for key, v in a_opt.state[p].items():
             assert torch.equal(v, b_opt.state[q][key]), name
+    # an optimizer saved by parameter name cannot be placed without the model
+    with pytest.raises(CheckpointMismatchError, match="pass model= too"):
+        Checkpointer(str(tmp_path / "tp")).load(optimizer=a_opt, rng=False)
