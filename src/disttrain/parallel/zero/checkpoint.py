@@ -25,33 +25,10 @@ from typing import Any
 
 import torch
 
+from disttrain.checkpoint.modules import materialize
 from disttrain.checkpoint.reshard import ShardedTensor
 
-__all__ = ["load_sharded_state", "materialize", "sharded_state"]
-
-
-@torch.no_grad()
-def materialize(opt: torch.optim.Optimizer, shards: list[torch.nn.Parameter]) -> None:
-    """Give every shard parameter its (zero) optimizer state without changing it."""
-    if all(opt.state.get(p) for p in shards):
-        return
-    grads = [p.grad for p in shards]
-    lrs = [g["lr"] for g in opt.param_groups]
-    for p in shards:
-        p.grad = torch.zeros_like(p)
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-    try:
-        opt.step()
-    finally:
-        for p, g in zip(shards, grads):
-            p.grad = g
-        for group, lr in zip(opt.param_groups, lrs):
-            group["lr"] = lr
-    for p in shards:
-        for v in opt.state[p].values():
-            if isinstance(v, torch.Tensor):
-                v.zero_()
+__all__ = ["load_sharded_state", "sharded_state"]
 
 
 def _pieces(segments, names):
@@ -64,7 +41,7 @@ def _pieces(segments, names):
 
 def sharded_state(opt: torch.optim.Optimizer, shards, segments, names) -> dict[str, Any]:
     """{'param_groups': hyperparameters, 'state': {name: {key: piece or scalar}}}."""
-    materialize(opt, shards)
+    materialize(opt)  # NOTE: the optimizer was built over exactly `shards`
     out: dict[str, dict[str, Any]] = {}
     for j, name, numel, at, (a, b) in _pieces(segments, names):
         st = out.setdefault(name, {})
