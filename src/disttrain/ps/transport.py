@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import math
 import os
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ def job_secret() -> bytes:
 _PIECE = 256 << 10  # hashing unit (fixed: part of the MAC format, not of the machine)
 _PARALLEL_FROM = 1 << 20  # frames at least this big hash on several threads
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()  # a server and a worker thread may sign at the same time
 
 
 def _hash_run(pieces) -> list[bytes]:
@@ -108,8 +110,9 @@ def _digests(pieces: list) -> list[bytes]:
     total = sum(len(p) for p in pieces)
     if cores < 2 or total < _PARALLEL_FROM or len(pieces) < 2:
         return _hash_run(pieces)
-    if _pool is None:
-        _pool = ThreadPoolExecutor(cores - 1, "ps-hmac")
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(cores - 1, "ps-hmac")
     n = min(cores, len(pieces))
     bounds = [len(pieces) * i // n for i in range(n + 1)]
     runs = [pieces[a:b] for a, b in zip(bounds, bounds[1:])]
