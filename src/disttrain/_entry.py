@@ -14,6 +14,13 @@ An exception carrying `disttrain_exit_code` (a collective that timed out) ends t
 with that code right after it is recorded: a timed-out gloo group cannot shut down
 cleanly (its threads abort the process at exit).
 
+A parameter-server worker (a job with DISTTRAIN_SERVERS > 0, ranks below world - S)
+runs its script in a child process that this file supervises: when the child is killed
+(SIGKILL: the OOM killer, a lost machine, `kill -9`), the rank reports it and exits 0,
+so the elastic agent does not stop the whole job. Losing a worker is the servers'
+business: asynchronous and K policies go on without it, `Sync` stops with an error that
+names it. A worker that raises still fails the job, as any rank does.
+
 NOTE: it is started by path, not with `-m disttrain._entry`, so it imports nothing but
 the standard library: a rank pays for torch only if the script imports it, and no
 module of the disttrain package can shadow a module of the user's script directory.
@@ -26,6 +33,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -89,10 +97,35 @@ def enable_stack_dumps(report_dir: str, rank: str, attempt: str):
     return fp
 
 
+def _is_ps_worker() -> bool:
+    servers = int(os.environ.get("DISTTRAIN_SERVERS", 0))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return servers > 0 and rank < world - servers
+
+
+def supervise(argv: list[str]) -> int:
+    """Run this rank in a child; a child killed by SIGKILL ends the rank with 0 (blocks).
+
+    NOTE: the agent stops a rank with killpg on its process group, which the child
+    shares, so job shutdown and Ctrl-C still reach it without forwarding.
+    """
+    env = dict(os.environ, DISTTRAIN_SUPERVISED="1")
+    code = subprocess.call([sys.executable, "-u", os.path.abspath(__file__), *argv], env=env)
+    if code == -signal.SIGKILL:
+        sys.stderr.write(
+            f"disttrain: parameter-server worker rank {os.environ.get('RANK', '?')} was killed "
+            "(SIGKILL); the job goes on without it: the servers' policy decides (Sync stops "
+            "with an error that names it)\n")
+        return 0
+    return 128 - code if code < 0 else code
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
+    if _is_ps_worker() and "DISTTRAIN_SUPERVISED" not in os.environ:
+        return supervise(argv)
     script = os.path.abspath(argv[0])
     sys.argv = [argv[0], *argv[1:]]
     # NOTE: `python script.py` puts the script's folder first on sys.path; replace this
