@@ -39,8 +39,8 @@ def _default_timeout() -> float:
 def connect(model: torch.nn.Module, policy: Policy | None = None,
             optimizer: Callable | None = None, *, timeout: float | None = None,
             host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-            overlap: bool = True, snapshot: str | None = None, exit: bool = True,
-            name: str = "ps") -> Worker | dict:
+            overlap: bool = True, snapshot: str | None = None, snapshot_every: int = 0,
+            exit: bool = True, name: str = "ps") -> Worker | dict:
     """Join the parameter-server job as this rank's role. Blocks (see below).
 
     model: the same architecture on every rank; the servers start from the parameter
@@ -54,7 +54,11 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     overlap: push each gradient from its hook while backward runs (default); pass False
         when accumulating gradients over several backward passes before one push.
     snapshot: path template with `{server}`, e.g. "ckpt/ps{server}.safetensors": a server
-        restores from it at start if it exists and saves to it when the job ends.
+        restores from it at start if it exists (printing the version restored and how
+        many updates since that snapshot were lost) and saves to it when the job ends.
+    snapshot_every: with `snapshot`, also save (atomically) every this many applied
+        updates, so a killed server restarted by `disttrain run --max-restarts N` loses
+        at most snapshot_every - 1 updates (0: only at the end).
     exit: on a server, exit the process cleanly once served (False: return the stats).
 
     On a worker: blocks until every server said welcome, returns a `Worker`.
@@ -84,8 +88,13 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
                     workers, secret, host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
                     timeout=timeout)
     path = snapshot.format(server=index) if snapshot else None
-    if path and os.path.exists(path):
-        server.restore(path)
+    if snapshot_every and not path:
+        raise ValueError(f"snapshot_every={snapshot_every} needs a snapshot path, e.g. "
+                         'connect(..., snapshot="ckpt/ps{server}.safetensors")')
+    if path:
+        report = server.keep_snapshots(path, snapshot_every)
+        if report:
+            print(report, flush=True)
     store.set(f"disttrain/{name}/addr{index}", server.address)
     stats = server.serve()
     if path:
@@ -104,4 +113,6 @@ def format_stats(stats: dict) -> str:
             f"version {stats['version']}, "
             f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
             f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "
-            f"rejected frames {stats.get('rejected_frames', 0)}, staleness {stats['staleness']}")
+            f"rejected frames {stats.get('rejected_frames', 0)}, staleness {stats['staleness']}"
+            + (f", restored version {stats['restored_version']} (lost updates "
+               f"{stats['lost_updates']})" if "restored_version" in stats else ""))

@@ -17,6 +17,7 @@ Keys are 1-D chunks of flattened parameters (ring.py), so an element-wise optimi
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -63,6 +64,11 @@ class Server:
         self.partial_dropped = 0
         self._pid = 0
         self._published: tuple[int, list] | None = None  # (version, signed parts)
+        self.snapshot_path: str | None = None
+        self.snapshot_every = 0
+        self.restored_version: int | None = None
+        self.lost_updates: int | None = None
+        self._version_fd: int | None = None
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -86,6 +92,9 @@ class Server:
         finally:
             self.ep.sock.close()
             self._ctx.term()
+            if self._version_fd is not None:
+                os.close(self._version_fd)
+                self._version_fd = None
 
     def _handle(self, ident: bytes, msg: Message) -> None:
         w = msg.meta.get("worker")
@@ -150,6 +159,7 @@ class Server:
             raise PSError(f"server {self.index}: {d.error}")
         if d.apply:
             self._apply([self.complete.pop(p) for p in d.apply])
+            self._after_update()
         for p in d.drop:
             self.complete.pop(p, None)
         for w in d.cancel:
@@ -199,21 +209,78 @@ class Server:
     def stats(self) -> dict:
         """Policy counters plus transport and partial-push counters (plain types)."""
         out = self.policy.stats()
+        if self.restored_version is not None:
+            out.update(restored_version=self.restored_version, lost_updates=self.lost_updates)
         out.update(server=self.index, partial_dropped=self.partial_dropped,
                    rejected_frames=sum(self.ep.rejected.values()), keys=len(self.keys),
                    bytes=sum(p.numel() * p.element_size() for p in self.params.values()))
         return out
 
+    def keep_snapshots(self, path: str, every: int = 0) -> str | None:
+        """Snapshot to `path` every `every` applied updates (0: only when asked); does not block.
+
+        Restores `path` first if it exists and returns the one-line restore report (None
+        when there was nothing to restore). The side file `path + ".version"` holds the
+        latest applied version, rewritten in place after every update (no fsync: a killed
+        process does not lose the page cache), so a restart can say how many updates the
+        snapshot lacks.
+        """
+        if every < 0:
+            raise ValueError(f"snapshot_every={every} must be >= 0 (0 disables periodic "
+                             "snapshots)")
+        self.snapshot_path, self.snapshot_every = path, every
+        reached = _read_version(path + ".version")
+        report = None
+        if os.path.exists(path):
+            self.restore(path)
+            report = f"restored version {self.policy.version} from {path}; "
+            report += ("the server's last version is unknown (no .version file)"
+                       if reached is None else
+                       f"{max(0, reached - self.policy.version)} updates since that snapshot "
+                       f"were lost (the server had reached version {reached})")
+        elif reached is not None:
+            report = (f"found no snapshot at {path}; starting again from version 0: all "
+                      f"{reached} updates were lost (the server had reached version {reached})")
+        if report is not None:
+            self.restored_version = self.policy.version
+            self.lost_updates = max(0, (reached or 0) - self.policy.version)
+            report = f"[ps server{self.index}] {report}"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._version_fd = os.open(path + ".version", os.O_RDWR | os.O_CREAT, 0o644)
+        return report
+
+    def _after_update(self) -> None:
+        """Record the new version in the side file; snapshot when it is due."""
+        if self._version_fd is None:
+            return
+        v = self.policy.version
+        os.pwrite(self._version_fd, b"%20d\n" % v, 0)  # fixed width: never a stale tail
+        if self.snapshot_every and v % self.snapshot_every == 0:
+            self.snapshot(self.snapshot_path)
+
     def snapshot(self, path: str) -> None:
-        """Save this shard (parameters, optimizer tensors, version) as safetensors."""
+        """Save this shard (parameters, optimizer tensors, version) as safetensors; blocks.
+
+        Atomic: written to a temporary file in the same folder, fsynced, then renamed over
+        `path`, so a process killed mid-write leaves the previous snapshot intact.
+        """
         tensors = {f"param/{k}": p.detach() for k, p in self.params.items()}
         if self.optimizer is not None:
             for k, p in self.params.items():
                 for name, v in self.optimizer.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
                         tensors[f"state/{name}/{k}"] = v.detach().reshape(v.shape)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, path,
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
                   metadata={"version": str(self.policy.version), "server": str(self.index)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # NOTE: rename after fsync, so `path` is always a whole file
+        dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
 
     def restore(self, path: str) -> None:
         """Load a shard saved by `snapshot`; errors name any key that does not match."""
@@ -231,6 +298,15 @@ class Server:
         from safetensors import safe_open
         with safe_open(path, "pt") as f:
             self.policy.version = int(f.metadata().get("version", 0))
+
+
+def _read_version(path: str) -> int | None:
+    """The version in a snapshot's side file, or None when absent or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read(32).strip() or b"0")
+    except (OSError, ValueError):
+        return None
 
 
 def _hostname() -> str:
