@@ -14,34 +14,11 @@ import sys
 import time
 
 import pytest
-import torch
-
-import disttrain
-from disttrain import ps
 
 W, VICTIM, TIMEOUT = 3, 1, 2.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def job(mode: str) -> None:
-    """One rank of the job (run as a subprocess)."""
-    disttrain.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    policy = ps.Async() if mode == "async" else ps.Sync()
-    conn = ps.connect(model, policy)  # servers serve here, print their report and exit 0
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-    for step in range(20):
-        if disttrain.rank() == VICTIM and step == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        conn.pull().wait()
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        conn.push().wait()
-        time.sleep(0.05)
-    conn.close()
-    print(f"worker {disttrain.rank()} finished", flush=True)
-    disttrain.shutdown()
+# the job: worker VICTIM SIGKILLs itself at step 3 (shared with the launcher's e2e test)
+SCRIPT = os.path.join(ROOT, "tests", "e2e", "scripts", "ps_kill_worker.py")
 
 
 def _launch(mode: str):
@@ -52,8 +29,7 @@ def _launch(mode: str):
                WORLD_SIZE=str(W + 1), LOCAL_WORLD_SIZE=str(W + 1), DISTTRAIN_SERVERS="1",
                DISTTRAIN_SECRET=secrets.token_hex(32), DISTTRAIN_PS_TIMEOUT=str(TIMEOUT),
                OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    code = f"from tests.dist.test_ps_faults import job; job({mode!r})"
-    return [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+    return [subprocess.Popen([sys.executable, SCRIPT, mode], cwd=ROOT, text=True,
                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             for r in range(W + 1)]
