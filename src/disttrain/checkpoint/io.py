@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.checkpoint.manifest import MANIFEST, CorruptCheckpointError
+from disttrain.comm import ops
 
 __all__ = [
     "LATEST",
@@ -177,13 +178,13 @@ def all_gather_json(obj: Any, group=None) -> list[Any]:
         if dist.get_backend(group) == "nccl" else torch.device("cpu")
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev),
+    ops.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev),
                     group=group)
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
     padded[: data.numel()] = data.to(dev)
     outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
-    dist.all_gather(outs, padded, group=group)
+    ops.all_gather(outs, padded, group=group)
     return [json.loads(o[: int(s)].cpu().numpy().tobytes().decode())
             for o, s in zip(outs, sizes)]
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.comm import ops
 from disttrain.mesh import Mesh
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.schedules import make_schedule
@@ -136,7 +137,7 @@ class ParallelModel(nn.Module):
         """
         loss = self.pipeline.step(inputs, targets)
         if self.mesh.size("dp") > 1:
-            dist.all_reduce(loss, group=self.mesh.group("dp"))
+            ops.all_reduce(loss, group=self.mesh.group("dp"))
             loss /= self.mesh.size("dp")
         return loss
 
@@ -165,7 +166,7 @@ class ParallelModel(nn.Module):
                         sq += p.grad.float().pow(2).sum()
         for axis in ("tp", "pp"):
             if self.mesh.size(axis) > 1:
-                dist.all_reduce(sq, group=self.mesh.group(axis))
+                ops.all_reduce(sq, group=self.mesh.group(axis))
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in self.parameters():
@@ -186,7 +187,7 @@ class ParallelModel(nn.Module):
                               torch.zeros((), device=sq.device))
         for axis in ("dp", "tp", "pp"):
             if self.mesh.size(axis) > 1:
-                dist.all_reduce(sq, group=self.mesh.group(axis))
+                ops.all_reduce(sq, group=self.mesh.group(axis))
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for z in zeros:
@@ -213,11 +214,11 @@ class ParallelModel(nn.Module):
             if rank == src == 0:
                 out[name] = local[name].cpu().clone()
             elif rank == src:
-                dist.send(local[name].contiguous(), 0, tag=i)
+                ops.send(local[name].contiguous(), 0, tag=i)
             elif rank == 0:
                 full_shape, dtype = self._full[name]
                 buf = torch.empty(full_shape, dtype=dtype, device=self.pipeline.device)
-                dist.recv(buf, src, tag=i)
+                ops.recv(buf, src, tag=i)
                 out[name] = buf.cpu()
         return out
 
@@ -240,7 +241,7 @@ class ParallelModel(nn.Module):
                 t = torch.zeros(shape, device=self.pipeline.device) if t is None else t.detach()
                 if dim is not None and tp > 1:
                     parts = [torch.empty_like(t) for _ in range(tp)]
-                    dist.all_gather(parts, t.contiguous(), group=group)
+                    ops.all_gather(parts, t.contiguous(), group=group)
                     t = torch.cat(parts, dim=dim)
                 out[name] = t
         return out
@@ -316,7 +317,7 @@ def _unshard_zero(z: Zero, info: dict, grads: bool, group) -> dict[int, torch.Te
         t = shard.grad if grads else shard
         t = torch.zeros_like(shard) if t is None else t.detach()
         flat = torch.empty(t.numel() * world, dtype=t.dtype, device=t.device)  # (bucket,)
-        dist.all_gather(list(flat.chunk(world)), t.contiguous(), group=group)
+        ops.all_gather(list(flat.chunk(world)), t.contiguous(), group=group)
         for pid, off, numel in segs:
             out[pid] = flat[off:off + numel].view(info[pid][1])
     return out

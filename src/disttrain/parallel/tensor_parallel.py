@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
+from disttrain.comm import ops
 from disttrain.parallel.tp_comm import f, g, gather_last_dim, scatter_last_dim
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -178,7 +179,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = dist.get_rank(group) * v_local
         logits = logits.float()
         peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # blocks
+        ops.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # blocks
         shifted = logits - peak.unsqueeze(-1)
         outside = (target < start) | (target >= start + v_local)
         local_t = (target - start).masked_fill(outside, 0)
@@ -186,7 +187,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         stats = torch.stack([picked, sum_exp])  # (2, N): one allreduce for both
-        dist.all_reduce(stats, group=group)
+        ops.all_reduce(stats, group=group)
         picked, sum_exp = stats[0], stats[1]
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, outside)
         return sum_exp.log() - picked  # (N,)

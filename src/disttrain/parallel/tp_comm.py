@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from disttrain.comm import ops
+
 __all__ = ["MegatronF", "MegatronG", "GatherLastDim", "ScatterLastDim", "f", "g",
            "gather_last_dim", "scatter_last_dim"]
 
@@ -27,7 +29,7 @@ def _allreduce(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)  # blocks
+    ops.all_reduce(x, group=group)  # blocks
     return x
 
 
@@ -36,7 +38,7 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)  # blocks
+    ops.all_gather(parts, x.contiguous(), group=group)  # blocks
     return torch.cat(parts, dim=-1)
 
 

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from disttrain.comm import ops
 from disttrain.parallel.pipeline.schedules import Action
 
 __all__ = ["Pipeline", "Span"]
@@ -135,7 +135,7 @@ class Pipeline:
                                                                    self.last_virtual))
         self.spans, self.meter.peak = [], self.meter.now
         if self.num_stages > 1:
-            dist.barrier(group=self.group)
+            ops.barrier(group=self.group)
         t0 = time.perf_counter()
         for i, a in enumerate(self.actions):
             # NOTE: post this action's and the next one's receive before computing, so a
@@ -152,7 +152,7 @@ class Pipeline:
         loss = st.loss if st.loss is not None else torch.zeros((), device=self.device)
         loss = loss.detach().float().reshape(())
         if self.num_stages > 1:
-            dist.broadcast(loss, self.ranks[self.last_virtual % self.num_stages], group=self.group)
+            ops.broadcast(loss, self.ranks[self.last_virtual % self.num_stages], group=self.group)
         assert not st.stash, f"pipeline stage {self.stage} left {len(st.stash)} activations"
         self.steps_done += 1
         return loss
@@ -205,7 +205,7 @@ class Pipeline:
             torch.autograd.backward(out, grad)
         self.spans.append(Span("B", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
         if j > 0:
-            st.sends.append(dist.isend(x.grad.contiguous(), self._peer(j - 1), group=self.group,
+            st.sends.append(ops.isend(x.grad.contiguous(), self._peer(j - 1), group=self.group,
                                        tag=self._tag(a.microbatch, j - 1, 2)))
 
     def _send_activation(self, st: _Step, y: torch.Tensor, dst: int, mb: int, j: int) -> None:
@@ -216,7 +216,7 @@ class Pipeline:
             header = torch.zeros(_HEADER, dtype=torch.int64, device=y.device)
             header[0], header[1] = _DTYPES.index(y.dtype), y.dim()
             header[2:2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
-            st.sends.append(dist.isend(header, dst, group=self.group, tag=self._tag(mb, j, 0)))
+            st.sends.append(ops.isend(header, dst, group=self.group, tag=self._tag(mb, j, 0)))
             self._sent_shapes[j] = (tuple(y.shape), y.dtype)
         elif self._sent_shapes[j] != (tuple(y.shape), y.dtype):
             raise ValueError(
@@ -224,7 +224,7 @@ class Pipeline:
                 f"{tuple(y.shape)}, but was {self._sent_shapes[j][1]} {self._sent_shapes[j][0]} "
                 "in the first step; keep batch and sequence sizes fixed across steps")
         y = y.contiguous()
-        st.sends.append(dist.isend(y, dst, group=self.group, tag=self._tag(mb, j, 1)))
+        st.sends.append(ops.isend(y, dst, group=self.group, tag=self._tag(mb, j, 1)))
 
     def _post_recv(self, st: _Step, a: Action) -> None:
         """Post (not wait for) the receive `a` needs: an activation header or a gradient."""
@@ -245,7 +245,7 @@ class Pipeline:
                 self._peer(j + 1), self._tag(a.microbatch, j, 2)
         else:
             return
-        st.posted[key] = (buf, dist.irecv(buf, src, group=self.group, tag=tag))
+        st.posted[key] = (buf, ops.irecv(buf, src, group=self.group, tag=tag))
 
     def _take(self, st: _Step, a: Action) -> torch.Tensor:
         """Wait for the receive posted for `a` and return its buffer. Blocks."""
@@ -262,7 +262,7 @@ class Pipeline:
             shape = tuple(x[2:2 + ndim].tolist())
             self._recv_shapes[j] = (shape, dtype)
             x = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(x, self._peer(j), group=self.group, tag=self._tag(a.microbatch, j, 1))
+            ops.recv(x, self._peer(j), group=self.group, tag=self._tag(a.microbatch, j, 1))
         return x.requires_grad_(x.is_floating_point())
 
     @contextlib.contextmanager
