@@ -52,14 +52,12 @@ def every_op():
 
 def nonfinite_on_rank_one():
     torch.manual_seed(0)
-    model = disttrain.DataParallel(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)))
-    check = disttrain.FiniteGradCheck(model)
+    model = disttrain.DataParallel(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)), check_finite=True)
     x = torch.ones(4, 3)
     if dist.get_rank() == 1:
         x[0, 0] = float("nan")  # only rank 1's batch is bad; averaging would spread it
-    model(x).sum().backward()
     try:
-        check.check()
+        model(x).sum().backward()
     except disttrain.NonFiniteGradError as err:
         return {"msg": str(err), "bad": {str(k): v for k, v in err.bad.items()}}
     return None
@@ -105,8 +103,8 @@ def test_collectives_numbered_and_placed_nan_named_by_rank_and_timeout_names_cal
         ]
         assert got == [(op, g, s, sh, f"{HERE}:{line_of(m)}") for op, g, s, sh, m in want]
         # every rank stops together, told which parameters went bad on which rank
-        assert res["nonfinite"]["bad"] == {"1": ["module.0.weight", "module.1.weight"]}, res["nonfinite"]
-        assert "rank 1: module.0.weight, module.1.weight" in res["nonfinite"]["msg"]
+        assert res["nonfinite"]["bad"] == {"1": ["0.weight", "1.weight"]}, res["nonfinite"]
+        assert "rank 1: 0.weight, 1.weight" in res["nonfinite"]["msg"]
     late = out[0]["late"]  # rank 1 never joined: gloo gave up after 2 s
     assert late["timed_out"] and late["status"] == "timeout" and late["exit"] == 124
     assert late["msg"].startswith(f"all_reduce #{out[0]['next_seq']} (test_hang_recorder.py:{line_of('late')}) on "

@@ -84,6 +84,8 @@ NO_GROUP = [
      "got 'fp8'", r"one of \['bf16', 'fp16', 'none'\]"),
     ("bucket-size-negative", lambda: buckets.mb_to_bytes(-1), ValueError,
      "bucket size", "must be > 0 MB"),
+    ("bucket-size-word", lambda: buckets.mb_to_bytes("big"), ValueError,
+     "got 'big'", "pass a number such as 25"),
     ("schedule-unknown", lambda: pipeline.make_schedule("zigzag", 2, 4), ValueError,
      "unknown schedule 'zigzag'", "choose one of gpipe, 1f1b, interleaved"),
     ("microbatches-zero", lambda: pipeline.make_schedule("1f1b", 2, 0), ValueError,
@@ -193,6 +195,12 @@ WITH_GROUP = [
      ValueError, "got 'huge'", "a number of MiB or 'auto'"),
     ("data-parallel-compression", lambda tmp: disttrain.DataParallel(nn.Linear(2, 2), compression="zip"),
      ValueError, "got 'zip'", r"one of \['bf16', 'fp16', 'none'\]"),
+    ("data-parallel-frozen-model",
+     lambda tmp: disttrain.DataParallel(nn.Linear(2, 2).requires_grad_(False)), ValueError,
+     "no parameter that requires grad", "wrap the model being trained"),
+    ("zero-frozen-model",
+     lambda tmp: disttrain.Zero(nn.Linear(2, 2).requires_grad_(False), sgd), ValueError,
+     "no parameter that requires grad", "wrap the model being trained"),
     ("zero-stage-four", lambda tmp: disttrain.Zero(nn.Linear(2, 2), sgd, stage=4), ValueError,
      "ZeRO stage", "must be 0, 1, 2 or 3"),
     ("zero-optimizer-not-factory",
@@ -227,7 +235,8 @@ WITH_GROUP = [
     ("reduce-scatter-sizes", lambda tmp: comm.reduce_scatter_tensor(torch.ones(3), torch.ones(4)),
      ValueError, "input has 4 elements, needs 1 x 3", "pad it"),
     ("checkpoint-of-another-model", checkpoint_of_other_model, CheckpointMismatchError,
-     "was saved from a different model", r"shape mismatch: weight: checkpoint \[2, 3\], model \[2, 4\]"),
+     r"saved from a different model: shape mismatch: weight: checkpoint \[2, 3\], model \[2, 4\]",
+     "load it into the model .* that saved it, or give Checkpointer a new directory"),
 ]
 
 

@@ -99,13 +99,17 @@ def load_newest_good(directory: str, targets: Targets, group=None, only_step=Non
     return None
 
 
+MISMATCH_FIX = ("load it into the model (and optimizer) that saved it, or give Checkpointer a new "
+                "directory to start over; `disttrain checkpoint inspect DIR` lists what it holds")
+
+
 def _check_all_wanted(folder: str, statuses: list[dict]) -> None:
     """Saved tensors that no rank's model/optimizer has a place for: another model."""
     unwanted = set.intersection(*(set(s["unwanted"]) for s in statuses))
     if unwanted:
         raise CheckpointMismatchError(
             f"checkpoint {folder} was saved from a different model: unexpected keys (in the "
-            f"checkpoint, wanted by no rank): {sorted(unwanted)}")
+            f"checkpoint, wanted by no rank): {sorted(unwanted)}; {MISMATCH_FIX}")
 
 
 def _want(t: torch.Tensor | ShardedTensor) -> Slice:
@@ -289,7 +293,7 @@ class _Staged:
             parts += [f"shape mismatch: {'; '.join(wrong)}"] * bool(wrong)
             raise CheckpointMismatchError(
                 f"checkpoint {self.folder} was saved from a different {key}: "
-                + "; ".join(parts))
+                + "; ".join(parts) + f"; {MISMATCH_FIX}")
 
     def _stage_loader(self, loader: Any) -> None:
         ranks = self.manifest.ranks

@@ -15,6 +15,7 @@ Nobody here talks to a process group; data_parallel.py (and later zero.py) do.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -25,8 +26,8 @@ __all__ = ["BucketSizeTuner", "BucketSpec", "FlatBucket", "assign_buckets", "mb_
 
 def mb_to_bytes(mb: float) -> int:
     """Bucket capacity in bytes for `mb` megabytes (MiB, as torch DDP's bucket_cap_mb)."""
-    if not mb > 0:
-        raise ValueError(f"bucket size must be > 0 MB, got {mb!r}")
+    if isinstance(mb, bool) or not isinstance(mb, numbers.Real) or not mb > 0:
+        raise ValueError(f"bucket size must be > 0 MB, got {mb!r}; pass a number such as 25")
     return int(mb * 1024 * 1024)
 
 

@@ -34,6 +34,7 @@ from disttrain.comm import ops
 from disttrain.comm.buckets import BucketSizeTuner, FlatBucket, assign_buckets
 from disttrain.comm.collectives import broadcast_tensors, global_rank
 from disttrain.comm.compression import Compression, NoCompression, resolve_compression
+from disttrain.finite import FiniteGradCheck
 
 __all__ = ["DataParallel"]
 
@@ -54,6 +55,9 @@ class DataParallel(nn.Module):
     broadcast_buffers: re-broadcast buffers (e.g. BatchNorm statistics) from group
         rank 0 before each training forward, as DDP does.
     gradient_as_bucket_view: leave `param.grad` as a view into the bucket buffer.
+    check_finite: check every rank's own gradients for NaN/inf before they are
+        averaged; a bad step raises `NonFiniteGradError` from backward() on every rank,
+        naming the parameters and ranks (disttrain.finite; one tiny allreduce per step).
 
     Construction blocks (a broadcast); forward/backward block only where DDP's do.
     NOTE: as with DDP, every rank must run the same backward: reentrant activation
@@ -64,7 +68,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, bucket_mb: float | str = 25,
                  compression: Compression | str | None = None, find_unused: bool = False,
                  group: dist.ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = True):
+                 gradient_as_bucket_view: bool = True, check_finite: bool = False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
@@ -83,7 +87,8 @@ class DataParallel(nn.Module):
         self._named = [(n, p) for n, p in module.named_parameters()
                        if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
         if not self._named:
-            raise ValueError("DataParallel: the module has no parameter that requires grad")
+            raise ValueError("DataParallel: the module has no parameter that requires grad; wrap "
+                             "the model being trained (a frozen model needs no DataParallel)")
         total = sum(p.numel() * p.element_size() for _, p in self._named)
         self.tuner = BucketSizeTuner.parse(bucket_mb, total)  # NOTE: validate, then talk
         self._buffers_list = [b for b in module.buffers()]
@@ -94,6 +99,7 @@ class DataParallel(nn.Module):
                          for i, (_, p) in enumerate(self._named)]
         self._sync.on_step_end = self._on_step_end
         self._step_start: float | None = None
+        self._finite = FiniteGradCheck(module, group) if check_finite else None
 
     @property
     def bucket_mb(self) -> float:
@@ -137,6 +143,8 @@ class DataParallel(nn.Module):
             self._sync.enabled = before
 
     def _on_step_end(self) -> None:
+        if self._finite is not None:
+            self._finite.check()  # NOTE: all ranks raise together, before the optimizer step
         # Bucket-size auto-tuning: every rank times its steps; the choice is made on
         # the max over ranks (one tiny allreduce), so all ranks rebucket identically.
         start, self._step_start = self._step_start, None

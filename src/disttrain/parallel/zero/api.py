@@ -73,7 +73,8 @@ class Zero(nn.Module):
         params = _unique(p for p in module.parameters() if p.requires_grad)
         self.param_names = {id(p): n for n, p in module.named_parameters()}  # before stage 3
         if not params:
-            raise ValueError("Zero: the module has no parameter that requires grad")
+            raise ValueError("Zero: the module has no parameter that requires grad; wrap the model "
+                             "being trained (a frozen model has no optimizer state to shard)")
         if stage == 3:
             self.engine = ParamShards(module, group, self.comm_stats)
         else:
