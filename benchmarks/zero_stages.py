@@ -33,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from dp_vs_ddp import make_mlp  # same MLP as the DP benchmark (benchmarks/ is sys.path[0])
 from torch import nn
 
 import disttrain
@@ -40,14 +41,6 @@ from disttrain import memory, plan
 from disttrain.testing import spawn
 
 VARIANTS = ("dp", "zero0", "zero1", "zero2", "zero3", "torch_zero1", "torch_fsdp")
-
-
-def make_mlp(width: int, depth: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
 
 
 def build(variant: str, width: int, depth: int, bucket_mb: float):

@@ -27,7 +27,7 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 
-__all__ = ["BY_NAME", "NAMES_KEY", "by_name_from_positions", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state",
+__all__ = ["BY_NAME", "NAMES_KEY", "by_name_from_positions", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state", "restore_param_groups",
            "needs_by_name", "optimizer_state", "param_shards", "position_names"]
 
 BY_NAME = "by-parameter-name"
@@ -194,16 +194,22 @@ def drop_state(opt: torch.optim.Optimizer, owner: nn.Module, names: list[str]) -
             opt.state.pop(p, None)
 
 
+def restore_param_groups(opt: torch.optim.Optimizer, tree: dict[str, Any], fix: str) -> None:
+    """Copy saved hyperparameters into `opt`'s groups; ValueError (ending with `fix`) when
+    the number of groups differs."""
+    groups = tree.get("param_groups", [])
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint has {len(groups)} parameter groups, this optimizer "
+                         f"{len(opt.param_groups)}; {fix}")
+    for mine, saved in zip(opt.param_groups, groups):
+        mine.update({k: v for k, v in saved.items() if k != "params"})
+
+
 def load_optimizer_state(opt: torch.optim.Optimizer, owner: nn.Module,
                          tree: dict[str, Any]) -> None:
     """After the checkpointer filled the tensors in place: hyperparameters and any
     non-tensor state values. Raises ValueError when the parameter groups differ."""
-    groups = tree.get("param_groups", [])
-    if len(groups) != len(opt.param_groups):
-        raise ValueError(f"checkpoint has {len(groups)} parameter groups, this optimizer "
-                         f"{len(opt.param_groups)}; build it with the same groups")
-    for mine, saved in zip(opt.param_groups, groups):
-        mine.update({k: v for k, v in saved.items() if k != "params"})
+    restore_param_groups(opt, tree, "build it with the same groups")
     for _, name, p, _, _ in _names_in(opt, owner):
         for k, v in tree.get("state", {}).get(name, {}).items():
             if not isinstance(v, (torch.Tensor, ShardedTensor)):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from disttrain.checkpoint.modules import materialize
+from disttrain.checkpoint.modules import materialize, restore_param_groups
 from disttrain.checkpoint.reshard import ShardedTensor
 
 __all__ = ["load_sharded_state", "sharded_state"]
@@ -58,12 +58,7 @@ def sharded_state(opt: torch.optim.Optimizer, shards, segments, names) -> dict[s
 def load_sharded_state(opt: torch.optim.Optimizer, shards, segments, names,
                        tree: dict[str, Any]) -> None:
     """After the checkpointer filled the pieces in place: replicated values, hyperparams."""
-    groups = tree.get("param_groups", [])
-    if len(groups) != len(opt.param_groups):
-        raise ValueError(f"checkpoint has {len(groups)} parameter groups, this optimizer "
-                         f"{len(opt.param_groups)}; build it with the same factory")
-    for mine, saved in zip(opt.param_groups, groups):
-        mine.update({k: v for k, v in saved.items() if k != "params"})
+    restore_param_groups(opt, tree, "build it with the same factory")
     for j, name, _, _, _ in _pieces(segments, names):
         for key, v in tree["state"].get(name, {}).items():
             if isinstance(v, ShardedTensor):
