@@ -243,9 +243,30 @@ def run(cfg: RunConfig) -> int:
             file=sys.stderr,
         )
         return 1
+    except Exception as err:
+        # NOTE: a signal that lands inside torch's metrics wrapper before it set its start
+        # time surfaces as that wrapper's UnboundLocalError, the SignalException only in
+        # the context chain (the agent still stopped every rank in its `finally`).
+        sig = _signal_in_chain(err)
+        if sig is None:
+            raise
+        print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
+        return 128 + int(sig.sigval)
     finally:
         if cfg.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _signal_in_chain(err: BaseException) -> SignalException | None:
+    """The SignalException that `err` was raised while handling, if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, SignalException):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 @contextlib.contextmanager

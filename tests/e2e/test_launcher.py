@@ -162,6 +162,40 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert all(_gone(pid) for pid in pids), f"ranks still alive: {pids}"
 
 
+def _raising_launch(exc_factory):
+    def fake_elastic_launch(config, entrypoint):
+        def call(*args):
+            raise exc_factory()
+        return call
+    return fake_elastic_launch
+
+
+def _signal_lost_in_torch_wrapper():
+    # What torch's metrics.prof wrapper raises when SIGINT lands on its `start = ...`
+    # line: an UnboundLocalError whose context is the agent's SignalException.
+    from torch.distributed.elastic.multiprocessing import SignalException
+    try:
+        raise SignalException("got signal: 2", sigval=signal.SIGINT)
+    except SignalException:
+        try:
+            raise UnboundLocalError("cannot access local variable 'start'")
+        except UnboundLocalError as err:
+            return err
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_inside_torch_metrics_wrapper_is_still_an_interrupt(monkeypatch, capsys, tmp_path):
+    from disttrain import launch
+    script = SCRIPTS / "sleeper.py"
+    monkeypatch.setattr(launch, "elastic_launch", _raising_launch(_signal_lost_in_torch_wrapper))
+    assert launch.run(launch.RunConfig(script=str(script), nproc=2)) == 130
+    assert "got SIGINT, stopped every rank" in capsys.readouterr().err
+    # any other error still propagates as itself
+    monkeypatch.setattr(launch, "elastic_launch", _raising_launch(lambda: RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        launch.run(launch.RunConfig(script=str(script), nproc=2))
+
+
 @pytest.mark.timeout(60)
 def test_workers_and_servers_get_roles_and_user_secret():
     """Uses torch: --workers 2 --servers 1 is a world of 3, the last rank a server.
