@@ -91,6 +91,18 @@ class MeshShape:
         _check_axis(axis)
         return [self.peers(r, axis) for r in range(self.world_size) if self.coords(r)[axis] == 0]
 
+    def stage_groups(self, stages: tuple[int, ...]) -> list[list[int]]:
+        """For each (dp, tp) line, the ranks of `stages` of its pipeline, in a fixed order.
+
+        Megatron-LM's embedding group is `stage_groups((0, pp - 1))`: the first and last
+        stage of each pipeline, which hold the two copies of a tied embedding.
+        """
+        for s in stages:
+            if not 0 <= s < self.pp:
+                raise ValueError(f"pipeline stage {s} is outside 0..{self.pp - 1}")
+        return [[self.rank_at(pp=s, dp=d, tp=t) for s in stages]
+                for d in range(self.dp) for t in range(self.tp)]
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the mesh of {self.world_size} ranks ({self})")
@@ -116,6 +128,7 @@ class Mesh:
         self.rank = dist.get_rank()
         self.coords = self.shape.coords(self.rank)
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         # NOTE: every rank walks the same axes and groups in the same order (see module doc).
         for axis in AXES:
             for ranks in self.shape.groups(axis):
@@ -127,6 +140,22 @@ class Mesh:
         """This rank's process group along `axis`."""
         _check_axis(axis)
         return self._groups[axis]
+
+    def stage_group(self, stages: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The group of this rank's pipeline at `stages` (None if this stage is not one).
+
+        Megatron's embedding group is `stage_group((0, pp - 1))`. Blocks the first time
+        for given `stages`: it creates every such group, so every rank must call it
+        (see module doc); later calls return the kept group.
+        """
+        stages = tuple(sorted(set(stages)))
+        if stages not in self._stage_groups:
+            self._stage_groups[stages] = None
+            for ranks in self.shape.stage_groups(stages):
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._stage_groups[stages] = group
+        return self._stage_groups[stages]
 
     def size(self, axis: str) -> int:
         return self.shape.size(axis)

@@ -11,7 +11,8 @@ let strategies act on it from outside (torchtitan's way):
   rank whole heads (as Megatron-LM lays it out).
 
 `GPT.tp_plan` is the tensor-parallel plan as data; `pipeline_layers()` names the layers a
-pipeline may cut between.
+pipeline may cut between; `tied_parameters()` the weights tied by `tie_embeddings`;
+`recompute_layers()` the blocks activation recomputation may rerun.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class GPTConfig:
     """Attention heads per block (split across tensor-parallel ranks)."""
     n_embd: int = 64
     """Width of the residual stream."""
+    tie_embeddings: bool = False
+    """Share one weight between the token embedding and the LM head (GPT-2, Megatron's
+    default): `head.lm_head.weight` is `embed.tok.weight`, both (vocab_size, n_embd)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -130,6 +134,16 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        if cfg.tie_embeddings:  # one Parameter under two names; named_parameters() lists it once
+            self.head.lm_head.weight = self.embed.tok.weight
+
+    def tied_parameters(self) -> list[list[str]]:
+        """Names that share one weight (a strategy keeps their copies equal), or []."""
+        return [["embed.tok.weight", "head.lm_head.weight"]] if self.cfg.tie_embeddings else []
+
+    def recompute_layers(self) -> list[str]:
+        """The transformer blocks: what activation recomputation reruns in backward."""
+        return [f"blocks.{i}" for i in range(self.cfg.n_layer)]
 
     def pipeline_layers(self) -> list[str]:
         """Names of the layers, in forward order, that a pipeline may cut between."""

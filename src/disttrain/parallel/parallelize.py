@@ -5,8 +5,9 @@ of each stage, tensor parallelism inside a machine), as torchtitan composes it: 
 short function, each strategy applied from outside to a model with no distributed code.
 
 NOTE: the order is fixed. TP first, because it swaps modules inside layers and must see
-the whole model; then PP, which cuts the (sharded) model into stage chunks by layer;
-then DP, which wraps each chunk so its gradients are averaged over the mesh's dp group
+the whole model (tied weights are re-tied to one shard right after, recompute wrappers
+go around the sharded layers); then PP, which cuts the (sharded) model into stage chunks
+by layer (a weight tied across stages gets one copy per stage, pipeline/tied.py); then DP, which wraps each chunk so its gradients are averaged over the mesh's dp group
 (after the chunk's last backward of the step, not after every micro-batch).
 NOTE: with zero=k > 0 the dp step is `Zero(chunk, stage=k, group=mesh.group("dp"))`
 instead of DataParallel, still last: ZeRO flattens (stage 3: removes) the parameters it
@@ -31,6 +32,8 @@ from disttrain.mesh import Mesh
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.schedules import make_schedule
 from disttrain.parallel.pipeline.split import _layer_names, layer_costs, partition, split_model
+from disttrain.parallel.pipeline.tied import TiedWeights, build_tied, retie, tied_names
+from disttrain.parallel.recompute import apply_recompute, recompute_names
 from disttrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -54,7 +57,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
                 schedule: str = "1f1b", microbatches: int = 1, num_virtual: int = 1,
                 loss_fn=None, layers: list[str] | None = None, costs: list[float] | None = None,
                 dp_options: dict | None = None, track_memory: bool = False, zero: int = 0,
-                optimizer_factory=None) -> ParallelModel:
+                optimizer_factory=None, recompute=False, tied=None) -> ParallelModel:
     """Shard `model` over `mesh`: TP (plan), PP (schedule, micro-batches), DP or ZeRO. Blocks.
 
     Every rank passes the same, identically initialised model. `loss_fn(output, target)`
@@ -64,6 +67,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     `optimizer_factory`, params -> torch optimizer; use `.optimizer` of the result).
     `optimizer_factory` with zero=0 builds a plain optimizer over the local shards.
     `dp_options` go to DataParallel (bucket_mb, compression, ...) or Zero (bucket_mb).
+    `recompute`: True (the model's `recompute_layers()`) or module names/globs whose
+    activations are recomputed in backward (recompute.py). `tied`: sets of parameter
+    names sharing one weight; by default `model.tied_parameters()` or the Parameters
+    the model holds under several names; copies on different stages are kept equal.
     """
     pp, tp, dp = mesh.size("pp"), mesh.size("tp"), mesh.size("dp")
     if zero not in (0, 1, 2, 3):
@@ -76,10 +83,14 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     names = _layer_names(model, layers) if pp * num_virtual > 1 else []
     costs = layer_costs(model, names) if names and costs is None else costs
     full = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+    tied = tied_names(model, tied)
     if tp > 1:
         if not plan:
             raise ValueError("tp > 1 needs a plan, e.g. GPT.tp_plan or {'mlp.fc': 'colwise', ...}")
         apply_tp(model, mesh, plan)
+        retie(model, tied)  # NOTE: TP cloned each tied name into its own shard
+    if recompute:
+        apply_recompute(model, recompute_names(model, recompute))
     stage = mesh.local_rank("pp")
     if names:
         chunks = split_model(model, pp, stage, num_virtual, names, costs)
@@ -88,6 +99,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     else:
         chunks, owner = [model], {}
     info = [_param_info(c) for c in chunks]  # before ZeRO stage 3 removes the parameters
+    tw = _tie_stages(chunks, tied, owner, mesh, zero)
     device = next(model.parameters()).device
     if zero:
         chunks = [Zero(c, optimizer_factory, stage=zero, group=mesh.group("dp"),
@@ -98,15 +110,31 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
         chunks = [DataParallel(c, group=mesh.group("dp"), **(dp_options or {})) for c in chunks]
     pipe = Pipeline(chunks, actions[stage], stage, pp, microbatches,
                     loss_fn or token_loss(mesh.group("tp") if tp > 1 else None),
-                    group=mesh.group("pp"), ranks=mesh.peers("pp"), track_memory=track_memory)
+                    group=mesh.group("pp"), ranks=mesh.peers("pp"), track_memory=track_memory,
+                    tied=tw if tw.sets else None)
     pipe.device = device  # NOTE: a stage-3 chunk has no parameter to read the device from
     pm = ParallelModel(chunks, pipe, mesh, full, owner, info)
+    pm._tied = tw
+    pm._aliases = {n: names_[0] for names_ in tied for n in names_[1:]}
     if zero:
         opts = [c.optimizer for c in chunks]
         pm.optimizer = opts[0] if len(opts) == 1 else ChunkOptimizers(opts)
     elif optimizer_factory is not None:
         pm.optimizer = optimizer_factory(list(pm.parameters()))
     return pm
+
+
+def _tie_stages(chunks, tied, owner: dict, mesh: Mesh, zero: int) -> TiedWeights:
+    """Copies of weights tied across stages: their groups, made equal now. Blocks."""
+    def stage_of(name):
+        return _stage_of(owner, name)
+    if zero and any(len({stage_of(n) for n in names}) > 1 for names in tied):
+        raise ValueError(f"weights tied across pipeline stages ({tied}) need their gradients "
+                         "summed before ZeRO shards them; use zero=0 (DataParallel) with pp > "
+                         "1, or untie them (e.g. GPTConfig(tie_embeddings=False))")
+    tw = build_tied(chunks, tied, stage_of, mesh)
+    tw.broadcast_()  # NOTE: identical seeds make them equal already; this makes it certain
+    return tw
 
 
 class ParallelModel(nn.Module):
@@ -126,6 +154,7 @@ class ParallelModel(nn.Module):
         self._full, self._owner = full_shapes, owner
         self._info = info or [_param_info(c) for c in self.local_modules()]
         self.optimizer = None  # set by parallelize when it builds one
+        self._tied, self._aliases = TiedWeights([]), {}  # set by parallelize
         self._counted = [_counted_ranges(c, i, mesh.local_rank("tp") == 0)
                          for c, i in zip(self.chunks, self._info) if isinstance(c, Zero)]
 
@@ -159,9 +188,13 @@ class ParallelModel(nn.Module):
             return self._clip_zero(max_norm)
         sq = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
         tp_first = self.mesh.local_rank("tp") == 0
+        seen = set(self._tied.secondary)  # NOTE: a tied weight counts once, on one stage
         for chunk in self.local_modules():
             for mod in chunk.modules():
                 for name, p in mod.named_parameters(recurse=False):
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
                     if p.grad is not None and (tp_first or _shard_dim(mod, name) is not None):
                         sq += p.grad.float().pow(2).sum()
         for axis in ("tp", "pp"):
@@ -204,6 +237,7 @@ class ParallelModel(nn.Module):
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The unsharded parameters (or their gradients), on CPU, on global rank 0; {} elsewhere.
 
+        A tied weight appears under each of its names, one tensor (as in state_dict()).
         Collective over the whole mesh: every rank must call it. Blocks.
         """
         local = self._unshard_tp(grads)  # name -> full tensor of this stage
@@ -220,13 +254,12 @@ class ParallelModel(nn.Module):
                 buf = torch.empty(full_shape, dtype=dtype, device=self.pipeline.device)
                 ops.recv(buf, src, tag=i)
                 out[name] = buf.cpu()
+        if rank == 0:
+            out.update({alias: out[name] for alias, name in self._aliases.items()})
         return out
 
     def _stage_of(self, name: str) -> int:
-        for layer, stage in self._owner.items():
-            if name.startswith(layer + "."):
-                return stage
-        return 0
+        return _stage_of(self._owner, name)
 
     def _unshard_tp(self, grads: bool) -> dict[str, torch.Tensor]:
         group, tp = self.mesh.group("tp"), self.mesh.size("tp")
@@ -279,6 +312,14 @@ class ChunkOptimizers:
                              f"{len(self.optimizers)}; load it with the same pipeline layout")
         for o, sd in zip(self.optimizers, saved):
             o.load_state_dict(sd)
+
+
+def _stage_of(owner: dict, name: str) -> int:
+    """The pipeline stage holding parameter `name` (owner: layer name -> stage)."""
+    for layer, stage in owner.items():
+        if name.startswith(layer + "."):
+            return stage
+    return 0
 
 
 def _param_info(chunk: nn.Module) -> dict[int, tuple[str, torch.Size, int | None]]:

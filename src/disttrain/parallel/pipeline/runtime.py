@@ -98,11 +98,14 @@ class Pipeline:
     ranks: global ranks of the pipeline group, by stage.
     loss_fn(output, target): on the last virtual stage; its mean over micro-batches is
         the loss (each micro-batch's loss is divided by num_microbatches).
+    tied: this stage's copies of weights tied across stages (tied.py); their gradients
+        are summed over their stage group after the step's last backward.
     """
 
     def __init__(self, chunks: list[nn.Module], actions: list[Action], stage: int,
                  num_stages: int, num_microbatches: int, loss_fn, group=None,
-                 ranks: list[int] | None = None, track_memory: bool = False):
+                 ranks: list[int] | None = None, track_memory: bool = False, tied=None):
+        self.tied = tied
         self.chunks, self.actions = list(chunks), list(actions)
         self.stage, self.num_stages, self.num_microbatches = stage, num_stages, num_microbatches
         self.loss_fn, self.group = loss_fn, group
@@ -149,6 +152,9 @@ class Pipeline:
                 self._backward(st, a, t0, sync=i in self._synced_b)
         for work in st.sends:
             work.wait()
+        if self.tied is not None:
+            # NOTE: after every backward, so DataParallel has written dp-averaged grads
+            self.tied.all_reduce_grads()
         loss = st.loss if st.loss is not None else torch.zeros((), device=self.device)
         loss = loss.detach().float().reshape(())
         if self.num_stages > 1:

@@ -1,0 +1,99 @@
+"""Weights tied across pipeline stages (Megatron's embedding group) against one process.
+
+A GPT with `tie_embeddings=True` keeps one weight for its token embedding (first stage)
+and its LM head (last stage). Split over pp=2 (and pp=2 x tp=2), each stage holds a
+copy; after each step the copies must be bitwise equal, and losses, gradients and
+parameters must match the single-process tied GPT. A tied pp=2 checkpoint loads into
+one process as one weight.
+"""
+
+import os
+
+import pytest
+import torch
+
+import disttrain
+from disttrain.checkpoint import Checkpointer
+from disttrain.mesh import Mesh
+from disttrain.models import GPT
+from disttrain.parallel.parallelize import parallelize
+from disttrain.testing import spawn
+from tests.dist import _gpt_ref as ref
+
+TIED = ("embed.tok.weight", "head.lm_head.weight")
+
+
+def run_tied(mesh, steps=3, **kw):
+    """Train the tied GPT; every rank returns its tied copy after each step (or None)."""
+    model = ref.make_model(tie_embeddings=True)
+    x, y = ref.make_batch(8)
+    pm = parallelize(model, mesh, plan=GPT.tp_plan if mesh.size("tp") > 1 else None, **kw)
+    opt = torch.optim.SGD(pm.parameters(), lr=ref.LR)
+    losses, grads0, copies = [], None, []
+    for s in range(steps):
+        opt.zero_grad()
+        losses.append(pm.train_step(x, y).item())
+        if s == 0:
+            grads0 = pm.full_state_dict(grads=True)
+        losses.append(pm.clip_grad_norm_(ref.MAX_NORM).item())
+        opt.step()
+        mine = {n: p for c in pm.local_modules() for n, p in c.named_parameters() if n in TIED}
+        copies.append(next(iter(mine.values())).detach().clone() if mine else None)
+    return losses, grads0, pm.full_state_dict(), pm, opt, copies
+
+
+def check_against_reference(out, steps=3):
+    losses, grads0, params = out[:3]
+    expected = ref.reference(steps=steps, tie_embeddings=True)
+    # one weight under two names, as state_dict() of the tied GPT has it
+    assert params[TIED[1]] is params[TIED[0]] and grads0[TIED[1]] is grads0[TIED[0]]
+    ref.assert_matches_reference((losses, {k: grads0[k] for k in expected[1]},
+                                  {k: params[k] for k in expected[2]}), expected)
+
+
+def tied_pp2(ckpt_dir):
+    mesh = Mesh(pp=2)
+    out = run_tied(mesh, schedule="1f1b", microbatches=2)
+    if disttrain.rank() == 0:
+        check_against_reference(out)
+    pm, opt = out[3], out[4]
+    Checkpointer(ckpt_dir).save(3, model=pm, optimizer=opt)
+    return out[5]
+
+
+def tied_pp2_tp2():
+    mesh = Mesh(pp=2, tp=2)
+    out = run_tied(mesh, schedule="1f1b", microbatches=2)
+    if disttrain.rank() == 0:
+        check_against_reference(out)
+    return out[5]
+
+
+def assert_copies_bitwise_equal(copies, first, last):
+    """Rank `first` (stage 0) and rank `last` (last stage) hold equal tied copies."""
+    for step, (a, b) in enumerate(zip(copies[first], copies[last])):
+        assert torch.equal(a, b), f"tied copies differ after step {step}"
+
+
+@pytest.mark.timeout(90)
+def test_tied_pp2_matches_single_process_and_checkpoint_loads_into_pp1(tmp_path):
+    ckpt = os.path.join(tmp_path, "ckpt")
+    copies = spawn(tied_pp2, 2, ckpt, timeout=80)
+    assert_copies_bitwise_equal(copies, 0, 1)
+    # pp=2 -> one process: both names fill the one shared weight
+    full = ref.make_model(tie_embeddings=True)
+    torch.nn.init.zeros_(full.embed.tok.weight)
+    opt = torch.optim.SGD(full.parameters(), lr=ref.LR)
+    assert Checkpointer(ckpt).load(model=full, optimizer=opt) == 3
+    assert full.head.lm_head.weight is full.embed.tok.weight
+    _, _, expected = ref.reference(steps=3, tie_embeddings=True)
+    for name, p in full.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.timeout(90)
+def test_tied_pp2_x_tp2_matches_single_process():
+    copies = spawn(tied_pp2_tp2, 4, timeout=80)
+    assert_copies_bitwise_equal(copies, 0, 2)  # tp rank 0: ranks 0 (stage 0) and 2 (stage 1)
+    assert_copies_bitwise_equal(copies, 1, 3)
+    assert not torch.equal(copies[0][0], copies[1][0])  # different vocab shards
