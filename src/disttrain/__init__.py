@@ -9,7 +9,7 @@ from disttrain.finite import FiniteGradCheck, NonFiniteGradError
 from disttrain.mesh import Mesh
 from disttrain.parallel import DataParallel
 from disttrain.parallel.parallelize import parallelize
-from disttrain.parallel.zero import Zero
+from disttrain.parallel.zero import LossScaler, Zero
 from disttrain.runtime import (
     backend,
     device,
@@ -30,6 +30,7 @@ __all__ = [
     "Checkpointer",
     "DataParallel",
     "FiniteGradCheck",
+    "LossScaler",
     "Mesh",
     "NonFiniteGradError",
     "Zero",

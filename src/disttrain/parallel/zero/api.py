@@ -14,8 +14,17 @@ them; element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad...) then give 
 same result as unsharded training. Optimizers that look across elements (LAMB's
 per-tensor trust ratio, LBFGS) would see flat shards, not tensors.
 
+Mixed precision (`precision="bf16"|"fp16"`, mixed.py): the module is cast to the low
+precision, the factory gets fp32 master shards. fp16 scales the loss:
+
+    model = disttrain.Zero(net, factory, stage=2, precision="fp16")
+    model.optimizer.backward(loss); model.optimizer.step()   # may skip on overflow
+
+Per-parameter options (`param_groups=`, groups.py): the factory then gets torch param
+groups over the shards, e.g. `lambda groups: torch.optim.AdamW(groups, lr=1e-3)`.
+
 Who talks to whom: the training loop calls Zero/ZeroOptimizer; they drive the engine
-(flat.py or stage3.py), which calls comm.py on `group`.
+(flat.py or stage3.py), which calls comm.py on `group`; mixed.py holds the masters.
 """
 
 from __future__ import annotations
@@ -26,16 +35,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from disttrain.comm.buckets import mb_to_bytes
 from disttrain.parallel.zero import checkpoint as ckpt
-from disttrain.parallel.zero import comm
+from disttrain.parallel.zero import comm, groups, mixed
 from disttrain.parallel.zero.flat import FlatShards
+from disttrain.parallel.zero.optimizer import ZeroOptimizer, state_tensors
 from disttrain.parallel.zero.stage3 import ParamShards
 
 __all__ = ["Zero", "ZeroOptimizer"]
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
 class Zero(nn.Module):
@@ -44,16 +55,25 @@ class Zero(nn.Module):
     stage: 0 plain data parallelism (allreduce; nothing sharded), 1 optimizer state,
         2 + gradients, 3 + parameters.
     optimizer_factory: `params -> torch.optim.Optimizer`, called once with this rank's
-        flat shard parameters.
+        flat shard parameters (fp32 masters in mixed precision), or with torch param
+        groups `[{"params": [...], **options}, ...]` when `param_groups` is given.
     group: process group to shard over (None = all ranks; e.g. a mesh's dp group).
     bucket_mb: gradient bucket size in MiB for stages 0-2 (stage 3 buckets by layer).
+    precision: "fp32" (default), "bf16" or "fp16": the module (parameters, buffers and
+        floating inputs) runs in that precision, gradients are reduced in it, and the
+        optimizer steps fp32 masters of this rank's shard (mixed.py).
+    loss_scaler: fp16 only: a `LossScaler` (dynamic; default LossScaler()).
+    param_groups: per-parameter optimizer options by name (groups.py): a function
+        (name, param) -> options, or a list of {"params": [names], **options}.
 
     Construction blocks (parameters and buffers are broadcast from group rank 0).
     `model.optimizer.step()` blocks until the step's collectives are done.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, stage: int = 2,
-                 group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0):
+                 group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0, *,
+                 precision: str = "fp32", loss_scaler: mixed.LossScaler | None = None,
+                 param_groups: groups.ParamGroups = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"Zero wraps an nn.Module, got {type(module).__name__}")
@@ -62,31 +82,71 @@ class Zero(nn.Module):
         if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
             raise TypeError("optimizer_factory must be a function params -> optimizer, e.g. "
                             "lambda ps: torch.optim.AdamW(ps, lr=1e-3); not an optimizer")
+        self.dtype = mixed.low_dtype(precision)
+        if loss_scaler is not None and precision != "fp16":
+            raise ValueError(f"loss_scaler applies to precision='fp16' only, not {precision!r} "
+                             "(bf16 has fp32's exponent range and needs no scaling); drop it")
+        if loss_scaler is not None and not isinstance(loss_scaler, mixed.LossScaler):
+            raise TypeError("loss_scaler must be a disttrain.LossScaler(init_scale=..., ...), "
+                            f"got {type(loss_scaler).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("Zero needs a process group: call disttrain.init() first")
         if dist.get_rank(group) < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the group it was given")
-        self.module, self.stage, self.group = module, stage, group
+        self.module, self.stage, self.group, self.precision = module, stage, group, precision
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.comm_stats = comm.CommStats()
-        _broadcast_module(module, group, self.comm_stats)
         params = _unique(p for p in module.parameters() if p.requires_grad)
-        self.param_names = {id(p): n for n, p in module.named_parameters()}  # before stage 3
         if not params:
             raise ValueError("Zero: the module has no parameter that requires grad; wrap the model "
                              "being trained (a frozen model has no optimizer state to shard)")
+        group_of, options = groups.assign_groups(module, params, param_groups)
+        if self.dtype is not None:
+            module.to(self.dtype)  # NOTE: in place: parameters keep their identity
+        _broadcast_module(module, group, self.comm_stats)
+        self.param_names = {id(p): n for n, p in module.named_parameters()}  # before stage 3
+        self.param_shapes = {id(p): p.shape for p in params}
         if stage == 3:
-            self.engine = ParamShards(module, group, self.comm_stats)
+            self.engine = ParamShards(module, group, self.comm_stats, group_of)
         else:
-            self.engine = FlatShards(params, stage, group, mb_to_bytes(bucket_mb), self.comm_stats)
-        inner = optimizer_factory(self.engine.shard_parameters())
+            self.engine = FlatShards(params, stage, group, mb_to_bytes(bucket_mb), self.comm_stats,
+                                     group_of)
+        shards = self.engine.shard_parameters()
+        self.masters = mixed.MasterWeights(shards) if self.dtype is not None else None
+        stepped = self.masters.masters if self.masters is not None else shards
+        if param_groups is None:
+            inner = optimizer_factory(stepped)
+        else:
+            where = self.engine.shard_groups()
+            inner = optimizer_factory([{"params": [s for s, g in zip(stepped, where) if g == gi],
+                                        **opts} for gi, opts in enumerate(options)])
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"optimizer_factory returned {type(inner).__name__}, "
                             "expected a torch.optim.Optimizer")
-        self.optimizer = ZeroOptimizer(self, inner)
+        scaler = (loss_scaler or mixed.LossScaler()) if precision == "fp16" else None
+        self.optimizer = ZeroOptimizer(self, inner, scaler)
 
     def forward(self, *args, **kwargs):
+        if self.dtype is not None:  # floating inputs follow the module (FSDP's cast_forward_inputs)
+            args, kwargs = tree_map(self._cast, (args, kwargs))
         return self.module(*args, **kwargs)
+
+    def _cast(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        return x
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, scaled in fp16 (DeepSpeed's engine.backward). Blocks."""
+        self.optimizer.backward(loss)
+
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 parameters by name: the masters in mixed precision, else the
+        parameters (DeepSpeed's zero_to_fp32). Blocks at stages 1-3: every rank calls it."""
+        shards = self.masters.masters if self.masters is not None else \
+            self.engine.shard_parameters()
+        return ckpt.full_flat(shards, self.engine.segments(), self.param_shapes,
+                              self.param_names, self.group, self.comm_stats, self.stage > 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this rank's gradients (waits for reductions still in flight)."""
@@ -95,7 +155,9 @@ class Zero(nn.Module):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank keeps: params, grads, optimizer state (for disttrain.memory)."""
         held = dict(self.engine.held())
-        held["optimizer"] = _state_tensors(self.optimizer.inner)
+        held["optimizer"] = state_tensors(self.optimizer.inner)
+        if self.masters is not None:  # the paper counts the fp32 master in K
+            held["optimizer"] += [m.detach() for m in self.masters.masters]
         return held
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -111,7 +173,14 @@ class Zero(nn.Module):
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign=False):
         """Load a full (unwrapped-module) state dict on every rank; each keeps its shard."""
         if self.stage != 3:
-            return self.module.load_state_dict(state_dict, strict=strict)
+            result = self.module.load_state_dict(state_dict, strict=strict)
+        else:
+            result = self._load_stage3(state_dict, strict)
+        if self.masters is not None:  # NOTE: masters follow the loaded parameters
+            self.masters.copy_up()
+        return result
+
+    def _load_stage3(self, state_dict, strict):
         names = {key for key, _, _ in self.engine.names}
         missing = sorted(names - set(state_dict))
         if strict and missing:
@@ -125,105 +194,9 @@ class Zero(nn.Module):
         return result
 
 
-class ZeroOptimizer:
-    """This rank's optimizer over its shards, behind the torch.optim interface.
-
-    `step()` waits for gradient reductions, averages, steps the inner optimizer and
-    (stages 1-2) all-gathers the updated parameters: it blocks. `state_dict()` holds
-    only this rank's shard of the state (stage >= 1), tagged with the layout, and
-    `load_state_dict` refuses a state saved with another stage, world size or rank;
-    `disttrain.Checkpointer` uses `sharded_state_dict()` instead, which reshards.
-    LR schedulers attach to `.inner` (the real torch optimizer).
-    """
-
-    def __init__(self, owner: Zero, inner: torch.optim.Optimizer):
-        self._owner, self.inner = owner, inner
-        self._prepared = False
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def _prepare(self) -> None:
-        if not self._prepared:  # wait for reductions, sums -> means (once per step)
-            self._owner.engine.prepare_step()
-            self._prepared = True
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("ZeroOptimizer.step does not take a closure; "
-                             "compute the loss and call backward() before step()")
-        self._prepare()
-        self.inner.step()
-        self._owner.engine.after_step()
-        self._prepared = False
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._owner.engine.zero_grad()
-        self._prepared = False
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm
-        before clipping. Call after backward, before step(); blocks (one tiny all-reduce
-        at stages 1-3, where each rank holds only its shard of the gradient)."""
-        self._prepare()
-        grads = [p.grad for p in self._owner.engine.shard_parameters() if p.grad is not None]
-        sq = torch.stack([g.float().square().sum() for g in grads]).sum() if grads \
-            else torch.zeros(())
-        if self._owner.stage > 0:
-            comm.all_reduce(sq, self._owner.group, self._owner.comm_stats)
-        norm = sq.sqrt()
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1:
-            for g in grads:
-                g.mul_(scale)
-        return norm
-
-    def _layout(self) -> dict[str, Any]:
-        o = self._owner
-        shards = [int(p.numel()) for p in o.engine.shard_parameters()]
-        return {"stage": o.stage, "world_size": o.world, "rank": o.rank, "shard_numels": shards}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"zero": self._layout(), "inner": self.inner.state_dict()}
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Optimizer state as per-parameter `ShardedTensor` pieces, for
-        `disttrain.Checkpointer` (loads at any world size or stage; see checkpoint.py)."""
-        o = self._owner
-        return ckpt.sharded_state(self.inner, o.engine.shard_parameters(), o.engine.segments(),
-                                  o.param_names)
-
-    def load_sharded_state_dict(self, tree: dict[str, Any]) -> None:
-        o = self._owner
-        ckpt.load_sharded_state(self.inner, o.engine.shard_parameters(), o.engine.segments(),
-                                o.param_names, tree)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "zero" not in state_dict or "inner" not in state_dict:
-            raise ValueError("not a ZeroOptimizer state dict (keys 'zero' and 'inner' expected); "
-                             "load a plain optimizer's state into .inner only if unsharded")
-        saved, here = state_dict["zero"], self._layout()
-        if saved != here:
-            diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
-            raise ValueError(f"optimizer state was saved with a different ZeRO layout "
-                             f"(saved, here): {diff}; load it with the same stage, world size "
-                             "and model on the same rank")
-        self.inner.load_state_dict(state_dict["inner"])
-
-
 def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()
     return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
-
-
-def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 @torch.no_grad()

@@ -9,7 +9,9 @@ buckets. Here every state tensor is re-described per *parameter name*: for Adam,
 rank's piece is the part of its shard that falls inside that parameter (a view of the
 real state, so loading writes in place; empty when the shard does not touch it).
 Scalar state (Adam's `step`) is replicated per name. A checkpoint saved at world 2,
-stage 1 thus loads at world 4, stage 3, or into a plain optimizer's layout.
+stage 1 thus loads at world 4, stage 3, or into a plain optimizer's layout. In mixed
+precision the fp32 master is one more per-name piece (`state.<name>.master`), and the
+loss scaler's scale and counters are saved under `loss_scaler` (equal on every rank).
 
 NOTE: a fresh optimizer has no state tensors to load into. `materialize` creates them
 with one step of zero gradients at lr 0 (parameters unchanged) and then zeroes them
@@ -28,7 +30,7 @@ import torch
 from disttrain.checkpoint.modules import materialize, restore_param_groups
 from disttrain.checkpoint.reshard import ShardedTensor
 
-__all__ = ["load_sharded_state", "sharded_state"]
+__all__ = ["full_flat", "load_sharded_state", "sharded_state"]
 
 
 def _pieces(segments, names):
@@ -39,13 +41,18 @@ def _pieces(segments, names):
             yield j, names[pid], numel, (a - off if a < b else 0), (a - lo, b - lo) if a < b else (0, 0)
 
 
-def sharded_state(opt: torch.optim.Optimizer, shards, segments, names) -> dict[str, Any]:
-    """{'param_groups': hyperparameters, 'state': {name: {key: piece or scalar}}}."""
+def sharded_state(opt: torch.optim.Optimizer, shards, segments, names,
+                  masters=None) -> dict[str, Any]:
+    """{'param_groups': hyperparameters, 'state': {name: {key: piece or scalar}}}.
+    `masters` (mixed precision): the fp32 master of each shard, saved as key 'master'."""
     materialize(opt)  # NOTE: the optimizer was built over exactly `shards`
     out: dict[str, dict[str, Any]] = {}
     for j, name, numel, at, (a, b) in _pieces(segments, names):
         st = out.setdefault(name, {})
-        for key, v in opt.state[shards[j]].items():
+        items = dict(opt.state[shards[j]])
+        if masters is not None:
+            items["master"] = masters[j].detach()
+        for key, v in items.items():
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == shards[j].numel():
                 if key not in st or st[key].local.numel() == 0:
                     st[key] = ShardedTensor(v[a:b], (numel,), (at,))
@@ -61,10 +68,29 @@ def load_sharded_state(opt: torch.optim.Optimizer, shards, segments, names,
     restore_param_groups(opt, tree, "build it with the same factory")
     for j, name, _, _, _ in _pieces(segments, names):
         for key, v in tree["state"].get(name, {}).items():
-            if isinstance(v, ShardedTensor):
+            if isinstance(v, ShardedTensor) or key == "master":
                 continue
             cur = opt.state[shards[j]].get(key)
             if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
                 cur.copy_(v)
             else:
                 opt.state[shards[j]][key] = v
+
+
+@torch.no_grad()
+def full_flat(shards, segments, shapes, names, group, stats,
+              gather: bool) -> dict[str, torch.Tensor]:
+    """{name: full tensor} from every rank's flat `shards`. With `gather` (stages 1-3)
+    blocks: one all-gather per shard; stage 0 shards already hold whole buffers."""
+    from disttrain.parallel.zero import comm
+
+    world = torch.distributed.get_world_size(group)
+    out = {}
+    for s, (_, _, members) in zip(shards, segments):
+        flat = s.detach()
+        if gather:
+            flat = torch.empty(world * s.numel(), dtype=s.dtype, device=s.device)
+            comm.all_gather(flat, s.detach(), group, stats)
+        for pid, off, numel in members:
+            out[names[pid]] = flat[off:off + numel].view(shapes[pid]).clone()
+    return out

@@ -81,7 +81,7 @@ class FlatShards:
     """Stages 0-2 over `params` (a deduplicated list); see the module docstring."""
 
     def __init__(self, params: list[nn.Parameter], stage: int, group, bucket_bytes: int,
-                 stats: comm.CommStats):
+                 stats: comm.CommStats, group_of: dict[int, int] | None = None):
         import torch.distributed as dist
 
         if stage not in (0, 1, 2):
@@ -89,9 +89,11 @@ class FlatShards:
         self.stage, self.group, self.stats = stage, group, stats
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         pad = 1 if stage == 0 else self.world
+        group_of = group_of or {}
+        # NOTE: the optimizer group is part of the key: groups never share a flat shard
         specs = assign_buckets(
             [p.numel() for p in params], [p.element_size() for p in params], bucket_bytes,
-            keys=[(p.dtype, p.device) for p in params], pad_to=pad)
+            keys=[(p.dtype, p.device, group_of.get(id(p), 0)) for p in params], pad_to=pad)
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         for spec in specs:
@@ -102,6 +104,7 @@ class FlatShards:
                 lo, hi = self.rank * size, (self.rank + 1) * size
             members = [params[i] for i in spec.indices]
             b = _Bucket(members, list(spec.offsets), spec.numel, lo, hi, stage)
+            b.group = group_of.get(id(members[0]), 0)
             self.buckets.append(b)
             for p in members:
                 self._bucket_of[id(p)] = b
@@ -112,6 +115,10 @@ class FlatShards:
     def shard_parameters(self) -> list[nn.Parameter]:
         """One flat parameter per bucket: what this rank's optimizer updates."""
         return [b.shard for b in self.buckets]
+
+    def shard_groups(self) -> list[int]:
+        """The optimizer group index of each shard parameter (same order)."""
+        return [b.group for b in self.buckets]
 
     def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Per shard parameter: (lo, hi) in its bucket and (id(param), offset, numel)s."""
@@ -192,10 +199,10 @@ class FlatShards:
     # ---- step --------------------------------------------------------------------
 
     @torch.no_grad()
-    def prepare_step(self) -> None:
-        """Wait for reductions and turn gradient sums into means (blocks)."""
+    def prepare_step(self, average: bool = True) -> None:
+        """Wait for reductions and (`average`) turn gradient sums into means (blocks)."""
         self.finish()
-        if self.stage == 0:
+        if self.stage == 0 or not average:
             return
         for b in self.buckets:
             if b.shard.grad is not None:

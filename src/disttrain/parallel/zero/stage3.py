@@ -80,8 +80,10 @@ class _Unit:
 class ParamShards:
     """Stage 3 over `module` (its trainable parameters become per-unit shards)."""
 
-    def __init__(self, module: nn.Module, group, stats: comm.CommStats):
+    def __init__(self, module: nn.Module, group, stats: comm.CommStats,
+                 group_of: dict[int, int] | None = None):
         self.group, self.stats = group, stats
+        self._group_of = group_of or {}
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.units: list[_Unit] = []
         self.binds: dict[nn.Module, list[tuple[str, _Unit, int]]] = {}
@@ -101,10 +103,14 @@ class ParamShards:
         for prefix, m in module.named_modules(remove_duplicate=False):
             own = [(n, p) for n, p in m._parameters.items() if p is not None and p.requires_grad]
             new = [p for _, p in own if id(p) not in seen]
-            if new:
-                unit = _Unit(new, self.world, self.rank)
+            by_group: dict[int, list[nn.Parameter]] = {}
+            for p in new:  # NOTE: one unit per optimizer group: groups never share a shard
+                by_group.setdefault(self._group_of.get(id(p), 0), []).append(p)
+            for gi, members in by_group.items():
+                unit = _Unit(members, self.world, self.rank)
+                unit.group = gi
                 self.units.append(unit)
-                for i, p in enumerate(new):
+                for i, p in enumerate(members):
                     seen[id(p)] = (unit, i)
             for n, p in own:
                 unit, i = seen[id(p)]
@@ -120,6 +126,10 @@ class ParamShards:
 
     def shard_parameters(self) -> list[nn.Parameter]:
         return [u.shard for u in self.units]
+
+    def shard_groups(self) -> list[int]:
+        """The optimizer group index of each shard parameter (same order)."""
+        return [u.group for u in self.units]
 
     def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Per shard parameter: (lo, hi) in its unit and (id(param), offset, numel)s."""
@@ -238,9 +248,10 @@ class ParamShards:
             self._free(u)
 
     @torch.no_grad()
-    def prepare_step(self) -> None:
+    def prepare_step(self, average: bool = True) -> None:
+        """Wait for reduce-scatters and (`average`) turn sums into means (blocks)."""
         self.finish()
-        for u in self.units:
+        for u in self.units if average else ():
             if u.shard.grad is not None:
                 u.shard.grad.div_(self.world)
 

@@ -1,0 +1,207 @@
+"""`ZeroOptimizer`: this rank's optimizer over its ZeRO shards, behind torch.optim's interface.
+
+One step (Rajbhandari et al. 2019, arXiv 1910.02054; mixed precision as mixed.py says):
+wait for the engine's gradient reductions, average, (mixed) move the gradients into the
+fp32 masters and (fp16) vote on overflow, step the inner torch optimizer (or skip it),
+(mixed) cast the masters down, and (stages 1-2) all-gather the updated parameters.
+
+Who talks to whom: api.Zero builds it; it drives the engine (flat.py / stage3.py), the
+masters and loss scaler (mixed.py) and checkpoint.py; collectives go through comm.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from disttrain.parallel.zero import checkpoint as ckpt
+from disttrain.parallel.zero import comm, mixed
+
+if TYPE_CHECKING:
+    from disttrain.parallel.zero.api import Zero
+
+__all__ = ["ZeroOptimizer", "state_tensors"]
+
+
+class ZeroOptimizer:
+    """This rank's optimizer over its shards (see the module docstring).
+
+    `step()` blocks (reductions, the overflow vote, the all-gather). In fp16 call
+    `backward(loss)` instead of `loss.backward()` (it scales the loss); a step whose
+    gradients overflowed on any rank is skipped on every rank (`last_step_skipped`) and
+    the scale backs off. `state_dict()` holds only this rank's shard of the state (stage
+    >= 1), tagged with the layout, and `load_state_dict` refuses a state saved with
+    another layout; `disttrain.Checkpointer` uses `sharded_state_dict()` instead, which
+    reshards. LR schedulers attach to `.inner` (the real torch optimizer).
+    """
+
+    def __init__(self, owner: Zero, inner: torch.optim.Optimizer,
+                 scaler: mixed.LossScaler | None = None):
+        self._owner, self.inner, self.scaler = owner, inner, scaler
+        self._prepared = False
+        self._found_inf = False
+        self._scaled = False  # fp16: backward() was used since the last step
+        self.last_step_skipped = False
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale backward() applies (1.0 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` times the loss scale (fp16), else of `loss`. Blocks until
+        backward is done (and, stages 0-1, its reductions)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward(loss) takes the scalar loss tensor, e.g. "
+                             "model.optimizer.backward(loss_fn(model(x), y))")
+        self._scaled = True
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.inner.param_groups for p in g["params"]]
+
+    def _prepare(self) -> None:
+        """Once per step: wait for reductions, sums -> means, (mixed) grads -> masters."""
+        if self._prepared:
+            return
+        o = self._owner
+        o.engine.prepare_step(average=o.masters is None)
+        if o.masters is not None:
+            shards = o.engine.shard_parameters()
+            if self.scaler is not None and not self._scaled and any(
+                    s.grad is not None for s in shards):
+                raise RuntimeError("precision='fp16' needs loss scaling: call "
+                                   "model.optimizer.backward(loss) (or model.backward(loss)) "
+                                   "instead of loss.backward()")
+            divisor = (o.world if o.stage > 0 else 1) * self.loss_scale  # stage 0 averaged
+            o.masters.to_master(divisor)
+            self._found_inf = self.scaler is not None and o.masters.found_inf(
+                o.group, o.comm_stats)
+        self._prepared = True
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure; "
+                             "compute the loss and call backward() before step()")
+        self._prepare()
+        o = self._owner
+        skip = self._found_inf
+        if not skip:
+            self.inner.step()
+            if o.masters is not None:
+                o.masters.copy_down()
+        if self.scaler is not None:
+            self.scaler.update(skip)
+        if o.masters is not None:
+            o.masters.drop_grads()  # NOTE: the fp32 gradient lives only inside step()
+        if not skip:
+            o.engine.after_step()
+        self.last_step_skipped = skip
+        self._prepared = self._found_inf = self._scaled = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._owner.engine.zero_grad()
+        if self._owner.masters is not None:
+            self._owner.masters.drop_grads()
+        self._prepared = self._found_inf = self._scaled = False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm
+        before clipping (of the unscaled fp32 gradients in mixed precision; inf when this
+        fp16 step overflowed and will be skipped). Call after backward, before step();
+        blocks (one tiny all-reduce at stages 1-3, where each rank holds its shard)."""
+        self._prepare()
+        if self._found_inf:
+            return torch.tensor(float("inf"))
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        sq = torch.stack([g.float().square().sum() for g in grads]).sum() if grads \
+            else torch.zeros(())
+        if self._owner.stage > 0:
+            comm.all_reduce(sq, self._owner.group, self._owner.comm_stats)
+        norm = sq.sqrt()
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for g in grads:
+                g.mul_(scale)
+        return norm
+
+    def _layout(self) -> dict[str, Any]:
+        o = self._owner
+        shards = [int(p.numel()) for p in o.engine.shard_parameters()]
+        return {"stage": o.stage, "world_size": o.world, "rank": o.rank, "shard_numels": shards,
+                "precision": o.precision}
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {"zero": self._layout(), "inner": self.inner.state_dict()}
+        if self._owner.masters is not None:
+            out["master"] = [m.detach() for m in self._owner.masters.masters]
+        if self.scaler is not None:
+            out["loss_scaler"] = self.scaler.state_dict()
+        return out
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Optimizer state as per-parameter `ShardedTensor` pieces (+ fp32 masters and the
+        loss scaler), for `disttrain.Checkpointer` (loads at any world size or stage)."""
+        o = self._owner
+        masters = o.masters.masters if o.masters is not None else None
+        tree = ckpt.sharded_state(self.inner, self._params_by_shard(), o.engine.segments(),
+                                  o.param_names, masters)
+        if self.scaler is not None:
+            tree["loss_scaler"] = self.scaler.state_dict()
+        return tree
+
+    def _params_by_shard(self) -> list[torch.Tensor]:
+        o = self._owner
+        return o.masters.masters if o.masters is not None else o.engine.shard_parameters()
+
+    def load_sharded_state_dict(self, tree: dict[str, Any]) -> None:
+        """After the checkpointer filled the pieces in place: hyperparameters, scalars,
+        the loss scaler; (mixed) parameters <- masters (blocks at stages 1-2: all-gather)."""
+        o = self._owner
+        ckpt.load_sharded_state(self.inner, self._params_by_shard(), o.engine.segments(),
+                                o.param_names, tree)
+        self._load_mixed(tree)
+
+    def _load_mixed(self, tree: dict[str, Any]) -> None:
+        o = self._owner
+        if self.scaler is not None:
+            if "loss_scaler" not in tree:
+                raise ValueError("this optimizer state has no loss scaler: it was saved "
+                                 "without precision='fp16'; load it with the precision it "
+                                 "was saved with")
+            self.scaler.load_state_dict(tree["loss_scaler"])
+        if o.masters is not None:
+            o.masters.copy_down()
+            o.engine.after_step()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "zero" not in state_dict or "inner" not in state_dict:
+            raise ValueError("not a ZeroOptimizer state dict (keys 'zero' and 'inner' expected); "
+                             "load a plain optimizer's state into .inner only if unsharded")
+        saved, here = dict(state_dict["zero"]), self._layout()
+        saved.setdefault("precision", "fp32")
+        if saved != here:
+            diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+            raise ValueError(f"optimizer state was saved with a different ZeRO layout "
+                             f"(saved, here): {diff}; load it with the same stage, world size, "
+                             "precision and model on the same rank")
+        self.inner.load_state_dict(state_dict["inner"])
+        if self._owner.masters is not None:
+            with torch.no_grad():
+                for m, v in zip(self._owner.masters.masters, state_dict["master"]):
+                    m.copy_(v)
+        self._load_mixed(state_dict)
+
+
+def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
