@@ -17,6 +17,7 @@ from disttrain.checkpoint import Checkpointer
 from disttrain.mesh import Mesh
 from disttrain.models import GPT
 from disttrain.parallel.parallelize import parallelize
+from disttrain.parallel.pipeline.tied import retie, tied_names
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
 
@@ -27,6 +28,8 @@ def run_tied(mesh, steps=3, **kw):
     """Train the tied GPT; every rank returns its tied copy after each step (or None)."""
     model = ref.make_model(tie_embeddings=True)
     x, y = ref.make_batch(8)
+    dp, d = mesh.size("dp"), mesh.local_rank("dp")
+    x, y = x.chunk(dp)[d], y.chunk(dp)[d]  # this replica's share of the global batch
     pm = parallelize(model, mesh, plan=GPT.tp_plan if mesh.size("tp") > 1 else None, **kw)
     opt = torch.optim.SGD(pm.parameters(), lr=ref.LR)
     losses, grads0, copies = [], None, []
@@ -58,15 +61,27 @@ def tied_pp2(ckpt_dir):
         check_against_reference(out)
     pm, opt = out[3], out[4]
     Checkpointer(ckpt_dir).save(3, model=pm, optimizer=opt)
+    with pytest.raises(ValueError, match="use zero=0"):  # ZeRO shards grads before the sum
+        parallelize(ref.make_model(tie_embeddings=True), mesh, zero=1,
+                    optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
     return out[5]
 
 
 def tied_pp2_tp2():
+    """pp=2 x tp=2, then with recompute too; then dp=2 x tp=2 (tied in one stage)."""
     mesh = Mesh(pp=2, tp=2)
-    out = run_tied(mesh, schedule="1f1b", microbatches=2)
+    copies = []
+    for recompute in (False, True):
+        out = run_tied(mesh, schedule="1f1b", microbatches=2, recompute=recompute)
+        if disttrain.rank() == 0:
+            check_against_reference(out)
+        copies += out[5]
+    out = run_tied(Mesh(dp=2, tp=2), recompute=True)
     if disttrain.rank() == 0:
         check_against_reference(out)
-    return out[5]
+        tied = out[3].local_modules()[0]
+        assert tied.head.lm_head.weight is tied.embed.tok.weight  # re-tied after TP
+    return copies
 
 
 def assert_copies_bitwise_equal(copies, first, last):
@@ -92,8 +107,25 @@ def test_tied_pp2_matches_single_process_and_checkpoint_loads_into_pp1(tmp_path)
 
 
 @pytest.mark.timeout(90)
-def test_tied_pp2_x_tp2_matches_single_process():
+def test_tied_pp2_x_tp2_and_dp2_x_tp2_with_recompute_match_single_process():
     copies = spawn(tied_pp2_tp2, 4, timeout=80)
     assert_copies_bitwise_equal(copies, 0, 2)  # tp rank 0: ranks 0 (stage 0) and 2 (stage 1)
     assert_copies_bitwise_equal(copies, 1, 3)
     assert not torch.equal(copies[0][0], copies[1][0])  # different vocab shards
+
+
+def test_bad_tied_sets_say_how_to_fix():
+    model = ref.make_model(tie_embeddings=True)
+    assert tied_names(model) == [list(TIED)]
+    assert tied_names(ref.make_model()) == []
+    with pytest.raises(ValueError, match="one shape"):
+        tied_names(model, [["embed.tok.weight", "embed.pos.weight"]])
+    with pytest.raises(ValueError, match="not found"):
+        tied_names(model, [["embed.tok.weight", "head.lm_head.wieght"]])
+    untied = ref.make_model()
+    with pytest.raises(ValueError, match="tie them in the model first"):
+        tied_names(untied, [list(TIED)])
+    # as if TP had split the embedding's vocabulary but left the head whole
+    untied.embed.tok.weight = torch.nn.Parameter(untied.embed.tok.weight[:16].detach())
+    with pytest.raises(ValueError, match="'vocab' and output layer 'colwise'"):
+        retie(untied, [list(TIED)])
