@@ -8,6 +8,7 @@ running Python: no download. The same script runs alone or under a launcher:
     disttrain run --nproc 4 examples/gpt_char.py --pp 2 --dp 2 --schedule gpipe
     disttrain run --nproc 8 examples/gpt_char.py --pp 2 --dp 2 --tp 2 --microbatches 4
     disttrain run --nproc 4 examples/gpt_char.py --dp 2 --tp 2 --zero 2  # ZeRO over dp
+    disttrain run --nproc 4 examples/gpt_char.py --pp 2 --tp 2 --tie --recompute
 
 It prints the loss going down and, at the end, a sample of generated text.
 """
@@ -33,6 +34,10 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DataParallel over dp; 1-3: ZeRO stage over dp (optimizer state, "
                         "+ gradients, + parameters sharded)")
+    p.add_argument("--tie", action="store_true",
+                   help="tie the token embedding and the LM head (one copy per pipeline stage)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute each transformer block's activations in backward")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step")
     p.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved only)")
     p.add_argument("--steps", type=int, default=150)
@@ -58,7 +63,7 @@ def main(argv=None):
 
     data = encode(stdlib_text())  # (N,) ASCII codes
     cfg = GPTConfig(vocab_size=128, block_size=args.block_size, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd)
+                    n_head=args.n_head, n_embd=args.n_embd, tie_embeddings=args.tie)
     torch.manual_seed(args.seed)  # NOTE: every rank builds the same full model first
     model = GPT(cfg).to(disttrain.device())
     disttrain.print0(f"{len(data):,} characters of stdlib source; "
@@ -67,7 +72,7 @@ def main(argv=None):
     # NOTE: parallelize builds the optimizer: with ZeRO it holds only this rank's dp shard
     model = disttrain.parallelize(model, mesh, plan=GPT.tp_plan, schedule=args.schedule,
                                   microbatches=args.microbatches, num_virtual=virtual,
-                                  zero=args.zero,
+                                  zero=args.zero, recompute=args.recompute,
                                   optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     opt = model.optimizer
 
