@@ -33,8 +33,10 @@ def _run(cmd, timeout):
 
 @pytest.mark.timeout(120)
 def test_interleaved_pipeline_run_lowers_loss_and_samples():
+    # tied embedding/head (copies on stage 0 chunk 0 and stage 1 chunk 1) and recompute
     cmd = [sys.executable, "-m", "disttrain", "run", "--nproc", "2", GPT_CHAR, "--pp", "2",
-           "--schedule", "interleaved", "--virtual", "2", "--microbatches", "2", *TINY]
+           "--schedule", "interleaved", "--virtual", "2", "--microbatches", "2", *TINY,
+           "--tie", "--recompute"]
     proc = _run(cmd, 110)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout).groups())
