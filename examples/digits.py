@@ -11,6 +11,8 @@ averages them by allreduce during backward, so all replicas stay identical and t
 follows the same trajectory as one process with the whole global batch.
 `--zero 1|2|3` uses `disttrain.Zero` instead (ZeRO, Rajbhandari et al. 2019): the same
 trajectory, with optimizer state (1), gradients (2) and parameters (3) sharded over ranks.
+`--precision bf16|fp16` trains in mixed precision through `disttrain.Zero` (any --zero,
+0 included): a bf16/fp16 model and fp32 master weights; fp16 scales the loss.
 The last line, printed by rank 0, is `final test accuracy: 0.9xxx`.
 """
 
@@ -39,6 +41,9 @@ parser.add_argument("--seed", type=int, default=0, help="model init and data ord
 parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                     help="ZeRO stage: 0 plain data parallel; 1 shards optimizer state, "
                          "2 also gradients, 3 also parameters")
+parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="bf16/fp16: low-precision model and gradients, fp32 master weights "
+                         "in the optimizer (ZeRO mixed precision; fp16 adds loss scaling)")
 args = parser.parse_args()
 SPLIT_SEED = 0  # fixed, so that runs with different --seed share one test set
 
@@ -69,12 +74,12 @@ mlp = nn.Sequential(
     nn.Linear(args.hidden, args.hidden), nn.ReLU(),
     nn.Linear(args.hidden, 10),
 )
-if args.zero == 0:  # every rank holds the whole model and optimizer state
+if args.zero == 0 and args.precision == "fp32":  # every rank holds the whole model and optimizer
     model = disttrain.DataParallel(mlp.to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
 else:  # ZeRO: each rank keeps 1/world_size of the optimizer state (and grads, params)
     model = disttrain.Zero(mlp.to(device), lambda ps: torch.optim.AdamW(
-        ps, lr=args.lr, weight_decay=1e-4), stage=args.zero)
+        ps, lr=args.lr, weight_decay=1e-4), stage=args.zero, precision=args.precision)
     optimizer = model.optimizer  # steps this rank's shard, then shares the result
 
 # -----------------------------------------------------------------------------
@@ -85,7 +90,10 @@ for _ in range(args.epochs):
         x, y = x.to(device), y.to(device)  # (B/world, 64), (B/world,)
         loss = F.cross_entropy(model(x), y)  # mean over this rank's samples
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # gradients are averaged over ranks while backward runs
+        if isinstance(model, disttrain.Zero):
+            model.backward(loss)  # loss.backward(), times the loss scale in fp16
+        else:
+            loss.backward()  # gradients are averaged over ranks while backward runs
         optimizer.step()  # identical update on every rank
         bar.set_postfix(epoch=loader.epoch, loss=f"{loss.item():.3f}", refresh=False)
         bar.update()
