@@ -129,3 +129,37 @@ def test_bad_tied_sets_say_how_to_fix():
     untied.embed.tok.weight = torch.nn.Parameter(untied.embed.tok.weight[:16].detach())
     with pytest.raises(ValueError, match="'vocab' and output layer 'colwise'"):
         retie(untied, [list(TIED)])
+
+
+def _adamw_tied_model():
+    model = ref.make_model(tie_embeddings=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def load_pp1_into_pp2_and_save(src, dst):
+    torch.manual_seed(7)  # different weights: the load must overwrite them
+    pm = parallelize(GPT(ref.make_model(tie_embeddings=True).cfg), Mesh(pp=2), microbatches=1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.1)
+    Checkpointer(src).load(model=pm, optimizer=opt)
+    Checkpointer(dst).save(1, model=pm, optimizer=opt)
+    p = {n: p for c in pm.local_modules() for n, p in c.named_parameters() if n in TIED}
+    (p,) = p.values()
+    return p.detach().clone(), opt.state[p]["exp_avg"].clone()
+
+
+@pytest.mark.timeout(60)
+def test_tied_optimizer_state_moves_pp1_to_pp2_and_back(tmp_path):
+    model, opt = _adamw_tied_model()
+    x, y = ref.make_batch(4)
+    model(x).logsumexp(-1).mean().backward()
+    opt.step()
+    src, dst = os.path.join(tmp_path, "pp1"), os.path.join(tmp_path, "pp2")
+    Checkpointer(src).save(1, model=model, optimizer=opt)
+    w = model.embed.tok.weight
+    for weight, exp_avg in spawn(load_pp1_into_pp2_and_save, 2, src, dst, timeout=50):
+        assert torch.equal(weight, w.detach()) and torch.equal(exp_avg, opt.state[w]["exp_avg"])
+    back, back_opt = _adamw_tied_model()
+    torch.nn.init.zeros_(back.embed.tok.weight)
+    Checkpointer(dst).load(model=back, optimizer=back_opt)
+    v = back.embed.tok.weight
+    assert torch.equal(v, w) and torch.equal(back_opt.state[v]["exp_avg"], opt.state[w]["exp_avg"])

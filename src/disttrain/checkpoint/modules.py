@@ -83,8 +83,16 @@ def param_shards(owner: nn.Module) -> dict[str, tuple[nn.Parameter, tuple, tuple
 
 
 def _names_in(opt: torch.optim.Optimizer, owner: nn.Module):
-    """[(group index, name, param, global shape, offsets)] for the optimizer's params."""
-    by_id = {id(p): (n, p, gs, off) for n, (p, gs, off) in param_shards(owner).items()}
+    """[(group index, name, param, global shape, offsets)] for the optimizer's params.
+
+    NOTE: a tied weight (one Parameter under several names, or a pipeline stage's copy
+    named in the ParallelModel's `_aliases`) is keyed by its first name in every layout,
+    so its state moves between pp=1 and pp>1 in either direction.
+    """
+    aliases = getattr(owner, "_aliases", {})
+    by_id: dict[int, tuple] = {}
+    for n, (p, gs, off) in param_shards(owner).items():
+        by_id.setdefault(id(p), (aliases.get(n, n), p, gs, off))
     out = []
     for gi, group in enumerate(opt.param_groups):
         for p in group["params"]:
