@@ -14,7 +14,7 @@ import torch
 
 import disttrain
 from disttrain.checkpoint import Checkpointer
-from disttrain.mesh import Mesh
+from disttrain.mesh import Mesh, MeshShape
 from disttrain.models import GPT
 from disttrain.parallel.parallelize import parallelize
 from disttrain.parallel.pipeline.tied import retie, tied_names
@@ -112,6 +112,13 @@ def test_tied_pp2_x_tp2_and_dp2_x_tp2_with_recompute_match_single_process():
     assert_copies_bitwise_equal(copies, 0, 2)  # tp rank 0: ranks 0 (stage 0) and 2 (stage 1)
     assert_copies_bitwise_equal(copies, 1, 3)
     assert not torch.equal(copies[0][0], copies[1][0])  # different vocab shards
+
+
+def test_embedding_groups_pair_first_and_last_stage_of_each_dp_tp_line():
+    assert MeshShape(pp=2, tp=2).stage_groups((0, 1)) == [[0, 2], [1, 3]]
+    assert MeshShape(pp=4, dp=2).stage_groups((0, 3)) == [[0, 6], [1, 7]]
+    with pytest.raises(ValueError, match="stage 4 is outside 0..3"):
+        MeshShape(pp=4).stage_groups((0, 4))
 
 
 def test_bad_tied_sets_say_how_to_fix():

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules (pure), stage splitting (pure), runtime (p2p)."""
+"""Pipeline parallelism: schedules (pure), stage splitting (pure), runtime (p2p), tied
+weights across stages (tied.py)."""
 
 from disttrain.parallel.pipeline.runtime import Pipeline, Span
 from disttrain.parallel.pipeline.schedules import (
@@ -13,8 +14,10 @@ from disttrain.parallel.pipeline.schedules import (
     simulate,
 )
 from disttrain.parallel.pipeline.split import partition, split_model
+from disttrain.parallel.pipeline.tied import TiedWeights
 
 __all__ = [
     "SCHEDULES", "Action", "Pipeline", "Span", "check_schedule", "gpipe", "interleaved_1f1b",
     "make_schedule", "one_f_one_b", "partition", "peak_in_flight", "simulate", "split_model",
+    "TiedWeights",
 ]
