@@ -88,7 +88,7 @@ bar = tqdm(total=args.epochs * len(loader), disable=rank != 0, unit="step", desc
 for _ in range(args.epochs):
     for x, y in loader:
         x, y = x.to(device), y.to(device)  # (B/world, 64), (B/world,)
-        loss = F.cross_entropy(model(x), y)  # mean over this rank's samples
+        loss = F.cross_entropy(model(x).float(), y)  # mean over this rank's samples (fp32)
         optimizer.zero_grad(set_to_none=True)
         if isinstance(model, disttrain.Zero):
             model.backward(loss)  # loss.backward(), times the loss scale in fp16

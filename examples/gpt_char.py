@@ -9,6 +9,7 @@ running Python: no download. The same script runs alone or under a launcher:
     disttrain run --nproc 8 examples/gpt_char.py --pp 2 --dp 2 --tp 2 --microbatches 4
     disttrain run --nproc 4 examples/gpt_char.py --dp 2 --tp 2 --zero 2  # ZeRO over dp
     disttrain run --nproc 4 examples/gpt_char.py --pp 2 --tp 2 --tie --recompute
+    disttrain run --nproc 2 examples/gpt_char.py --dp 2 --zero 2 --precision bf16
 
 It prints the loss going down and, at the end, a sample of generated text.
 """
@@ -23,6 +24,7 @@ import torch
 import disttrain
 from disttrain.models import GPT, GPTConfig
 from disttrain.models.text import batches, decode, encode, stdlib_text
+from disttrain.parallel.parallelize import token_loss
 
 
 def parse_args(argv=None):
@@ -34,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DataParallel over dp; 1-3: ZeRO stage over dp (optimizer state, "
                         "+ gradients, + parameters sharded)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="with --zero: bf16/fp16 model and gradients, fp32 master weights in "
+                        "the optimizer; fp16 scales the loss (dynamic) and needs --pp 1")
     p.add_argument("--tie", action="store_true",
                    help="tie the token embedding and the LM head (one copy per pipeline stage)")
     p.add_argument("--recompute", action="store_true",
@@ -69,10 +74,22 @@ def main(argv=None):
     disttrain.print0(f"{len(data):,} characters of stdlib source; "
                      f"{sum(p.numel() for p in model.parameters()):,} parameters")
     virtual = args.virtual if args.schedule == "interleaved" else 1
+    mixed, loss_fn = args.precision != "fp32", None
+    if mixed and not args.zero:
+        raise SystemExit("--precision bf16/fp16 trains through ZeRO: add --zero 1, 2 or 3")
+    if mixed:  # the loss in fp32; fp16 scales it where it is computed: the last stage
+        base = token_loss(mesh.group("tp") if args.tp > 1 else None)
+        loss_fn = lambda out, y: base(out.float(), y)  # noqa: E731
+    if args.precision == "fp16":
+        if args.pp > 1:
+            raise SystemExit("--precision fp16 needs --pp 1 (every stage would have to agree "
+                             "on overflow); use --precision bf16 with pipelines")
+        loss_fn = lambda out, y: model.optimizer.scale_loss(base(out.float(), y))  # noqa: E731
     # NOTE: parallelize builds the optimizer: with ZeRO it holds only this rank's dp shard
     model = disttrain.parallelize(model, mesh, plan=GPT.tp_plan, schedule=args.schedule,
                                   microbatches=args.microbatches, num_virtual=virtual,
-                                  zero=args.zero, recompute=args.recompute,
+                                  zero=args.zero, recompute=args.recompute, loss_fn=loss_fn,
+                                  dp_options={"precision": args.precision} if mixed else None,
                                   optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     opt = model.optimizer
 
@@ -83,9 +100,10 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         x, y = (t.to(disttrain.device()) for t in next(loader))  # (B, T) each
         opt.zero_grad(set_to_none=True)
-        loss = model.train_step(x, y).item()
+        scale = getattr(opt, "loss_scale", 1.0)  # fp16: gradients are scaled by this
+        loss = model.train_step(x, y).item() / scale
         if args.clip > 0:
-            model.clip_grad_norm_(args.clip)  # the whole model's norm, over every shard
+            model.clip_grad_norm_(args.clip * scale)  # the whole model's norm, over every shard
         opt.step()
         first = loss if first is None else first
         if step == 1 or step % args.log_every == 0 or step == args.steps:

@@ -113,12 +113,17 @@ def one_rank_overflows(stage):
 def unscaled_backward_is_refused():
     z = disttrain.Zero(make_model(), factory, stage=1, precision="fp16")
     x, y = batch(0)
+    errors = []
+    try:
+        z.backward(nn.functional.cross_entropy(z(x), y))  # an fp16 loss: refused
+    except ValueError as err:
+        errors.append(str(err))
     loss_fn(z(x), y).backward()
     try:
         z.optimizer.step()
     except RuntimeError as err:
-        return str(err)
-    return ""
+        errors.append(str(err))
+    return errors
 
 
 def checkpoint_world_2_to_1(folder):
@@ -253,9 +258,11 @@ def test_model_state_bytes_match_the_paper_mixed_precision_formulas(tmp_path_fac
 
 
 @pytest.mark.timeout(180)
-def test_fp16_without_the_loss_scaling_call_is_refused(tmp_path_factory):
+def test_fp16_without_the_loss_scaling_call_or_with_an_fp16_loss_is_refused(tmp_path_factory):
     for rank in range(WORLD):
-        assert "model.optimizer.backward(loss)" in results(tmp_path_factory)[rank]["unscaled"]
+        fp16_loss, unscaled = results(tmp_path_factory)[rank]["unscaled"]
+        assert "compute the fp16 model's loss in fp32, e.g. loss_fn(out.float(), y)" in fp16_loss
+        assert "call model.optimizer.backward(loss)" in unscaled
 
 
 @pytest.mark.timeout(180)

@@ -7,8 +7,9 @@ bytes); the optimizer steps an fp32 *master* copy of this rank's shard (4 Psi / 
 stages 1-3), whose states it also holds in fp32. One step:
 
     backward            low-precision gradients (fp16: of loss * scale), reduced in
-                        the low precision by the engine (flat.py / stage3.py)
-    to_master           master.grad = shard.grad (fp32) / (N * scale)
+                        the low precision by the engine (flat.py / stage3.py), and
+                        averaged (/ N) in it
+    to_master           master.grad = shard.grad (fp32) / scale
     found_inf (fp16)    any inf/nan in any rank's master gradient? one all-reduce, so
                         every rank takes the same decision
     step or skip        skip: scale *= backoff; else inner.step() on the masters and

@@ -1,9 +1,11 @@
 """`ZeroOptimizer`: this rank's optimizer over its ZeRO shards, behind torch.optim's interface.
 
 One step (Rajbhandari et al. 2019, arXiv 1910.02054; mixed precision as mixed.py says):
-wait for the engine's gradient reductions, average, (mixed) move the gradients into the
-fp32 masters and (fp16) vote on overflow, step the inner torch optimizer (or skip it),
-(mixed) cast the masters down, and (stages 1-2) all-gather the updated parameters.
+wait for the engine's gradient reductions and average them (in the parameters' dtype,
+so whoever clips `engine.shard_parameters()` gradients, as parallelize does, clips what
+is stepped), (mixed) move them into the fp32 masters, unscaled, and (fp16) vote on
+overflow, step the inner torch optimizer (or skip it), (mixed) cast the masters down,
+and (stages 1-2) all-gather the updated parameters.
 
 Who talks to whom: api.Zero builds it; it drives the engine (flat.py / stage3.py), the
 masters and loss scaler (mixed.py) and checkpoint.py; collectives go through comm.py.
@@ -39,9 +41,10 @@ class ZeroOptimizer:
     def __init__(self, owner: Zero, inner: torch.optim.Optimizer,
                  scaler: mixed.LossScaler | None = None):
         self._owner, self.inner, self.scaler = owner, inner, scaler
-        self._prepared = False
-        self._found_inf = False
-        self._scaled = False  # fp16: backward() was used since the last step
+        self._prepared = False  # reductions waited for, gradients averaged
+        self._on_masters = False  # mixed: gradients moved into the fp32 masters
+        self._found_inf = False  # fp16: some rank's gradient overflowed this step
+        self._scaled = False  # fp16: the loss was scaled since the last step
         self.last_step_skipped = False
 
     @property
@@ -57,42 +60,58 @@ class ZeroOptimizer:
         """The loss scale backward() applies (1.0 unless fp16)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` times the loss scale (fp16), else of `loss`. Blocks until
-        backward is done (and, stages 0-1, its reductions)."""
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the loss scale (fp16; else `loss` itself), for a backward that
+        someone else runs (torch.amp's `scaler.scale(loss)`). Does not block."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("backward(loss) takes the scalar loss tensor, e.g. "
+            raise ValueError("scale_loss/backward take the scalar loss tensor, e.g. "
                              "model.optimizer.backward(loss_fn(model(x), y))")
+        if self.scaler is not None and loss.dtype == torch.float16:
+            raise ValueError("compute the fp16 model's loss in fp32, e.g. "
+                             "loss_fn(out.float(), y): the gradient of an fp16 loss is the "
+                             f"loss scale itself ({self.scaler.scale:g}), and fp16 overflows "
+                             "above 65504")
         self._scaled = True
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` times the loss scale (fp16), else of `loss` (DeepSpeed's
+        engine.backward). Blocks until backward is done (stages 0-1: and reduced)."""
+        self.scale_loss(loss).backward()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.inner.param_groups for p in g["params"]]
 
     def _prepare(self) -> None:
-        """Once per step: wait for reductions, sums -> means, (mixed) grads -> masters."""
+        """Once per step: wait for reductions, sums -> means (in the parameters' dtype)."""
         if self._prepared:
             return
         o = self._owner
-        o.engine.prepare_step(average=o.masters is None)
-        if o.masters is not None:
-            shards = o.engine.shard_parameters()
-            if self.scaler is not None and not self._scaled and any(
-                    s.grad is not None for s in shards):
-                raise RuntimeError("precision='fp16' needs loss scaling: call "
-                                   "model.optimizer.backward(loss) (or model.backward(loss)) "
-                                   "instead of loss.backward()")
-            divisor = (o.world if o.stage > 0 else 1) * self.loss_scale  # stage 0 averaged
-            o.masters.to_master(divisor)
-            self._found_inf = self.scaler is not None and o.masters.found_inf(
-                o.group, o.comm_stats)
+        o.engine.prepare_step()
+        if self.scaler is not None and not self._scaled and any(
+                s.grad is not None for s in o.engine.shard_parameters()):
+            raise RuntimeError("precision='fp16' needs loss scaling: call "
+                               "model.optimizer.backward(loss) (or model.backward(loss), or "
+                               "backward of model.optimizer.scale_loss(loss)) instead of "
+                               "loss.backward()")
         self._prepared = True
+
+    def _to_masters(self) -> None:
+        """Mixed precision, once per step: fp32 master gradients = shard gradients / scale,
+        and (fp16) the overflow vote. Blocks (fp16: one all-reduce)."""
+        o = self._owner
+        if o.masters is None or self._on_masters:
+            return
+        o.masters.to_master(self.loss_scale)
+        self._found_inf = self.scaler is not None and o.masters.found_inf(o.group, o.comm_stats)
+        self._on_masters = True
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure; "
                              "compute the loss and call backward() before step()")
         self._prepare()
+        self._to_masters()
         o = self._owner
         skip = self._found_inf
         if not skip:
@@ -102,25 +121,29 @@ class ZeroOptimizer:
         if self.scaler is not None:
             self.scaler.update(skip)
         if o.masters is not None:
-            o.masters.drop_grads()  # NOTE: the fp32 gradient lives only inside step()
+            o.masters.drop_grads()  # NOTE: the fp32 gradient lives only inside a step
         if not skip:
             o.engine.after_step()
         self.last_step_skipped = skip
-        self._prepared = self._found_inf = self._scaled = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._prepared = self._on_masters = self._found_inf = self._scaled = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._owner.engine.zero_grad()
         if self._owner.masters is not None:
             self._owner.masters.drop_grads()
-        self._prepared = self._found_inf = self._scaled = False
+        self._reset()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm
-        before clipping (of the unscaled fp32 gradients in mixed precision; inf when this
-        fp16 step overflowed and will be skipped). Call after backward, before step();
-        blocks (one tiny all-reduce at stages 1-3, where each rank holds its shard)."""
+        before clipping (in mixed precision: of the unscaled fp32 master gradients; inf
+        when this fp16 step overflowed and will be skipped). Call after backward, before
+        step(); blocks (one tiny all-reduce at stages 1-3, where each rank holds its shard)."""
         self._prepare()
+        self._to_masters()
         if self._found_inf:
             return torch.tensor(float("inf"))
         grads = [p.grad for p in self._params() if p.grad is not None]
