@@ -4,6 +4,7 @@
     disttrain run --workers 4 --servers 2 examples/digits_ps.py --mode kbatch-sync --k 3 \
         --straggler exp:mean=0.05
     disttrain run --workers 4 --servers 1 examples/digits_ps.py --mode ssp --staleness 2
+    disttrain run --workers 2 --servers 1 examples/digits_ps.py --topk 0.01
 
 One script, both roles (as ps-lite's one binary): on a server rank `ps.connect` serves
 its shard until the workers are done, prints its report (staleness histogram, dropped
@@ -12,7 +13,10 @@ loop below runs: pull the parameters, compute a gradient on this worker's shard 
 data, push it. Which gradients the servers apply, and when a pull is answered, is the
 consistency mode (--mode). Workers sleep an injected straggler delay (--straggler)
 between forward and backward; in ksync / kbatch-sync a worker whose round closed
-meanwhile gets `ps.Cancelled`, drops the step and pulls the new version.
+meanwhile gets `ps.Cancelled`, drops the step and pulls the new version. With --topk R
+each worker pushes only the R largest-magnitude fraction of every gradient (indices +
+values) and keeps the rest for its next push (top-k with error feedback); every worker
+prints the bytes it pushed per step.
 Worker 0 ends with `final test accuracy: 0.9xxx`.
 """
 
@@ -42,6 +46,9 @@ parser.add_argument("--staleness", type=int, default=2, help="SSP bound s (clock
 parser.add_argument("--straggler", default="none",
                     help="delay model, e.g. exp:mean=0.05, shifted-exp:shift=0.02,mean=0.05, "
                          "fixed:rank=1,delay=0.2")
+parser.add_argument("--topk", type=float, default=None, metavar="RATIO",
+                    help="push only this fraction of each gradient (top-k, error feedback), "
+                         "e.g. 0.01; default: dense pushes")
 parser.add_argument("--epochs", type=int, default=4)
 parser.add_argument("--batch-size", type=int, default=32, help="samples per worker step")
 parser.add_argument("--lr", type=float, default=0.05, help="server-side SGD (momentum 0.9)")
@@ -72,7 +79,8 @@ model = nn.Sequential(
     nn.Linear(args.hidden, 10),
 )
 conn = ps.connect(model, policy,
-                  optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+                  optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
+                  compression=ps.TopK(args.topk) if args.topk is not None else None)
 rank = disttrain.rank()  # only workers get here: 0..workers-1
 
 # -----------------------------------------------------------------------------
@@ -120,8 +128,10 @@ if log:
                           "train_loss": train_loss}) + "\n")
     log.close()
 stats = conn.close()
+pushed = conn.wire_stats()["sent_bytes"].get("push", 0)
 print(f"worker {rank}: {done} steps pushed, {conn.cancelled_steps} cancelled "
-      f"({conn.cancelled_in_backward} inside backward)", flush=True)
+      f"({conn.cancelled_in_backward} inside backward), "
+      f"{pushed / max(1, conn.pushes):.0f} bytes pushed per step", flush=True)
 if rank == 0:
     with torch.no_grad():
         accuracy = (model(x_test).argmax(dim=1) == y_test).float().mean().item()

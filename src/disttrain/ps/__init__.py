@@ -2,9 +2,11 @@
 
 `connect(model, policy=..., optimizer=...)` is the whole user surface; see worker.py and
 server.py. Placement is `HashRing`, consistency is a policy object (policy.py), the wire
-is transport.py (ZeroMQ, msgpack headers, raw tensor buffers, HMAC-SHA256).
+is transport.py (ZeroMQ, msgpack headers, raw tensor buffers, HMAC-SHA256); top-k push
+sparsification with error feedback is compress.py, snapshots bound to their job snapshot.py.
 """
 
+from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.policy import (
     SSP,
     Async,
@@ -32,8 +34,10 @@ __all__ = [
     "Policy",
     "Straggler",
     "Sync",
+    "TopK",
     "backup_workers",
     "chunk_tensor",
+    "parse_compression",
     "parse_straggler",
 ]
 

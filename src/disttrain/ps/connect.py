@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime
+from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
 from disttrain.ps.server import Server
@@ -39,7 +40,8 @@ def _default_timeout() -> float:
 def connect(model: torch.nn.Module, policy: Policy | None = None,
             optimizer: Callable | None = None, *, timeout: float | None = None,
             host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-            overlap: bool = True, snapshot: str | None = None, snapshot_every: int = 0,
+            overlap: bool = True, compression: str | TopK | None = None,
+            snapshot: str | None = None, snapshot_every: int = 0,
             exit: bool = True, name: str = "ps") -> Worker | dict:
     """Join the parameter-server job as this rank's role. Blocks (see below).
 
@@ -53,6 +55,10 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     host: interface servers bind and advertise (default DISTTRAIN_PS_HOST or 127.0.0.1).
     overlap: push each gradient from its hook while backward runs (default); pass False
         when accumulating gradients over several backward passes before one push.
+    compression: None (dense pushes) or "topk:ratio=R" / `ps.TopK(R)`: each worker sends,
+        per key, only the ceil(R * numel) largest-magnitude gradient entries (indices +
+        values) and keeps the rest as a residual added to its next gradient (Deep Gradient
+        Compression, Lin et al. 2018; compress.py). Servers accept either kind of push.
     snapshot: path template with `{server}`, e.g. "ckpt/ps{server}.safetensors": a server
         restores from it at start if it exists (printing the version restored and how
         many updates since that snapshot were lost) and saves to it when the job ends.
@@ -65,6 +71,7 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     On a server: serves until all workers are done or lost, then exits (or returns).
     """
     policy = policy if policy is not None else Sync()
+    compression = parse_compression(compression)  # NOTE: on every rank, so a typo fails everywhere
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
     timeout = timeout if timeout is not None else _default_timeout()
     servers = runtime.num_servers()
@@ -82,7 +89,7 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     if runtime.role() == "worker":
         addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(servers)]
         return Worker(model, runtime.rank(), addresses, plan, secret, repr(policy),
-                      timeout=timeout, overlap=overlap)
+                      timeout=timeout, overlap=overlap, compression=compression)
     index = runtime.rank() - len(workers)
     server = Server(index, plan[index], dict(model.named_parameters()), policy, optimizer,
                     workers, secret, host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
@@ -114,5 +121,12 @@ def format_stats(stats: dict) -> str:
             f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
             f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "
             f"rejected frames {stats.get('rejected_frames', 0)}, staleness {stats['staleness']}"
+            + (f", pushes received {stats['push_bytes'] / 1e6:.3f} MB in "
+               f"{stats['push_frames']} frames ({stats.get('sparse_pushes', 0)} sparse)"
+               if "push_bytes" in stats else "")
             + (f", restored version {stats['restored_version']} (lost updates "
-               f"{stats['lost_updates']})" if "restored_version" in stats else ""))
+               f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else ""))
+
+
+def _or_unknown(n) -> str:
+    return "unknown" if n is None else str(n)

@@ -12,7 +12,10 @@ or error. A worker silent for `timeout` seconds is lost: the policy decides whet
 job goes on (K modes, Async, SSP) or stops with an error naming it (Sync).
 
 Keys are 1-D chunks of flattened parameters (ring.py), so an element-wise optimizer
-(SGD, momentum, Adam, AdamW) steps exactly as it would on whole tensors.
+(SGD, momentum, Adam, AdamW) steps exactly as it would on whole tensors. A push may be
+sparse (top-k with error feedback, compress.py): it is checked and scattered into dense
+gradients on arrival, so every policy and optimizer sees the same thing in either case.
+Snapshots and the restart report are snapshot.py.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from collections.abc import Callable
 
 import torch
 import zmq
-from safetensors.torch import load_file, save_file
 
+from disttrain.ps import snapshot as snap
+from disttrain.ps.compress import densify
 from disttrain.ps.policy import Decision, Policy
 from disttrain.ps.ring import Chunk
-from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message, encode
+from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, FrameError, Limits, Message, encode
 
 __all__ = ["Server", "PSError"]
 
@@ -68,7 +72,9 @@ class Server:
         self.snapshot_every = 0
         self.restored_version: int | None = None
         self.lost_updates: int | None = None
-        self._version_fd: int | None = None
+        self.job = snap.job_id(secret)
+        self._side: snap.SideFile | None = None
+        self.sparse_pushes = 0
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -92,9 +98,8 @@ class Server:
         finally:
             self.ep.sock.close()
             self._ctx.term()
-            if self._version_fd is not None:
-                os.close(self._version_fd)
-                self._version_fd = None
+            if self._side is not None:
+                self._side.close()
 
     def _handle(self, ident: bytes, msg: Message) -> None:
         w = msg.meta.get("worker")
@@ -107,8 +112,8 @@ class Server:
         if msg.op == "hello":
             self._hello(ident, w, msg)
         elif msg.op == "push":
-            self._push(w, msg)
-            self.ep.send(Message("ack", {"seq": msg.meta.get("seq")}), ident)
+            if self._push(w, msg, ident):
+                self.ep.send(Message("ack", {"seq": msg.meta.get("seq")}), ident)
         elif msg.op == "pull":
             self.parked[w] = int(msg.meta.get("have", -1))
             self._execute(self.policy.pull(w))
@@ -135,21 +140,36 @@ class Server:
             return
         self.ep.send(Message("welcome", {"version": self.policy.version}), ident)
 
-    def _push(self, w: int, msg: Message) -> None:
+    def _push(self, w: int, msg: Message, ident: bytes | None = None) -> bool:
+        """Take one push frame; False (nothing changed, the worker told) if it is malformed."""
         clock, version = int(msg.meta["clock"]), int(msg.meta["version"])
+        if msg.meta.get("sparse"):
+            try:
+                grads = densify(msg.keys, msg.tensors,
+                                {k: p.numel() for k, p in self.params.items()},
+                                {k: p.dtype for k, p in self.params.items()})
+            except FrameError as e:
+                self.ep.rejected["bad sparse push"] += 1
+                if ident is not None:
+                    self.ep.send(Message("error", {"message": (
+                        f"server {self.index} rejected a push from worker {w}: {e}")}), ident)
+                return False
+            self.sparse_pushes += 1
+        else:
+            grads = {k: t for k, t in zip(msg.keys, msg.tensors)
+                     if k in self.params and t.numel() == self.params[k].numel()}
         have = self.partial.get(w)
         if have is None or have[0] != clock:
             if have is not None:  # NOTE: a newer clock means the old attempt was abandoned
                 self.partial_dropped += 1
             have = self.partial[w] = (clock, version, {})
-        for k, t in zip(msg.keys, msg.tensors):
-            if k in self.params and t.numel() == self.params[k].numel():
-                have[2][k] = t
+        have[2].update(grads)
         if len(have[2]) == len(self.keys):
             del self.partial[w]
             pid, self._pid = self._pid, self._pid + 1
             self.complete[pid] = have[2]
             self._execute(self.policy.push(pid, w, have[1]))
+        return True
 
     # ---- decisions ------------------------------------------------------------------
     def _execute(self, d: Decision) -> None:
@@ -195,7 +215,7 @@ class Server:
             parts = encode(Message("params", {"version": version}, self.keys, frozen),
                            self.ep.secret)
             self._published = (version, parts)
-        self.ep.send_parts(self._published[1], self.idents[w])
+        self.ep.send_parts(self._published[1], self.idents[w], "params")
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
@@ -213,56 +233,48 @@ class Server:
             out.update(restored_version=self.restored_version, lost_updates=self.lost_updates)
         out.update(server=self.index, partial_dropped=self.partial_dropped,
                    rejected_frames=sum(self.ep.rejected.values()), keys=len(self.keys),
-                   bytes=sum(p.numel() * p.element_size() for p in self.params.values()))
+                   bytes=sum(p.numel() * p.element_size() for p in self.params.values()),
+                   push_bytes=self.ep.recv_bytes.get("push", 0),
+                   push_frames=self.ep.recv_frames.get("push", 0),
+                   sparse_pushes=self.sparse_pushes)
         return out
 
     def keep_snapshots(self, path: str, every: int = 0) -> str | None:
         """Snapshot to `path` every `every` applied updates (0: only when asked); does not block.
 
         Restores `path` first if it exists and returns the one-line restore report (None
-        when there was nothing to restore). The side file `path + ".version"` holds the
-        latest applied version, rewritten in place after every update (no fsync: a killed
-        process does not lose the page cache), so a restart can say how many updates the
-        snapshot lacks.
+        when there was nothing to restore and no side file). The side file
+        `path + ".version"` (snapshot.py) is then stamped with this job's id and rewritten
+        after every update, so a restart can say how many updates the snapshot lacks; a
+        side file of another job is ignored and the report says so.
         """
         if every < 0:
             raise ValueError(f"snapshot_every={every} must be >= 0 (0 disables periodic "
                              "snapshots)")
         self.snapshot_path, self.snapshot_every = path, every
-        reached = _read_version(path + ".version")
-        report = None
-        if os.path.exists(path):
-            self.restore(path)
-            report = f"restored version {self.policy.version} from {path}; "
-            report += ("the server's last version is unknown (no .version file)"
-                       if reached is None else
-                       f"{max(0, reached - self.policy.version)} updates since that snapshot "
-                       f"were lost (the server had reached version {reached})")
-        elif reached is not None:
-            report = (f"found no snapshot at {path}; starting again from version 0: all "
-                      f"{reached} updates were lost (the server had reached version {reached})")
-        if report is not None:
-            self.restored_version = self.policy.version
-            self.lost_updates = max(0, (reached or 0) - self.policy.version)
-            report = f"[ps server{self.index}] {report}"
+        side = snap.read_side(path + ".version")
+        meta = self.restore(path) if os.path.exists(path) else None
+        report, lost = snap.restart_report(path, self.job, side, meta)
+        if meta is not None or lost is not None:
+            self.restored_version, self.lost_updates = self.policy.version, lost
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._version_fd = os.open(path + ".version", os.O_RDWR | os.O_CREAT, 0o644)
-        return report
+        self._side = snap.SideFile(path + ".version", self.job, self.policy.version)
+        return f"[ps server{self.index}] {report}" if report else None
 
     def _after_update(self) -> None:
         """Record the new version in the side file; snapshot when it is due."""
-        if self._version_fd is None:
+        if self._side is None:
             return
         v = self.policy.version
-        os.pwrite(self._version_fd, b"%20d\n" % v, 0)  # fixed width: never a stale tail
+        self._side.write(v)
         if self.snapshot_every and v % self.snapshot_every == 0:
             self.snapshot(self.snapshot_path)
 
     def snapshot(self, path: str) -> None:
-        """Save this shard (parameters, optimizer tensors, version) as safetensors; blocks.
+        """Save this shard (parameters, optimizer tensors) as safetensors; blocks.
 
-        Atomic: written to a temporary file in the same folder, fsynced, then renamed over
-        `path`, so a process killed mid-write leaves the previous snapshot intact.
+        The file's metadata holds the version, applied-gradient count, server index and
+        job id, written atomically with the tensors (snapshot.save_atomic).
         """
         tensors = {f"param/{k}": p.detach() for k, p in self.params.items()}
         if self.optimizer is not None:
@@ -270,21 +282,14 @@ class Server:
                 for name, v in self.optimizer.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
                         tensors[f"state/{name}/{k}"] = v.detach().reshape(v.shape)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                  metadata={"version": str(self.policy.version), "server": str(self.index)})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # NOTE: rename after fsync, so `path` is always a whole file
-        dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
+        snap.save_atomic(path, tensors, {
+            "version": str(self.policy.version), "applied": str(self.policy.applied),
+            "server": str(self.index), "job": self.job})
 
-    def restore(self, path: str) -> None:
-        """Load a shard saved by `snapshot`; errors name any key that does not match."""
-        loaded = load_file(path)
+    def restore(self, path: str) -> dict[str, str]:
+        """Load a shard saved by `snapshot`, return its metadata; errors name any key
+        that does not match."""
+        loaded, meta = snap.load(path)
         missing = [k for k in self.keys if f"param/{k}" not in loaded]
         if missing:
             raise ValueError(f"snapshot {path} lacks keys {missing[:5]}: it was saved for "
@@ -295,18 +300,8 @@ class Server:
                 for name in ("exp_avg", "exp_avg_sq", "momentum_buffer", "step"):
                     if f"state/{name}/{k}" in loaded and self.optimizer is not None:
                         self.optimizer.state[p][name] = loaded[f"state/{name}/{k}"].clone()
-        from safetensors import safe_open
-        with safe_open(path, "pt") as f:
-            self.policy.version = int(f.metadata().get("version", 0))
-
-
-def _read_version(path: str) -> int | None:
-    """The version in a snapshot's side file, or None when absent or unreadable."""
-    try:
-        with open(path, "rb") as f:
-            return int(f.read(32).strip() or b"0")
-    except (OSError, ValueError):
-        return None
+        self.policy.version = int(meta.get("version", 0))
+        return meta
 
 
 def _hostname() -> str:

@@ -214,18 +214,26 @@ class Endpoint:
         self.sock, self.secret, self.limits = sock, secret, limits
         self.rejected: Counter[str] = Counter()
         self.router = sock.type == zmq.ROUTER
+        # bytes (mac + header + buffers, without ZeroMQ's own framing) and frames per op;
+        # plain dicts: another thread may copy them with dict() while this one counts
+        self.sent_bytes: dict[str, int] = {}
+        self.sent_frames: dict[str, int] = {}
+        self.recv_bytes: dict[str, int] = {}
+        self.recv_frames: dict[str, int] = {}
 
     def send(self, msg: Message, to: bytes | None = None) -> None:
         """Queue `msg` (to peer identity `to` on a ROUTER); does not block on the peer."""
-        self.send_parts(encode(msg, self.secret), to)
+        self.send_parts(encode(msg, self.secret), to, msg.op)
 
-    def send_parts(self, parts: list, to: bytes | None = None) -> None:
+    def send_parts(self, parts: list, to: bytes | None = None, op: str = "params") -> None:
         """Queue parts made by `encode` (e.g. one frame signed once, sent to many peers);
         big buffers go without a copy, so leave their memory alone afterwards."""
+        size = sum(len(p) for p in parts)
+        self.sent_bytes[op] = self.sent_bytes.get(op, 0) + size
+        self.sent_frames[op] = self.sent_frames.get(op, 0) + 1
         if self.router:
             parts = [to, *parts]
-        copy = sum(len(p) for p in parts) < _COPY_BELOW
-        self.sock.send_multipart(parts, copy=copy)
+        self.sock.send_multipart(parts, copy=size < _COPY_BELOW)
 
     def recv(self) -> tuple[bytes | None, Message] | None:
         """One message that is ready (blocks until one arrives); None if it was dropped."""
@@ -234,7 +242,10 @@ class Endpoint:
         if self.router:
             ident, parts = parts[0].bytes, parts[1:]
         try:
-            return ident, decode(parts, self.secret, self.limits)
+            msg = decode(parts, self.secret, self.limits)
         except FrameError as e:
             self.rejected[str(e).split(":")[0][:40]] += 1
             return None
+        self.recv_bytes[msg.op] = self.recv_bytes.get(msg.op, 0) + sum(len(p) for p in parts)
+        self.recv_frames[msg.op] = self.recv_frames.get(msg.op, 0) + 1
+        return ident, msg

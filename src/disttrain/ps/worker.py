@@ -12,6 +12,11 @@ From then on the next gradient hook, `push()` or `sleep()` raises `Cancelled`; t
 training loop catches it, drops the half-done step (counted in `cancelled_steps`) and
 pulls the new version. The gradients already sent for the abandoned step are discarded
 by the server when the worker's next step (a newer clock) arrives.
+
+Compression (compress.py): with `compression=TopK(r)` each key of a push goes as the
+(indices, values) of its largest entries plus the worker's residual; what is not sent
+stays in the residual for the next push. What a server drops (a late or abandoned push)
+is lost as in the dense path: the residual holds only what was never sent.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import defaultdict
 import torch
 import zmq
 
+from disttrain.ps.compress import ErrorFeedback, TopK
 from disttrain.ps.ring import Chunk
 from disttrain.ps.server import PSError
 from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message
@@ -81,7 +87,8 @@ class Worker:
 
     def __init__(self, model: torch.nn.Module, rank: int, addresses: list[str],
                  plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
-                 timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS):
+                 timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
+                 compression: TopK | None = None):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
         self.params = dict(model.named_parameters())
         self._chunks: dict[str, list[tuple[int, Chunk]]] = defaultdict(list)
@@ -92,6 +99,8 @@ class Worker:
         if bad:
             raise ValueError(f"parameters {bad} are not contiguous; call .contiguous() on them")
         self._secret, self._limits, self._plan = secret, limits, plan
+        self.feedback = ErrorFeedback(compression) if compression is not None else None
+        self._eps: list[Endpoint] = []
         self._version = [-1] * len(addresses)
         self._floor = [-1] * len(addresses)
         self._clock, self._sent = 0, set()
@@ -156,6 +165,19 @@ class Worker:
         self._clock += 1
         self.pushes += 1
         return h._seal()
+
+    def wire_stats(self) -> dict:
+        """Bytes and frames this worker sent and received, per op, summed over servers:
+        {"sent_bytes": {op: n}, "sent_frames": ..., "recv_bytes": ..., "recv_frames": ...}.
+        Bytes are mac + header + buffers (not ZeroMQ's own framing). Does not block."""
+        out: dict[str, dict[str, int]] = {}
+        for what in ("sent_bytes", "sent_frames", "recv_bytes", "recv_frames"):
+            total: dict[str, int] = {}
+            for ep in list(self._eps):
+                for op, n in dict(getattr(ep, what)).items():  # NOTE: dict() copies atomically
+                    total[op] = total.get(op, 0) + n
+            out[what] = total
+        return out
 
     def check(self) -> None:
         """Raise Cancelled if this worker's round closed (does not block)."""
@@ -227,11 +249,18 @@ class Worker:
             g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(
                 p.numel(), dtype=p.dtype)
             for s, c in self._chunks[name]:
-                per_server[s][0].append(c.key)
-                per_server[s][1].append(g[c.start:c.stop])
+                keys, tensors = per_server[s]
+                if self.feedback is None:
+                    keys.append(c.key)
+                    tensors.append(g[c.start:c.stop])
+                else:  # (k,) indices and (k,) values, a pair per key (compress.py)
+                    keys += [c.key, c.key]
+                    tensors += self.feedback.compress(c.key, g[c.start:c.stop])
             self._sent.add(name)
         for s, (keys, tensors) in per_server.items():
             meta = {"clock": self._clock, "version": self._version[s]}
+            if self.feedback is not None:
+                meta["sparse"] = 1
             self._send(s, Message("push", meta, keys, tensors), h, "ack")
 
     def _send(self, s: int, msg: Message, handle: Handle, reply: str) -> None:
@@ -256,6 +285,7 @@ class Worker:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(addr)
             eps.append(Endpoint(sock, self._secret, self._limits))
+        self._eps = eps
         poller = zmq.Poller()
         poller.register(self._wake_in, zmq.POLLIN)
         for ep in eps:

@@ -31,8 +31,8 @@ path = os.path.join(folder, "ps{server}.safetensors")
 def kill_when_past(side: str) -> None:
     while True:
         try:
-            with open(side, "rb") as f:
-                if int(f.read(32).strip() or b"0") >= KILL_AT:
+            with open(side, "rb") as f:  # "disttrain-ps job=<id> version=<v>" (ps/snapshot.py)
+                if int(f.read(128).rpartition(b"=")[2].strip() or b"0") >= KILL_AT:
                     os.kill(os.getpid(), signal.SIGKILL)
         except (OSError, ValueError):
             pass

@@ -1,0 +1,155 @@
+"""Top-k gradient sparsification with error feedback for parameter-server pushes.
+
+Follows Deep Gradient Compression (Lin et al., ICLR 2018, section 3.1, "gradient
+sparsification" with local gradient accumulation), also known as top-k sparsification
+with error feedback (Stich et al. 2018; Aji & Heafield 2017): per key, a worker adds the
+new gradient to what it has not sent yet (its residual), sends only the k entries of
+largest magnitude, k = ceil(ratio * numel), and keeps the rest as the residual for the
+next step. Nothing is lost, only delayed: after any number of steps, everything sent plus
+the residual equals the sum of the raw gradients. The seeds (003) say the same in one
+line: a worker pushes the parameters with the largest gradients.
+
+Who talks to whom: the worker (worker.py) calls `ErrorFeedback.compress(key, grad)` on
+its compute thread for each key of a push and sends the (indices, values) pairs; the
+server (server.py) calls `densify(...)`, which checks every pair (a malformed one raises
+`FrameError`: the server drops the push, counts it and tells that worker) and scatters
+them into dense gradients; from there the server's policy and optimizer treat the push
+as any dense one, so every consistency mode works unchanged.
+
+Wire format of a sparse push: op "push" with meta["sparse"] = 1; two tensors per key,
+    keys    = [k0, k0, k1, k1, ...]
+    tensors = [idx_0 (k0,) int32, val_0 (k0,), idx_1, val_1, ...]
+idx strictly increasing in [0, numel) (int64 only for keys of >= 2**31 elements), val
+1-D floating point of the same length. No pickle: raw buffers as any frame.
+
+Departures from DGC: selection is exact (`torch.topk`), not DGC's sampled threshold;
+momentum is the server's optimizer (applied to the averaged sparse gradient), so there is
+no worker-side momentum correction, clipping or sparsity warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from disttrain.ps.transport import FrameError
+
+__all__ = ["TopK", "ErrorFeedback", "parse_compression", "densify"]
+
+_HELP = ('use None (dense), "topk:ratio=R" with 0 < R <= 1 (e.g. "topk:ratio=0.01": '
+         "send 1% of each key's entries) or ps.TopK(ratio=R)")
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Send the ceil(ratio * numel) largest-magnitude entries of each key per push."""
+
+    ratio: float = 0.01
+
+    def __post_init__(self):
+        if (not isinstance(self.ratio, (int, float)) or isinstance(self.ratio, bool)
+                or not 0 < self.ratio <= 1 or math.isnan(self.ratio)):
+            raise ValueError(f"TopK(ratio={self.ratio!r}): ratio must be a number in (0, 1]; "
+                             + _HELP)
+
+    def k(self, numel: int) -> int:
+        """Entries sent for a key of `numel` entries (at least 1 when numel >= 1)."""
+        return min(numel, max(1, math.ceil(self.ratio * numel))) if numel else 0
+
+    def __str__(self) -> str:
+        return f"topk:ratio={self.ratio:g}"
+
+
+def parse_compression(spec: str | TopK | None) -> TopK | None:
+    """None/"none"/"dense" -> None (dense pushes); "topk:ratio=R" or TopK -> TopK."""
+    if spec is None or isinstance(spec, TopK):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"compression={spec!r} ({type(spec).__name__}); {_HELP}")
+    kind, _, rest = spec.strip().partition(":")
+    if kind.strip().lower() in ("none", "dense") and not rest:
+        return None
+    key, eq, raw = rest.partition("=")
+    if kind.strip().lower() != "topk" or not eq or key.strip() != "ratio":
+        raise ValueError(f"compression={spec!r} is not understood; {_HELP}")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        raise ValueError(f"compression={spec!r}: ratio {raw!r} is not a number; {_HELP}") from None
+    return TopK(ratio)
+
+
+class ErrorFeedback:
+    """One worker's residuals, per key: what top-k selection has not sent yet.
+
+    Used from the compute thread only (the gradient hooks and `push()`); not thread-safe.
+    """
+
+    def __init__(self, topk: TopK):
+        self.topk = topk
+        self.residual: dict[str, torch.Tensor] = {}  # key -> (numel,), same dtype as grads
+
+    def compress(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) to send for `grad` (1-D) plus this key's residual; never blocks.
+
+        The residual becomes (residual + grad) with the sent entries zeroed. The returned
+        tensors are fresh (they do not alias `grad`), so `.grad` may change right after.
+        """
+        n = grad.numel()
+        k = self.topk.k(n)
+        held = self.residual.get(key)
+        acc = grad.detach().clone() if held is None else held + grad.detach()  # (n,)
+        index_dtype = torch.int32 if n < 2**31 else torch.int64
+        if k >= n:  # ratio 1 (or a tiny key): everything goes, bit-for-bit the dense values
+            self.residual.pop(key, None)
+            return torch.arange(n, dtype=index_dtype), acc
+        idx = torch.topk(acc.abs(), k, sorted=False).indices.sort().values  # (k,) increasing
+        values = acc[idx]  # (k,) a copy
+        acc[idx] = 0
+        self.residual[key] = acc
+        return idx.to(index_dtype), values
+
+
+def densify(keys: list[str], tensors: list[torch.Tensor], sizes: dict[str, int],
+            dtype: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """A sparse push's (key, idx, val) pairs -> {key: dense (numel,) gradient}.
+
+    Raises FrameError naming the first problem: an odd tensor count, a pair whose two
+    keys differ, an unknown or repeated key, indices that are not 1-D int32/int64,
+    strictly increasing and inside [0, numel), or values that are not 1-D floating point
+    of the same length. Checks everything before allocating the dense gradients.
+    """
+    if len(keys) != len(tensors) or len(tensors) % 2:
+        raise FrameError(f"sparse push: {len(tensors)} tensors for {len(keys)} keys; "
+                         "expected (indices, values) pairs")
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    seen: set[str] = set()
+    for i in range(0, len(tensors), 2):
+        key, idx, val = keys[i], tensors[i], tensors[i + 1]
+        if keys[i + 1] != key or key not in sizes or key in seen:
+            raise FrameError(f"sparse push: bad key pair {keys[i]!r}/{keys[i + 1]!r} "
+                             "(unknown, repeated or mismatched)")
+        seen.add(key)
+        n = sizes[key]
+        if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1:
+            raise FrameError(f"sparse push: indices of {key!r} must be 1-D int32/int64, got "
+                             f"{idx.dtype} of shape {list(idx.shape)}")
+        if not val.is_floating_point() or val.dim() != 1 or val.numel() != idx.numel():
+            raise FrameError(f"sparse push: values of {key!r} must be 1-D floating point with "
+                             f"{idx.numel()} entries, got {val.dtype} of shape {list(val.shape)}")
+        if idx.numel() > n:
+            raise FrameError(f"sparse push: {idx.numel()} entries for {key!r} of {n}")
+        if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= n
+                            or not bool((idx[1:] > idx[:-1]).all())):
+            raise FrameError(f"sparse push: indices of {key!r} must be strictly increasing "
+                             f"in [0, {n})")
+        pairs.append((key, idx, val))
+    out = {}
+    for key, idx, val in pairs:
+        dense = torch.zeros(sizes[key], dtype=dtype[key])  # (numel,)
+        # NOTE: indices are unique (checked above): a plain scatter is the scatter-add
+        dense[idx.long()] = val.to(dtype[key])
+        out[key] = dense
+    return out

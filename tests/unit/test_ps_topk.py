@@ -1,0 +1,194 @@
+"""Top-k push sparsification with error feedback (ps/compress.py), without processes.
+
+Residual bookkeeping is exact, ratio 1 is the dense gradient bit for bit, the server's
+check of sparse frames rejects every malformed one (table + hypothesis fuzz through the
+real frame parser) and a server applies a sparse push as the dense one it stands for.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disttrain.ps import TopK, parse_compression
+from disttrain.ps.compress import ErrorFeedback, densify
+from disttrain.ps.policy import Async
+from disttrain.ps.ring import plan_keys
+from disttrain.ps.server import Server
+from disttrain.ps.transport import FrameError, Message, decode, encode
+
+KEY = bytes(range(32))
+F32 = torch.float32
+
+
+def _dense(idx, val, n):
+    return densify(["k", "k"], [idx, val], {"k": n}, {"k": val.dtype})["k"]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5])
+def test_sent_plus_residual_equals_the_sum_of_raw_gradients_exactly(ratio):
+    # integer-valued floats: every sum is exact, so the identity must hold bit for bit
+    g = torch.Generator().manual_seed(0)
+    ef = ErrorFeedback(TopK(ratio))
+    sizes = {"w#0": 300, "b": 7}
+    raw = {k: torch.zeros(n) for k, n in sizes.items()}
+    sent = {k: torch.zeros(n) for k, n in sizes.items()}
+    for _ in range(25):
+        for k, n in sizes.items():
+            grad = torch.randint(-50, 50, (n,), generator=g).to(F32)
+            idx, val = ef.compress(k, grad)
+            assert idx.dtype == torch.int32 and len(idx) == TopK(ratio).k(n) == val.numel()
+            raw[k] += grad
+            sent[k] += _dense(idx, val, n)
+    for k in sizes:
+        residual = ef.residual.get(k, torch.zeros(sizes[k]))
+        assert torch.equal(sent[k] + residual, raw[k])
+
+
+@pytest.mark.timeout(10)
+def test_each_push_sends_the_largest_magnitudes_of_gradient_plus_residual():
+    torch.manual_seed(1)
+    ef = ErrorFeedback(TopK(0.1))
+    residual = torch.zeros(100, dtype=torch.float64)
+    for _ in range(5):
+        grad = torch.randn(100, dtype=torch.float64)
+        acc = residual + grad
+        idx, val = ef.compress("k", grad)
+        assert len(idx) == 10 and bool((idx[1:] > idx[:-1]).all())
+        assert set(idx.tolist()) == set(acc.abs().topk(10).indices.tolist())
+        torch.testing.assert_close(val, acc[idx.long()])
+        residual = acc.clone()
+        residual[idx.long()] = 0
+        torch.testing.assert_close(ef.residual["k"], residual)
+
+
+@pytest.mark.timeout(10)
+def test_ratio_one_sends_every_entry_bit_for_bit_and_keeps_no_residual():
+    ef = ErrorFeedback(TopK(1.0))
+    for _ in range(3):
+        grad = torch.randn(37)
+        idx, val = ef.compress("k", grad)
+        assert torch.equal(idx, torch.arange(37, dtype=torch.int32)) and torch.equal(val, grad)
+        assert val.data_ptr() != grad.data_ptr() and not ef.residual
+    assert TopK(0.01).k(1) == 1 and TopK(0.01).k(101) == 2 and TopK(0.5).k(0) == 0
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("spec,match", [
+    ("topk", "not understood"), ("topk:ratio=0", r"\(0, 1\]"), ("topk:ratio=1.5", r"\(0, 1\]"),
+    ("topk:ratio=x", "not a number"), ("fp16", "not understood"), (0.1, "float"),
+    ("topk:k=3", "not understood"), ("topk:ratio=nan", r"\(0, 1\]")])
+def test_bad_compression_specs_say_what_to_write(spec, match):
+    with pytest.raises(ValueError, match=match) as e:
+        parse_compression(spec)
+    assert "topk:ratio=" in str(e.value)
+
+
+def test_compression_specs_parse():
+    assert parse_compression("topk:ratio=0.01") == TopK(0.01)
+    assert parse_compression(" TopK:ratio=1 ") == TopK(1.0)
+    assert parse_compression(None) is None and parse_compression("none") is None
+    assert str(TopK(0.05)) == "topk:ratio=0.05"
+
+
+I32, I64 = torch.int32, torch.int64
+BAD = {
+    "odd tensor count": (["k"], [torch.tensor([0], dtype=I32)]),
+    "key pair differs": (["k", "j"], [torch.tensor([0], dtype=I32), torch.ones(1)]),
+    "unknown key": (["x", "x"], [torch.tensor([0], dtype=I32), torch.ones(1)]),
+    "float indices": (["k", "k"], [torch.tensor([0.0]), torch.ones(1)]),
+    "2-D indices": (["k", "k"], [torch.zeros(1, 1, dtype=I32), torch.ones(1)]),
+    "int values": (["k", "k"], [torch.tensor([0], dtype=I32), torch.ones(1, dtype=I64)]),
+    "length mismatch": (["k", "k"], [torch.tensor([0, 1], dtype=I32), torch.ones(1)]),
+    "unsorted": (["k", "k"], [torch.tensor([2, 1], dtype=I32), torch.ones(2)]),
+    "duplicate": (["k", "k"], [torch.tensor([1, 1], dtype=I32), torch.ones(2)]),
+    "negative": (["k", "k"], [torch.tensor([-1, 1], dtype=I64), torch.ones(2)]),
+    "out of range": (["k", "k"], [torch.tensor([0, 8], dtype=I32), torch.ones(2)]),
+    "too many": (["k", "k"], [torch.arange(9, dtype=I32), torch.ones(9)]),
+    "repeated key": (["k", "k", "k", "k"], [torch.tensor([0], dtype=I32), torch.ones(1)] * 2),
+}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("case", list(BAD))
+def test_malformed_sparse_pushes_are_rejected(case):
+    keys, tensors = BAD[case]
+    with pytest.raises(FrameError, match="sparse push"):
+        densify(keys, tensors, {"k": 8}, {"k": F32})
+
+
+_DTYPES = st.sampled_from([torch.int32, torch.int64, torch.int8, torch.float32, torch.float16])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["k", "j", "?"]), _DTYPES,
+                          st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12)), max_size=5),
+       st.booleans())
+def test_fuzzed_sparse_frames_are_rejected_or_scatter_into_bounds(items, pair_keys):
+    """Signed frames with arbitrary index/value tensors go through the real parser and
+    the server's sparse check: a FrameError, or dense gradients whose non-zeros lie at
+    the sent indices."""
+    keys, tensors = [], []
+    for key, dt, xs in items:
+        keys.append(key)
+        tensors.append(torch.tensor(xs, dtype=torch.int64).clamp(
+            torch.iinfo(dt).min if not dt.is_floating_point else -(2**24),
+            torch.iinfo(dt).max if not dt.is_floating_point else 2**24).to(dt))
+        if pair_keys:  # make well-paired frames likely, so the deeper checks are reached
+            keys.append(key)
+            tensors.append(torch.randn(len(xs)))
+    sizes = {"k": 10, "j": 3}
+    try:
+        msg = decode(encode(Message("push", {"sparse": 1}, keys, tensors), KEY), KEY)
+        out = densify(msg.keys, msg.tensors, sizes, dict.fromkeys(sizes, F32))
+    except FrameError:
+        return
+    for i in range(0, len(keys), 2):
+        idx = tensors[i].long()
+        assert out[keys[i]].shape == (sizes[keys[i]],)
+        assert bool((idx >= 0).all()) and bool((idx < sizes[keys[i]]).all())
+        mask = torch.ones(sizes[keys[i]], dtype=torch.bool)
+        mask[idx] = False
+        assert not out[keys[i]][mask].any()
+
+
+def _server(init):
+    plan = plan_keys([(n, t.numel(), 4) for n, t in init.items()], 1, chunk_bytes=64)
+    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    return Server(0, plan[0], init, Async(), opt, [0, 1], KEY)
+
+
+def _close(server):
+    server.ep.sock.close(linger=0)
+    server._ctx.term()
+
+
+@pytest.mark.timeout(20)
+def test_server_applies_a_sparse_push_as_its_dense_gradient_and_counts_bad_ones():
+    torch.manual_seed(0)
+    init = {"w": torch.randn(6, 5), "b": torch.randn(5)}
+    sparse, dense = _server(init), _server(init)
+    ef = ErrorFeedback(TopK(0.25))
+    for step in range(3):
+        grads = {c.key: torch.randn(c.stop - c.start) for c in sparse.chunks}
+        keys, tensors, want = [], [], {}
+        for k, g in grads.items():
+            idx, val = ef.compress(k, g)
+            keys += [k, k]
+            tensors += [idx, val]
+            want[k] = torch.zeros_like(g).index_put_((idx.long(),), val)
+        meta = {"clock": step, "version": step, "sparse": 1}
+        wire = decode(encode(Message("push", meta, keys, tensors), KEY), KEY)
+        assert sparse._push(0, wire)
+        dense._push(0, Message("push", dict(meta, sparse=0), list(want), list(want.values())))
+    assert sparse.policy.version == dense.policy.version == 3 and sparse.sparse_pushes == 3
+    for k in sparse.keys:
+        assert torch.equal(sparse.params[k], dense.params[k])
+    bad = Message("push", {"clock": 9, "version": 3, "sparse": 1}, ["b", "b"],
+                  [torch.tensor([4, 4], dtype=I32), torch.ones(2)])
+    assert not sparse._push(1, bad)
+    assert sparse.ep.rejected["bad sparse push"] == 1 and 1 not in sparse.partial
+    assert sparse.stats()["rejected_frames"] == 1
+    _close(sparse)
+    _close(dense)
