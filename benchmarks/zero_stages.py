@@ -21,6 +21,11 @@ their owners) and `torch_fsdp` = FSDP2 `fully_shard` on every Linear and the roo
     python benchmarks/zero_stages.py                       # the documented run
     python benchmarks/zero_stages.py --parts time --rounds 12
     python benchmarks/zero_stages.py --world 2 --width 512 --rounds 3
+    python benchmarks/zero_stages.py --precision bf16      # mixed precision: stages 0-3
+
+`--precision bf16|fp16` runs `disttrain.Zero(..., precision=...)` at stages 0 (= DP,
+the baseline) to 3 (DataParallel and the torch peers have no fp32-master mode here) and
+compares with the paper's mixed-precision formulas (2 + 2 + 12) Psi etc.
 """
 
 from __future__ import annotations
@@ -41,9 +46,14 @@ from disttrain import memory, plan
 from disttrain.testing import spawn
 
 VARIANTS = ("dp", "zero0", "zero1", "zero2", "zero3", "torch_zero1", "torch_fsdp")
+MIXED_VARIANTS = ("zero0", "zero1", "zero2", "zero3")
 
 
-def build(variant: str, width: int, depth: int, bucket_mb: float):
+def variants(precision: str) -> tuple[str, ...]:
+    return VARIANTS if precision == "fp32" else MIXED_VARIANTS
+
+
+def build(variant: str, width: int, depth: int, bucket_mb: float, precision: str = "fp32"):
     """(model, optimizer) for one variant (blocks: broadcasts parameters)."""
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     if variant == "dp":
@@ -66,14 +76,15 @@ def build(variant: str, width: int, depth: int, bucket_mb: float):
         fully_shard(model)
         return model, adamw(list(model.parameters()))
     model = disttrain.Zero(make_mlp(width, depth), adamw, stage=int(variant[-1]),
-                           bucket_mb=bucket_mb)
+                           bucket_mb=bucket_mb, precision=precision)
     return model, model.optimizer
 
 
 def step(model, opt, x, y) -> float:
     start = time.perf_counter()
     opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
+    loss = nn.functional.mse_loss(model(x).float(), y)  # fp32 loss (a no-op cast in fp32)
+    opt.backward(loss) if hasattr(opt, "backward") else loss.backward()  # fp16: scaled
     opt.step()
     return time.perf_counter() - start
 
@@ -108,12 +119,12 @@ def peak_rss() -> int:
     return (kib if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def memory_rank(variant, width, depth, batch, steps, bucket_mb):
+def memory_rank(variant, width, depth, batch, steps, bucket_mb, precision="fp32"):
     """One variant on every rank; rank 0's numbers come back (blocks)."""
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     step(nn.Linear(width, width), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), x, y)
     before = rss_now()
-    model, opt = build(variant, width, depth, bucket_mb)
+    model, opt = build(variant, width, depth, bucket_mb, precision)
     step(model, opt, x, y)  # NOTE: optimizer state appears at the first step
     reset_peak_rss()  # the peak below is over training steps, not construction
     for _ in range(steps):
@@ -130,16 +141,17 @@ def memory_rank(variant, width, depth, batch, steps, bucket_mb):
             "sent": model.comm_stats.total() if variant.startswith("zero") else None}
 
 
-def time_rank(width, depth, batch, steps, rounds, warmup, bucket_mb):
+def time_rank(width, depth, batch, steps, rounds, warmup, bucket_mb, precision="fp32"):
     """Every variant on every rank, interleaved; rank 0's step times (blocks)."""
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    built = {v: build(v, width, depth, bucket_mb) for v in VARIANTS}
+    names = variants(precision)
+    built = {v: build(v, width, depth, bucket_mb, precision) for v in names}
     for m, o in built.values():
         for _ in range(warmup):
             step(m, o, x, y)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in names}
     for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        order = names[r % len(names):] + names[:r % len(names)]
         for v in order:
             dist.barrier()
             times[v] += [step(*built[v], x, y) for _ in range(steps)]
@@ -159,6 +171,8 @@ def main() -> None:
                     help="gradient bucket MiB for DP and stages 0-2 (4 = one 1024x1024 layer)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--parts", nargs="+", choices=("memory", "time"), default=["memory", "time"])
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="bf16/fp16: ZeRO mixed precision (low-precision model, fp32 masters)")
     a = ap.parse_args()
     # NOTE: glibc serves big blocks from mmap only below a threshold that grows as blocks
     # are freed; pinning it makes freed tensors leave the RSS at once, so peak RSS follows
@@ -166,9 +180,9 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     psi = sum(p.numel() for p in make_mlp(a.width, a.depth).parameters())
     mib = 2**20
-    print(f"MLP {a.depth}x{a.width} ({psi / 1e6:.2f} M params, fp32 model states 16 Psi = "
-          f"{16 * psi / mib:.0f} MiB), AdamW, world {a.world}, per-rank batch {a.batch}, "
-          f"buckets {a.bucket_mb:g} MiB\n")
+    print(f"MLP {a.depth}x{a.width} ({psi / 1e6:.2f} M params, model states 16 Psi = "
+          f"{16 * psi / mib:.0f} MiB), AdamW, {a.precision}, world {a.world}, per-rank batch "
+          f"{a.batch}, buckets {a.bucket_mb:g} MiB\n")
     if "memory" in a.parts:
         memory_table(a, psi)
     if "time" in a.parts:
@@ -180,12 +194,13 @@ def memory_table(a, psi: int) -> None:
     print("| variant | params MiB | grads MiB | optimizer MiB | total MiB | paper MiB "
           "| stage-3 gathered peak MiB | peak RSS growth MiB | MB sent/step |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for v in VARIANTS:
+    for v in variants(a.precision):
         r = spawn(memory_rank, a.world, v, a.width, a.depth, a.batch, a.mem_steps, a.bucket_mb,
-                  timeout=600, collective_timeout=300)[0]
+                  a.precision, timeout=600, collective_timeout=300)[0]
         peers = {"dp": 0, "torch_zero1": 1, "torch_fsdp": 3}
         stage = peers[v] if v in peers else int(v[-1])
-        want = plan.model_state_bytes(psi, a.world, stage, "adamw", "fp32").total
+        want = plan.model_state_bytes(psi, a.world, stage, "adamw",
+                                      "fp32" if a.precision == "fp32" else "mixed").total
         total = r["params"] + r["grads"] + r["optimizer"]
         peak = "-" if not r["engine_peak"] else f"{r['engine_peak'] / mib:.1f}"
         sent = "-" if r["sent"] is None else f"{r['sent'] / 1e6:.1f}"
@@ -196,11 +211,14 @@ def memory_table(a, psi: int) -> None:
 
 def time_table(a) -> None:
     times = spawn(time_rank, a.world, a.width, a.depth, a.batch, a.steps, a.rounds, a.warmup,
-                  a.bucket_mb, timeout=1200, collective_timeout=300)[0]
+                  a.bucket_mb, a.precision, timeout=1200, collective_timeout=300)[0]
+    names = variants(a.precision)
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
-    print(f"\nmedian step time (ms), {a.rounds} rounds x {a.steps} steps, interleaved")
-    print("| " + " | ".join(VARIANTS) + " |\n|" + "---|" * len(VARIANTS))
-    print("| " + " | ".join(f"{med[v]:.0f} ({med[v] / med['dp']:.2f}x)" for v in VARIANTS) + " |")
+    base = "dp" if "dp" in med else "zero0"
+    print(f"\nmedian step time (ms), {a.rounds} rounds x {a.steps} steps, interleaved, "
+          f"{a.precision}; ratios to {base}")
+    print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
+    print("| " + " | ".join(f"{med[v]:.0f} ({med[v] / med[base]:.2f}x)" for v in names) + " |")
 
 
 if __name__ == "__main__":
