@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from disttrain.ps import TopK, parse_compression
 from disttrain.ps.compress import ErrorFeedback, densify
-from disttrain.ps.policy import Async
+from disttrain.ps.policy import SSP, Async, KBatchSync, KSync, Sync
 from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server
 from disttrain.ps.transport import FrameError, Message, decode, encode
@@ -153,10 +153,10 @@ def test_fuzzed_sparse_frames_are_rejected_or_scatter_into_bounds(items, pair_ke
         assert not out[keys[i]][mask].any()
 
 
-def _server(init):
+def _server(init, policy=None):
     plan = plan_keys([(n, t.numel(), 4) for n, t in init.items()], 1, chunk_bytes=64)
     opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
-    return Server(0, plan[0], init, Async(), opt, [0, 1], KEY)
+    return Server(0, plan[0], init, policy or Async(), opt, [0, 1], KEY)
 
 
 def _close(server):
@@ -190,5 +190,36 @@ def test_server_applies_a_sparse_push_as_its_dense_gradient_and_counts_bad_ones(
     assert not sparse._push(1, bad)
     assert sparse.ep.rejected["bad sparse push"] == 1 and 1 not in sparse.partial
     assert sparse.stats()["rejected_frames"] == 1
+    _close(sparse)
+    _close(dense)
+
+
+POLICIES = {"sync": Sync, "ksync": lambda: KSync(1), "kbatch_sync": lambda: KBatchSync(2),
+            "ssp": lambda: SSP(1), "async": Async}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_treats_a_sparse_push_as_the_dense_gradient_it_stands_for(policy):
+    """Same scripted arrivals (two workers, alternating, some late) to a server fed top-k
+    frames and one fed their dense equivalents: same decisions, same parameters."""
+    torch.manual_seed(0)
+    init = {"w": torch.randn(4, 5), "b": torch.randn(5)}
+    sparse, dense = _server(init, POLICIES[policy]()), _server(init, POLICIES[policy]())
+    efs = [ErrorFeedback(TopK(0.2)), ErrorFeedback(TopK(0.2))]
+    for step in range(6):
+        for w in (0, 1) if step % 2 else (1, 0):
+            keys, tensors, want = [], [], {}
+            for c in sparse.chunks:
+                idx, val = efs[w].compress(c.key, torch.randn(c.stop - c.start))
+                keys += [c.key, c.key]
+                tensors += [idx, val]
+                want[c.key] = torch.zeros(c.stop - c.start).index_put_((idx.long(),), val)
+            meta = {"clock": step, "version": sparse.policy.version}
+            assert sparse._push(w, Message("push", dict(meta, sparse=1), keys, tensors))
+            dense._push(w, Message("push", meta, list(want), list(want.values())))
+    assert sparse.policy.stats() == dense.policy.stats() and sparse.policy.version >= 3
+    for k in sparse.keys:
+        assert torch.equal(sparse.params[k], dense.params[k])
     _close(sparse)
     _close(dense)
