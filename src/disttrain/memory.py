@@ -4,7 +4,8 @@ ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054, sec. 3.1) calls these three the
 *model states*; `disttrain.plan` has the paper's formulas, this module measures.
 Measuring counts each distinct storage once (a parameter that is a view of a flat
 bucket costs the bucket, once), so the numbers are what the allocator really holds
-for those tensors, padding included. Activations and temporary buffers are not model
+for those tensors, padding included. A `Zero` in mixed precision counts its fp32
+master weights as optimizer state, as the paper's K does (Adam: 4 + 8 = 12 bytes). Activations and temporary buffers are not model
 states; `peak_allocated` (CUDA only: torch's allocator statistics) covers everything.
 
 Who talks to whom: called by users, benchmarks and tests on a `Zero`, a

@@ -11,7 +11,8 @@ g bytes of gradient and K bytes of optimizer state:
 
 Mixed precision (the paper): p = g = 2 (fp16), and the optimizer keeps an fp32 master
 copy, so Adam's K = 4 (master) + 4 (momentum) + 4 (variance) = 12: (2 + 2 + 12) Psi.
-fp32 (what disttrain trains with on CPU): p = g = 4 and no master copy (the parameters
+`disttrain.Zero(..., precision="bf16"|"fp16")` holds exactly the mixed numbers.
+fp32 (Zero's default precision): p = g = 4 and no master copy (the parameters
 *are* fp32), so Adam's K = 8, SGD with momentum K = 4, plain SGD K = 0: Adam is
 16 Psi baseline, 8 Psi + 8 Psi/N at stage 1, 4 Psi + 12 Psi/N at stage 2, 16 Psi/N at
 stage 3. The paper's Figure 1 example, `--params 7.5e9 --dp 64 --optimizer adam

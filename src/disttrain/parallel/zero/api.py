@@ -79,16 +79,8 @@ class Zero(nn.Module):
             raise TypeError(f"Zero wraps an nn.Module, got {type(module).__name__}")
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-        if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
-            raise TypeError("optimizer_factory must be a function params -> optimizer, e.g. "
-                            "lambda ps: torch.optim.AdamW(ps, lr=1e-3); not an optimizer")
+        _check_arguments(optimizer_factory, precision, loss_scaler)
         self.dtype = mixed.low_dtype(precision)
-        if loss_scaler is not None and precision != "fp16":
-            raise ValueError(f"loss_scaler applies to precision='fp16' only, not {precision!r} "
-                             "(bf16 has fp32's exponent range and needs no scaling); drop it")
-        if loss_scaler is not None and not isinstance(loss_scaler, mixed.LossScaler):
-            raise TypeError("loss_scaler must be a disttrain.LossScaler(init_scale=..., ...), "
-                            f"got {type(loss_scaler).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("Zero needs a process group: call disttrain.init() first")
         if dist.get_rank(group) < 0:
@@ -114,15 +106,8 @@ class Zero(nn.Module):
         shards = self.engine.shard_parameters()
         self.masters = mixed.MasterWeights(shards) if self.dtype is not None else None
         stepped = self.masters.masters if self.masters is not None else shards
-        if param_groups is None:
-            inner = optimizer_factory(stepped)
-        else:
-            where = self.engine.shard_groups()
-            inner = optimizer_factory([{"params": [s for s, g in zip(stepped, where) if g == gi],
-                                        **opts} for gi, opts in enumerate(options)])
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise TypeError(f"optimizer_factory returned {type(inner).__name__}, "
-                            "expected a torch.optim.Optimizer")
+        inner = _build_optimizer(optimizer_factory, stepped, self.engine.shard_groups(),
+                                 options if param_groups is not None else None)
         scaler = (loss_scaler or mixed.LossScaler()) if precision == "fp16" else None
         self.optimizer = ZeroOptimizer(self, inner, scaler)
 
@@ -192,6 +177,34 @@ class Zero(nn.Module):
             raise KeyError(f"unexpected keys in state dict: {result.unexpected_keys[:5]}")
         self.engine.load_full({k: v for k, v in state_dict.items() if k in names})
         return result
+
+
+def _check_arguments(optimizer_factory, precision: str, loss_scaler) -> None:
+    """Bad arguments, before any communication or change to the module."""
+    if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
+        raise TypeError("optimizer_factory must be a function params -> optimizer, e.g. "
+                        "lambda ps: torch.optim.AdamW(ps, lr=1e-3); not an optimizer")
+    mixed.low_dtype(precision)
+    if loss_scaler is not None and precision != "fp16":
+        raise ValueError(f"loss_scaler applies to precision='fp16' only, not {precision!r} "
+                         "(bf16 has fp32's exponent range and needs no scaling); drop it")
+    if loss_scaler is not None and not isinstance(loss_scaler, mixed.LossScaler):
+        raise TypeError("loss_scaler must be a disttrain.LossScaler(init_scale=..., ...), "
+                        f"got {type(loss_scaler).__name__}")
+
+
+def _build_optimizer(factory, stepped: list, where: list[int],
+                     options: list[dict] | None) -> torch.optim.Optimizer:
+    """factory(shards), or factory(torch param groups over the shards) with `options`."""
+    if options is None:
+        inner = factory(stepped)
+    else:
+        inner = factory([{"params": [s for s, g in zip(stepped, where) if g == gi], **opts}
+                         for gi, opts in enumerate(options)])
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer_factory returned {type(inner).__name__}, "
+                        "expected a torch.optim.Optimizer")
+    return inner
 
 
 def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
