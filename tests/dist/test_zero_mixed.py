@@ -23,6 +23,7 @@ from disttrain.testing import spawn
 WORLD, STEPS = 2, 4
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SCALER = {"init_scale": 2.0 ** 6, "growth_interval": 2}  # grows twice in 4 clean steps
+CLIP = 0.3
 OVERFLOW = {"init_scale": 2.0 ** 24, "backoff_factor": 2.0 ** -5, "growth_interval": 2}
 
 
@@ -51,16 +52,19 @@ def loss_fn(out, y):
     return nn.functional.cross_entropy(out.float(), y)
 
 
-def train_zero(z, steps, start=0):
-    """Steps of Zero `z` on this rank's half of each batch; per step: skipped?, scale."""
+def train_zero(z, steps, start=0, clip=None):
+    """Steps of Zero `z` on this rank's half of each batch; per step: skipped?, scale
+    (and with `clip`, the gradient norm before clipping)."""
     rank, world = dist.get_rank(z.group), dist.get_world_size(z.group)
     log = []
     for s in range(start, start + steps):
         x, y = batch(s)
         z.optimizer.zero_grad()
         z.backward(loss_fn(z(x.chunk(world)[rank]), y.chunk(world)[rank]))
+        norm = z.optimizer.clip_grad_norm_(clip) if clip else None
         z.optimizer.step()
-        log.append((z.optimizer.last_step_skipped, z.optimizer.loss_scale))
+        log.append((z.optimizer.last_step_skipped, z.optimizer.loss_scale)
+                   + ((float(norm),) if clip else ()))
     return log
 
 
@@ -89,6 +93,11 @@ def run_all(folder):
                        loss_scaler=disttrain.LossScaler(**OVERFLOW))
     out["overflow"] = {"log": train_zero(z, STEPS), "master": z.fp32_state_dict()}
     out["vote"] = {stage: one_rank_overflows(stage) for stage in (1, 3)}
+    out["clip"] = {}
+    for stage in (1, 3):  # clipping acts on the fp32 master gradients, unscaled
+        z = disttrain.Zero(make_model(), sgd, stage=stage, precision="fp16",
+                           loss_scaler=disttrain.LossScaler(**SCALER))
+        out["clip"][stage] = {"log": train_zero(z, STEPS, clip=CLIP), "master": z.fp32_state_dict()}
     out["unscaled"] = unscaled_backward_is_refused()
     out["checkpoint"] = checkpoint_world_2_to_1(folder)
     return out
@@ -157,8 +166,8 @@ def make_mlp() -> nn.Module:
 # ---- the single-process reference: the mixed-precision recipe by hand -----------------
 
 
-def reference(precision, steps, scaler=None):
-    """(fp32 masters, low-precision params, per-step (skipped, scale)) after `steps`."""
+def reference(precision, steps, scaler=None, clip=None):
+    """(fp32 masters, low-precision params, per-step (skipped, scale[, norm])) after `steps`."""
     dtype = DTYPES[precision]
     model = make_model().to(dtype)
     params = list(model.parameters())
@@ -174,6 +183,9 @@ def reference(precision, steps, scaler=None):
             (loss_fn(model(xr.to(dtype)), yr) * scale).backward()
         grads = [p.grad.float() / (WORLD * scale) for p in params]
         skipped = not all(bool(g.isfinite().all()) for g in grads)
+        norm = torch.stack([g.square().sum() for g in grads]).sum().sqrt()
+        if clip and not skipped and clip / (norm + 1e-6) < 1:
+            grads = [g * (clip / (norm + 1e-6)) for g in grads]
         if skipped:
             scale, tracker = scale * cfg["backoff_factor"], 0
         else:
@@ -186,7 +198,7 @@ def reference(precision, steps, scaler=None):
             tracker += 1
             if tracker == cfg["growth_interval"]:
                 scale, tracker = scale * 2, 0
-        log.append((skipped, scale))
+        log.append((skipped, scale) + ((float(norm),) if clip else ()))
     names = [n for n, _ in model.named_parameters()]
     return ({n: m.detach() for n, m in zip(names, masters)},
             {n: p.detach().float() for n, p in zip(names, params)}, log)
@@ -278,3 +290,19 @@ def test_mixed_checkpoint_keeps_master_and_scaler_and_loads_at_world_1(tmp_path_
         assert torch.equal(loaded["master"][k], v), k
         assert torch.equal(loaded["params"][k], v.to(torch.float16).float()), k
     assert got["momentum"].abs().sum() > 0  # the optimizer state came back too
+
+
+@pytest.mark.timeout(180)
+def test_fp16_clipping_acts_on_the_unscaled_fp32_master_gradients(tmp_path_factory):
+    out = results(tmp_path_factory)
+    want_master, _, want_log = reference("fp16", STEPS, SCALER, clip=CLIP)
+    assert all(norm > CLIP for _, _, norm in want_log)  # the clip is active every step
+    for rank in range(WORLD):
+        for stage in (1, 3):
+            got = out[rank]["clip"][stage]
+            assert [entry[:2] for entry in got["log"]] == [entry[:2] for entry in want_log]
+            torch.testing.assert_close([e[2] for e in got["log"]], [e[2] for e in want_log],
+                                       rtol=1e-5, atol=0)
+            for k in want_master:
+                torch.testing.assert_close(got["master"][k], want_master[k], rtol=1e-5,
+                                           atol=1e-6, msg=f"stage {stage}: {k}")
