@@ -152,7 +152,10 @@ def checkpoint_world_2_to_1(folder):
     loaded = {"step": step, "master": one.fp32_state_dict(), "scale": one.optimizer.loss_scale,
               "tracker": one.optimizer.scaler.growth_tracker, "params": floats(one.state_dict())}
     momentum = one.optimizer.sharded_state_dict()["state"]["3.weight"]["momentum_buffer"]
-    return {"saved": saved, "loaded": loaded, "momentum": momentum.local.clone()}
+    fresh = disttrain.Zero(make_model(), sgd, stage=1, precision="fp16", group=solo)
+    fresh.load_state_dict(one.state_dict())  # a model state alone: masters follow it
+    return {"saved": saved, "loaded": loaded, "momentum": momentum.local.clone(),
+            "model_only": fresh.fp32_state_dict()}
 
 
 WIDTH, LAYERS = 64, 4
@@ -290,6 +293,8 @@ def test_mixed_checkpoint_keeps_master_and_scaler_and_loads_at_world_1(tmp_path_
         assert torch.equal(loaded["master"][k], v), k
         assert torch.equal(loaded["params"][k], v.to(torch.float16).float()), k
     assert got["momentum"].abs().sum() > 0  # the optimizer state came back too
+    for k, v in got["model_only"].items():  # loading params alone re-derives the masters
+        assert torch.equal(v, loaded["params"][k]), k
 
 
 @pytest.mark.timeout(180)
