@@ -77,8 +77,6 @@ def main(argv=None):
     mixed, loss_fn = args.precision != "fp32", None
     if mixed and not args.zero:
         raise SystemExit("--precision bf16/fp16 trains through ZeRO: add --zero 1, 2 or 3")
-    if mixed:  # NOTE: cast before parallelize, which records the dtypes full_state_dict sends
-        model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[args.precision])
     if mixed:  # the loss in fp32; fp16 scales it where it is computed: the last stage
         base = token_loss(mesh.group("tp") if args.tp > 1 else None)
         loss_fn = lambda out, y: base(out.float(), y)  # noqa: E731

@@ -12,7 +12,7 @@ import torch
 import disttrain
 from disttrain.mesh import Mesh, MeshShape
 from disttrain.models import GPT
-from disttrain.parallel.parallelize import ChunkOptimizers, parallelize
+from disttrain.parallel.parallelize import ChunkOptimizers, parallelize, token_loss
 from disttrain.parallel.zero import ZeroOptimizer
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
@@ -51,6 +51,17 @@ def every_stage_on_two_meshes():
         out = run_zero(mesh, zero, **kw)
         if disttrain.rank() == 0:
             ref.assert_matches_reference(out, expected)
+    # bf16 ZeRO casts the stages after parallelize saw the model: full_state_dict still
+    # gathers every stage's parameters to rank 0 in the model's own dtype, near fp32's.
+    base = token_loss()
+    out = run_zero(pp_dp, 1, schedule="1f1b", microbatches=2, dp_options={"precision": "bf16"},
+                   loss_fn=lambda o, t: base(o.float(), t))
+    if disttrain.rank() == 0:
+        params = out[2]
+        assert params.keys() == expected[2].keys()
+        for name, want in expected[2].items():
+            assert params[name].dtype == torch.float32, name
+            torch.testing.assert_close(params[name], want, atol=5e-2, rtol=0, msg=name)
     return True
 
 

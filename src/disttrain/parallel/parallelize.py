@@ -245,12 +245,14 @@ class ParallelModel(nn.Module):
         rank, shape = self.mesh.rank, self.mesh.shape
         for i, name in enumerate(self._full):
             src = shape.rank_at(pp=self._stage_of(name), dp=0, tp=0)
+            full_shape, dtype = self._full[name]
+            # NOTE: in the model's dtype as given: ZeRO mixed precision casts it after we
+            # recorded it, and sender and receiver must agree on the bytes.
             if rank == src == 0:
-                out[name] = local[name].cpu().clone()
+                out[name] = local[name].to(dtype).cpu().clone()
             elif rank == src:
-                ops.send(local[name].contiguous(), 0, tag=i)
+                ops.send(local[name].to(dtype).contiguous(), 0, tag=i)
             elif rank == 0:
-                full_shape, dtype = self._full[name]
                 buf = torch.empty(full_shape, dtype=dtype, device=self.pipeline.device)
                 ops.recv(buf, src, tag=i)
                 out[name] = buf.cpu()
