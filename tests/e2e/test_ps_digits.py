@@ -23,7 +23,7 @@ CASES = {
     "sync": [],
     "ksync": ["--k", "1", "--straggler", "fixed:rank=1,delay=0.02"],
     "kbatch-sync": ["--k", "2", "--straggler", "exp:mean=0.01", "--lr", "0.1"],
-    "async": [],
+    "async": ["--topk", "0.1"],  # top-k pushes with error feedback, through the CLI
     "kasync": ["--k", "1"],
     "kbatch-async": ["--k", "2"],
     "ssp": ["--staleness", "1"],
