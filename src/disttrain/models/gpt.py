@@ -10,9 +10,10 @@ let strategies act on it from outside (torchtitan's way):
   reads the head count from the tensor, so column-sharding qkv gives each tensor-parallel
   rank whole heads (as Megatron-LM lays it out).
 
-`GPT.tp_plan` is the tensor-parallel plan as data; `pipeline_layers()` names the layers a
-pipeline may cut between; `tied_parameters()` the weights tied by `tie_embeddings`;
-`recompute_layers()` the blocks activation recomputation may rerun.
+`GPT.tp_plan` is the tensor-parallel (and sequence-parallel) plan as data;
+`pipeline_layers()` names the layers a pipeline may cut between; `tied_parameters()` the
+weights tied by `tie_embeddings`; `recompute_layers()` the blocks activation
+recomputation may rerun.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):  # (B, T, C)
-        b, t, _ = x.shape
-        # NOTE: -1 is the number of heads this module holds (all, or a tp shard of them)
-        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(3)  # each (B, T, nh, hs)
+        qkv = self.qkv(x)  # (B, T, 3C)
+        # NOTE: shapes are read from qkv's output, not x: a sequence-parallel x is (B, T/tp,
+        # C) and qkv gathers it; -1 is the number of heads held (all, or a tp shard of them)
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, -1, 3, self.head_dim).unbind(3)  # each (B, T, nh, hs)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
@@ -121,6 +124,13 @@ class GPT(nn.Module):
         "mlp.fc": "colwise",
         "mlp.proj": "rowwise",
         "head.lm_head": "colwise",  # logits stay vocab-sharded for the vocab-parallel loss
+        # sequence parallelism only (apply_tp(..., sequence_parallel=True)): the embedding's
+        # output is split along the sequence, the LayerNorms run on shards, and every
+        # colwise layer (qkv, fc, lm_head) gathers the sequence it needs
+        "embed": "sequence_scatter",
+        "ln1": "sequence",
+        "ln2": "sequence",
+        "head.ln_f": "sequence",
     }
 
     def __init__(self, cfg: GPTConfig):

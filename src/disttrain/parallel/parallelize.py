@@ -14,6 +14,12 @@ instead of DataParallel, still last: ZeRO flattens (stage 3: removes) the parame
 is given, so it must see the final TP shards of one stage chunk; each (pp, tp) coordinate
 shards its own chunk over its dp peers. ZeRO keeps gradient *sums* until the step, so
 every micro-batch's backward reduces (no no_sync) and the sums accumulate correctly.
+NOTE (ZeRO mixed precision): fp16's overflow vote spans the whole job (every pp stage and
+tp rank, not only the dp group: Megatron/DeepSpeed reduce found_inf over the model-parallel
+world), one vote per step however many chunks a stage holds, so every rank skips alike and
+the loss scales stay equal; parallelize scales the loss itself (loss_fn returns the plain
+fp32 loss) and train_step returns it unscaled; clip_grad_norm_ clips the unscaled fp32
+master gradients, so max_norm means what it means in fp32.
 
 Who talks to whom: tp groups allreduce inside layers (Megatron f/g), pp groups exchange
 activations and gradients point to point, dp groups allreduce gradient buckets (ZeRO:
@@ -42,6 +48,7 @@ from disttrain.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from disttrain.parallel.zero import Zero
+from disttrain.parallel.zero.optimizer import vote_overflow
 
 __all__ = ["parallelize", "ParallelModel", "ChunkOptimizers"]
 
@@ -57,7 +64,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
                 schedule: str = "1f1b", microbatches: int = 1, num_virtual: int = 1,
                 loss_fn=None, layers: list[str] | None = None, costs: list[float] | None = None,
                 dp_options: dict | None = None, track_memory: bool = False, zero: int = 0,
-                optimizer_factory=None, recompute=False, tied=None) -> ParallelModel:
+                optimizer_factory=None, recompute=False, tied=None,
+                sequence_parallel: bool = False) -> ParallelModel:
     """Shard `model` over `mesh`: TP (plan), PP (schedule, micro-batches), DP or ZeRO. Blocks.
 
     Every rank passes the same, identically initialised model. `loss_fn(output, target)`
@@ -71,10 +79,17 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     activations are recomputed in backward (recompute.py). `tied`: sets of parameter
     names sharing one weight; by default `model.tied_parameters()` or the Parameters
     the model holds under several names; copies on different stages are kept equal.
+    `sequence_parallel`: with tp > 1, activations outside the tp layers are split along
+    the sequence over the tp group (Megatron-LM's sequence parallelism; the plan's
+    "sequence*" entries, as in GPT.tp_plan; the sequence length must divide by tp).
     """
     pp, tp, dp = mesh.size("pp"), mesh.size("tp"), mesh.size("dp")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0 (DataParallel) or a ZeRO stage 1, 2 or 3; got {zero!r}")
+    if sequence_parallel and tp > 1 and zero == 3:
+        raise ValueError("sequence_parallel sums LayerNorm gradients over tp in hooks on the "
+                         "Parameters, which ZeRO stage 3 replaces by flat units; use zero=1 "
+                         "or 2 with sequence_parallel, or sequence_parallel=False")
     if zero and optimizer_factory is None:
         raise ValueError(f"zero={zero} shards the optimizer state, so parallelize builds the "
                          "optimizer: pass optimizer_factory=lambda ps: torch.optim.AdamW(ps, "
@@ -87,7 +102,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     if tp > 1:
         if not plan:
             raise ValueError("tp > 1 needs a plan, e.g. GPT.tp_plan or {'mlp.fc': 'colwise', ...}")
-        apply_tp(model, mesh, plan)
+        apply_tp(model, mesh, plan, sequence_parallel=sequence_parallel)
         retie(model, tied)  # NOTE: TP cloned each tied name into its own shard
     if recompute:
         apply_recompute(model, recompute_names(model, recompute))
@@ -103,7 +118,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     device = next(model.parameters()).device
     if zero:
         chunks = [Zero(c, optimizer_factory, stage=zero, group=mesh.group("dp"),
-                       **(dp_options or {})) for c in chunks]
+                       **_zero_options(dp_options, tw, c)) for c in chunks]
+        tw.use_zero(chunks)
+        loss_fn = _scaled_loss(loss_fn, chunks, mesh.group("tp") if tp > 1 else None)
     elif dp > 1:
         from disttrain.parallel.data_parallel import DataParallel
 
@@ -128,13 +145,29 @@ def _tie_stages(chunks, tied, owner: dict, mesh: Mesh, zero: int) -> TiedWeights
     """Copies of weights tied across stages: their groups, made equal now. Blocks."""
     def stage_of(name):
         return _stage_of(owner, name)
-    if zero and any(len({stage_of(n) for n in names}) > 1 for names in tied):
-        raise ValueError(f"weights tied across pipeline stages ({tied}) need their gradients "
-                         "summed before ZeRO shards them; use zero=0 (DataParallel) with pp > "
-                         "1, or untie them (e.g. GPTConfig(tie_embeddings=False))")
     tw = build_tied(chunks, tied, stage_of, mesh)
     tw.broadcast_()  # NOTE: identical seeds make them equal already; this makes it certain
     return tw
+
+
+def _zero_options(dp_options: dict | None, tw: TiedWeights, chunk: nn.Module) -> dict:
+    """Zero's keywords: the user's dp_options, fp16's overflow vote over the whole job
+    (Mesh spans the world), and this chunk's tied copies in buffers of their own."""
+    mine = {id(p) for p in chunk.parameters()}
+    return {"overflow_group": dist.group.WORLD, **(dp_options or {}),
+            "separate": [p for p, _, _, _ in tw.sets if id(p) in mine]}
+
+
+def _scaled_loss(loss_fn, chunks: list, tp_group):
+    """The loss ZeRO mixed precision backpropagates: computed in fp32 by default, and
+    (fp16) times the loss scale, every stage's scale being equal."""
+    base = loss_fn or token_loss(tp_group)
+    if chunks[0].dtype is None:
+        return loss_fn
+    opt = chunks[0].optimizer
+    if loss_fn is None:
+        return lambda out, y: opt.scale_loss(base(out.float(), y))
+    return lambda out, y: opt.scale_loss(base(out, y))
 
 
 class ParallelModel(nn.Module):
@@ -165,6 +198,11 @@ class ParallelModel(nn.Module):
         the same on every rank.
         """
         loss = self.pipeline.step(inputs, targets)
+        fp16 = [c.optimizer for c in self.chunks if isinstance(c, Zero) and c.optimizer.scaler]
+        for opt in fp16:  # NOTE: the last stage scaled the loss; every stage's scale is equal
+            opt.mark_scaled()
+        if fp16:
+            loss = loss / fp16[0].loss_scale
         if self.mesh.size("dp") > 1:
             ops.all_reduce(loss, group=self.mesh.group("dp"))
             loss /= self.mesh.size("dp")
@@ -212,21 +250,23 @@ class ParallelModel(nn.Module):
         """clip_grad_norm_ over ZeRO shards: dp ranks hold disjoint pieces, summed too."""
         sq = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
         zeros = [c for c in self.chunks if isinstance(c, Zero)]
-        for z, counted in zip(zeros, self._counted):
-            z.optimizer._prepare()  # NOTE: wait for reductions, sums -> means, once per step
-            for shard, ranges in zip(z.engine.shard_parameters(), counted):
-                if shard.grad is not None:
-                    sq += sum((shard.grad[a:b].float().pow(2).sum() for a, b in ranges),
+        # NOTE: one fp16 overflow vote for all chunks (the world votes once per step)
+        if vote_overflow([z.optimizer for z in zeros]):
+            return torch.tensor(float("inf"))  # the step will be skipped on every rank
+        grads = [z.optimizer.grads_to_step() for z in zeros]  # unscaled fp32 masters if mixed
+        skip = self._tied.secondary  # NOTE: a tied weight counts once, on one stage
+        for z, counted, gs in zip(zeros, self._counted, grads):
+            for g, ranges, seg in zip(gs, counted, z.engine.segments()):
+                if g is not None and not (len(seg[2]) == 1 and seg[2][0][0] in skip):
+                    sq += sum((g[a:b].float().pow(2).sum() for a, b in ranges),
                               torch.zeros((), device=sq.device))
         for axis in ("dp", "tp", "pp"):
             if self.mesh.size(axis) > 1:
                 ops.all_reduce(sq, group=self.mesh.group(axis))
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for z in zeros:
-            for shard in z.engine.shard_parameters():
-                if shard.grad is not None:
-                    shard.grad.mul_(coef.to(shard.grad.dtype))
+        for g in (g for gs in grads for g in gs if g is not None):
+            g.mul_(coef.to(g.dtype))
         return norm
 
     def local_modules(self) -> list[nn.Module]:
@@ -296,7 +336,16 @@ class ChunkOptimizers:
     def param_groups(self) -> list[dict]:
         return [g for o in self.optimizers for g in o.param_groups]
 
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizers[0].loss_scale
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.optimizers[0].last_step_skipped
+
     def step(self) -> None:
+        vote_overflow(self.optimizers)  # NOTE: fp16: one vote, every chunk skips alike
         for o in self.optimizers:
             o.step()
 
@@ -356,8 +405,9 @@ def _unshard_zero(z: Zero, info: dict, grads: bool, group) -> dict[int, torch.Te
     if grads:
         z.optimizer._prepare()  # NOTE: averaged gradients, as DataParallel leaves them
     world, out = dist.get_world_size(group), {}
-    for shard, (_, _, segs) in zip(z.engine.shard_parameters(), z.engine.segments()):
-        t = shard.grad if grads else shard
+    for shard, g, (_, _, segs) in zip(z.engine.shard_parameters(), z.engine.shard_grads(),
+                                      z.engine.segments()):
+        t = g if grads else shard
         t = torch.zeros_like(shard) if t is None else t.detach()
         flat = torch.empty(t.numel() * world, dtype=t.dtype, device=t.device)  # (bucket,)
         ops.all_gather(list(flat.chunk(world)), t.contiguous(), group=group)

@@ -15,6 +15,12 @@ matmul is split across the ranks of a tensor-parallel group:
 `apply_tp(model, mesh_or_group, plan)` swaps a model's nn.Linear / nn.Embedding modules
 for these, from a plan that is data: {"attn.qkv": "colwise", "attn.proj": "rowwise"}.
 Communication lives in tp_comm.py (Megatron's f and g).
+
+`apply_tp(..., sequence_parallel=True)` adds sequence parallelism (Korthikanti et al.
+2022; sequence_parallel.py): column-parallel layers take a sequence shard and all-gather
+it, row-parallel layers reduce-scatter along the sequence, and the plan's "sequence*"
+entries say where the region starts (the embedding's output is scattered), which modules
+run on shards (LayerNorms) and, if needed, where it ends.
 """
 
 from __future__ import annotations
@@ -28,12 +34,25 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 from disttrain.comm import ops
-from disttrain.parallel.tp_comm import f, g, gather_last_dim, scatter_last_dim
+from disttrain.parallel.sequence_parallel import (
+    SEQUENCE_STYLES,
+    gather_output,
+    gathered_linear,
+    mark_sequence_parallel,
+    scatter_output,
+)
+from disttrain.parallel.tp_comm import (
+    f,
+    g,
+    gather_last_dim,
+    reduce_scatter_sequence,
+    scatter_last_dim,
+)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "apply_tp", "STYLES"]
 
-STYLES = ("colwise", "rowwise", "vocab")
+STYLES = ("colwise", "rowwise", "vocab") + SEQUENCE_STYLES
 
 
 def _shard_range(total: int, group, what: str) -> tuple[int, int]:
@@ -62,6 +81,10 @@ class ColumnParallelLinear(nn.Module):
         self._init_from(linear, group, gather_output)
         return self
 
+    sequence_parallel = False
+    """Input is a sequence shard (dim `sequence_dim`), all-gathered here (apply_tp sets it)."""
+    sequence_dim = 1
+
     def _init_from(self, linear: nn.Linear, group, gather_output: bool) -> None:
         lo, hi = _shard_range(linear.out_features, group, "out_features")
         self.group, self.gather_output = group, gather_output
@@ -83,13 +106,17 @@ class ColumnParallelLinear(nn.Module):
             out["bias"] = ShardedTensor(self.bias.detach(), (self.out_features,), (lo,))
         return out
 
-    def forward(self, x):  # (..., in) replicated
-        y = F.linear(f(x, self.group), self.weight, self.bias)  # (..., out/tp)
+    def forward(self, x):  # (..., in) replicated, or (B, T/tp, in) with sequence_parallel
+        if self.sequence_parallel:
+            y = gathered_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
+        else:
+            y = F.linear(f(x, self.group), self.weight, self.bias)  # (..., out/tp)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} "
-                f"(local {self.weight.shape[0]}), gather_output={self.gather_output}")
+                f"(local {self.weight.shape[0]}), gather_output={self.gather_output}"
+                + (", sequence_parallel" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -108,6 +135,10 @@ class RowParallelLinear(nn.Module):
         nn.Module.__init__(self)
         self._init_from(linear, group, input_is_parallel)
         return self
+
+    sequence_parallel = False
+    """Output reduce-scattered along dim `sequence_dim` instead of allreduced (apply_tp)."""
+    sequence_dim = 1
 
     def _init_from(self, linear: nn.Linear, group, input_is_parallel: bool) -> None:
         lo, hi = _shard_range(linear.in_features, group, "in_features")
@@ -130,11 +161,16 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):  # (..., in/tp), or (..., in) when not input_is_parallel
         if not self.input_is_parallel:
             x = scatter_last_dim(x, self.group)
-        y = g(F.linear(x, self.weight), self.group)  # (..., out) summed over tp
+        y = F.linear(x, self.weight)  # (..., out) partial sum of this rank's inputs
+        if self.sequence_parallel:  # (B, T/tp, out) summed over tp
+            y = reduce_scatter_sequence(y, self.group, self.sequence_dim)
+        else:
+            y = g(y, self.group)  # (..., out) summed over tp
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}"
+        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}"
+                + (", sequence_parallel" if self.sequence_parallel else ""))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -214,7 +250,16 @@ def _matches(name: str, key: str) -> bool:
     return name == key or name.endswith("." + key) or fnmatch.fnmatchcase(name, key)
 
 
-def _shard(module: nn.Module, style: str, group, name: str) -> nn.Module:
+def _shard(module: nn.Module, style: str, group, name: str, sp: dict | None = None) -> nn.Module:
+    out = _shard_one(module, style, group, name)
+    if sp and style in ("colwise", "rowwise"):
+        out.sequence_parallel, out.sequence_dim = True, sp["dim"]
+        if style == "rowwise" and out.bias is not None:  # NOTE: added to a sequence shard
+            mark_sequence_parallel(out.bias, group)
+    return out
+
+
+def _shard_one(module: nn.Module, style: str, group, name: str) -> nn.Module:
     if style in ("colwise", "rowwise") and type(module) is not nn.Linear:
         raise TypeError(f"plan says {name!r} is {style}, but it is a {type(module).__name__}, "
                         "not an nn.Linear")
@@ -228,13 +273,18 @@ def _shard(module: nn.Module, style: str, group, name: str) -> nn.Module:
     return VocabParallelEmbedding.from_embedding(module, group)
 
 
-def apply_tp(model: nn.Module, mesh_or_group, plan: dict[str, str]) -> nn.Module:
+def apply_tp(model: nn.Module, mesh_or_group, plan: dict[str, str],
+             sequence_parallel: bool = False, sequence_dim: int = 1) -> nn.Module:
     """Replace the modules named in `plan` by their tensor-parallel shards, in place.
 
     Plan keys match a module's qualified name exactly, as a dotted suffix ("attn.qkv"
     matches "blocks.0.attn.qkv"), or as a glob ("blocks.*.mlp.fc"). Styles: "colwise",
-    "rowwise" (nn.Linear), "vocab" (nn.Embedding). `mesh_or_group` is a Mesh (its tp
-    axis is used) or a process group. Blocks only in that shards are local copies.
+    "rowwise" (nn.Linear), "vocab" (nn.Embedding), and the sequence-parallel ones
+    ("sequence", "sequence_scatter", "sequence_gather"; sequence_parallel.py), which act
+    only with `sequence_parallel=True` (activations outside the tp layers split along
+    dim `sequence_dim`; the plan needs a "sequence_scatter" entry then). `mesh_or_group`
+    is a Mesh (its tp axis is used) or a process group. Blocks only in that shards are
+    local copies.
     """
     group = mesh_or_group.group("tp") if hasattr(mesh_or_group, "group") else mesh_or_group
     for key, style in plan.items():
@@ -245,11 +295,31 @@ def apply_tp(model: nn.Module, mesh_or_group, plan: dict[str, str]) -> nn.Module
         if not any(_matches(n, key) for n in names):
             raise ValueError(f"plan key {key!r} matches no module of {type(model).__name__}; "
                              f"module names look like {names[:6]}")
+    if sequence_parallel and "sequence_scatter" not in plan.values():
+        raise ValueError("sequence_parallel=True needs the plan to say where activations are "
+                         "split along the sequence: add e.g. {'embed': 'sequence_scatter', "
+                         "'ln1': 'sequence', ...} (see GPT.tp_plan)")
+    sp = dict(group=group, dim=sequence_dim) if sequence_parallel else None
     for name in names:
         styles = [s for k, s in plan.items() if _matches(name, k)]
+        for style in [s for s in styles if s in SEQUENCE_STYLES]:
+            if sp:
+                _sequence(model.get_submodule(name), style, **sp)
+        styles = [s for s in styles if s not in SEQUENCE_STYLES]
         if not styles:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, _shard(getattr(parent, attr), styles[0], group, name))
+        setattr(parent, attr, _shard(getattr(parent, attr), styles[0], group, name, sp))
     return model
+
+
+def _sequence(module: nn.Module, style: str, group, dim: int) -> None:
+    """Apply a sequence-parallel plan style to `module` (hooks; the module is unchanged)."""
+    if style == "sequence_scatter":
+        scatter_output(module, group, dim)
+    elif style == "sequence_gather":
+        gather_output(module, group, dim)
+    else:  # "sequence": runs on shards, so its replicated parameters see part of the data
+        for p in module.parameters():
+            mark_sequence_parallel(p, group)

@@ -10,8 +10,24 @@ figure 3) names two conjugate operators:
   partial outputs of a row-parallel layer are summed.
 
 A transformer layer has one f and one g in attention and one of each in the MLP: two
-allreduces forward and two backward. Who talks to whom: the ranks of one tensor-parallel
-`group` (a mesh's "tp" axis), with blocking allreduce / all-gather on it.
+allreduces forward and two backward.
+
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", https://arxiv.org/abs/2205.05198, section 4.2.2) splits the
+activations outside the tensor-parallel layers along the sequence dim, and turns the
+pair into all-gather / reduce-scatter along that dim (Megatron's mappings.py names):
+
+- `GatherSequence` (gather_from_sequence_parallel_region): all-gather forward,
+  reduce-scatter backward. Where a sequence shard enters a column-parallel layer.
+- `ReduceScatterSequence` (reduce_scatter_to_sequence_parallel_region): reduce-scatter
+  forward, all-gather backward. Where a row-parallel layer's partial sums leave.
+- `ScatterSequence` (scatter_to_sequence_parallel_region): keep this rank's slice
+  forward, all-gather backward. Where a replicated activation enters the region.
+- `GatherSequenceSplitGrad`: all-gather forward, keep the slice backward. Where the
+  region hands a replicated (not tensor-parallel) consumer the whole sequence.
+
+Who talks to whom: the ranks of one tensor-parallel `group` (a mesh's "tp" axis), with
+blocking allreduce / all-gather / reduce-scatter on it (comm/ops.py, so a hang names them).
 """
 
 from __future__ import annotations
@@ -22,7 +38,10 @@ import torch.distributed as dist
 from disttrain.comm import ops
 
 __all__ = ["MegatronF", "MegatronG", "GatherLastDim", "ScatterLastDim", "f", "g",
-           "gather_last_dim", "scatter_last_dim"]
+           "gather_last_dim", "scatter_last_dim", "GatherSequence", "ReduceScatterSequence",
+           "ScatterSequence", "GatherSequenceSplitGrad", "gather_sequence",
+           "reduce_scatter_sequence", "scatter_sequence", "gather_sequence_split_grad",
+           "check_sequence_length"]
 
 
 def _allreduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -118,3 +137,121 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 def scatter_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return ScatterLastDim.apply(x, group)
+
+
+# ---- sequence parallelism: collectives along the sequence dim ----
+
+def check_sequence_length(length: int, world: int, dim: int) -> None:
+    """Raise a ValueError saying how to fix it unless `length` splits over `world` ranks."""
+    if length % world:
+        raise ValueError(
+            f"sequence parallelism splits the sequence (dim {dim}, length {length}) over "
+            f"{world} tensor-parallel ranks, and {length} is not a multiple of {world}; use "
+            f"a sequence length (block size) that is a multiple of {world}, or turn "
+            "sequence_parallel off")
+
+
+def _gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """(.., T/tp, ..) shards -> (.., T, ..), rank order along `dim`. Blocks."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    # NOTE: all_gather_into_tensor concatenates along dim 0: move `dim` there and back
+    inp = x.movedim(dim, 0).contiguous()  # (T/tp, ...)
+    out = torch.empty((world * inp.shape[0],) + tuple(inp.shape[1:]), dtype=x.dtype,
+                      device=x.device)  # (T, ...)
+    ops.all_gather_into_tensor(out, inp, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """(.., T, ..) partial sums -> this rank's (.., T/tp, ..) slice of their sum. Blocks."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    check_sequence_length(x.shape[dim], world, dim)
+    inp = x.movedim(dim, 0).contiguous()  # (T, ...)
+    out = torch.empty((inp.shape[0] // world,) + tuple(inp.shape[1:]), dtype=x.dtype,
+                      device=x.device)  # (T/tp, ...)
+    ops.reduce_scatter_tensor(out, inp, group=group)
+    return out.movedim(0, dim)
+
+
+def _split_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    check_sequence_length(x.shape[dim], world, dim)
+    return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim forward; reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group, ctx.dim), None, None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence dim forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group, ctx.dim), None, None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """Keep this rank's sequence slice forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group, ctx.dim), None, None
+
+
+class GatherSequenceSplitGrad(torch.autograd.Function):
+    """All-gather along the sequence dim forward; keep this rank's gradient slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_seq(grad, ctx.group, ctx.dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Sequence shards -> whole sequence (backward: reduce-scatter). Blocks."""
+    return GatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Partial sums over the whole sequence -> this rank's summed shard. Blocks."""
+    return ReduceScatterSequence.apply(x, group, dim)
+
+
+def scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Replicated whole sequence -> this rank's shard (no communication forward)."""
+    return ScatterSequence.apply(x, group, dim)
+
+
+def gather_sequence_split_grad(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Sequence shards -> whole sequence for a replicated consumer (backward: slice). Blocks."""
+    return GatherSequenceSplitGrad.apply(x, group, dim)
