@@ -19,8 +19,18 @@ NOTE (ordering): the tied sum runs after the step's last backward, when DataPara
 already written dp-averaged gradients (its reduction finishes inside that backward). Sum
 and average are both linear, so summing averaged copies equals averaging summed ones;
 running after DP is what lets it read final gradients (as Megatron: finish_grad_sync,
-then the embedding all-reduce). ZeRO reduce-scatters gradients into dp shards during
-backward, so a tied pair split across stages is refused with zero > 0.
+then the embedding all-reduce).
+
+NOTE (ZeRO): ZeRO reduce-scatters gradients into dp shards during backward, so there is
+no full tied gradient left to sum. Instead each stage's ZeRO gives its tied copy a flat
+buffer (stage 3: a unit) of its own (`Zero(separate=...)`): same shape, same padding to
+a multiple of the dp size, so dp rank d owns the same slice [d S, (d+1) S) of the copy
+on every stage. After the step's last backward (ZeRO's reductions waited for) the
+copies' shard gradients (dp sums, in ZeRO's reduction dtype, loss-scaled in fp16 with
+the same scale everywhere) are all-reduced over the embedding group shard by shard:
+each then holds its slice of the gradient of the single weight, ZeRO averages and
+steps both alike (same masters, same optimizer state), and the copies stay bitwise
+equal. Summing after ZeRO's dp reduction is right for the reason above (linearity).
 
 Who talks to whom: the ranks of one embedding group (same dp and tp coordinate, first
 and last stage); one broadcast at set-up and one all-reduce per tied weight per step.
@@ -93,6 +103,15 @@ class TiedWeights:
 
     def __init__(self, sets: list[tuple[nn.Parameter, object, int, bool]]):
         self.sets = sets
+        self._zero: dict[int, object] = {}  # id(copy) -> the Zero that shards it
+
+    def use_zero(self, wrappers: list) -> None:
+        """The copies live in these ZeRO wrappers (built with `separate=` the copies):
+        sum their shard gradients instead of `.grad` (see the module NOTE)."""
+        for p, _, _, _ in self.sets:
+            for z in wrappers:
+                if id(p) in z.param_shapes:
+                    self._zero[id(p)] = z
 
     @property
     def secondary(self) -> set[int]:
@@ -112,6 +131,10 @@ class TiedWeights:
         NOTE: call after the dp reduction has finished (see module doc).
         """
         for p, group, _, _ in self.sets:
+            z = self._zero.get(id(p))
+            if z is not None:  # this rank's dp shard of the copy's gradient (waits for ZeRO)
+                ops.all_reduce(z.separate_grad(p), group=group)
+                continue
             if p.grad is None:  # a copy that got no gradient still joins the sum
                 p.grad = torch.zeros_like(p)
             ops.all_reduce(p.grad, group=group)

@@ -20,6 +20,11 @@ precision, the factory gets fp32 master shards. fp16 scales the loss:
     model = disttrain.Zero(net, factory, stage=2, precision="fp16")
     model.optimizer.backward(loss); model.optimizer.step()   # may skip on overflow
 
+`reduce_dtype=torch.float32` reduces gradients in fp32 under bf16/fp16 (DeepSpeed's
+communication_data_type, FSDP's reduce_dtype): twice the reduction bytes, no
+low-precision rounding of the sum. `overflow_group` widens fp16's overflow vote beyond
+`group` (parallelize passes the whole job, so every pp stage and tp rank skips together).
+
 Per-parameter options (`param_groups=`, groups.py): the factory then gets torch param
 groups over the shards, e.g. `lambda groups: torch.optim.AdamW(groups, lr=1e-3)`.
 
@@ -65,6 +70,13 @@ class Zero(nn.Module):
     loss_scaler: fp16 only: a `LossScaler` (dynamic; default LossScaler()).
     param_groups: per-parameter optimizer options by name (groups.py): a function
         (name, param) -> options, or a list of {"params": [names], **options}.
+    reduce_dtype: dtype gradients are reduced (and the shard gradients kept) in; None:
+        the parameters' (the low precision). torch.float32 under bf16/fp16.
+    overflow_group: fp16: the group whose ranks vote on overflow together (default
+        `group`); it must contain `group` (e.g. the world, for pipeline/tensor parallel).
+    separate: parameters that get a flat buffer (stage 3: a unit) of their own, so every
+        group of the same size shards them at the same offsets (parallelize: weights
+        tied across pipeline stages; `separate_grad(p)` then gives their shard gradient).
 
     Construction blocks (parameters and buffers are broadcast from group rank 0).
     `model.optimizer.step()` blocks until the step's collectives are done.
@@ -73,7 +85,9 @@ class Zero(nn.Module):
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, stage: int = 2,
                  group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0, *,
                  precision: str = "fp32", loss_scaler: mixed.LossScaler | None = None,
-                 param_groups: groups.ParamGroups = None):
+                 param_groups: groups.ParamGroups = None,
+                 reduce_dtype: torch.dtype | None = None, overflow_group: Any = "group",
+                 separate: Iterable[nn.Parameter] = ()):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"Zero wraps an nn.Module, got {type(module).__name__}")
@@ -81,12 +95,18 @@ class Zero(nn.Module):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         _check_arguments(optimizer_factory, precision, loss_scaler)
         self.dtype = mixed.low_dtype(precision)
+        _check_reduce_dtype(reduce_dtype, precision)
         if not dist.is_initialized():
             raise RuntimeError("Zero needs a process group: call disttrain.init() first")
         if dist.get_rank(group) < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the group it was given")
         self.module, self.stage, self.group, self.precision = module, stage, group, precision
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.overflow_group = group if isinstance(overflow_group, str) else overflow_group
+        if dist.get_rank(self.overflow_group) < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of overflow_group; pass "
+                             "a group holding every rank of `group` (e.g. None: the world)")
+        self.reduce_dtype = reduce_dtype
         self.comm_stats = comm.CommStats()
         params = _unique(p for p in module.parameters() if p.requires_grad)
         if not params:
@@ -98,11 +118,12 @@ class Zero(nn.Module):
         _broadcast_module(module, group, self.comm_stats)
         self.param_names = {id(p): n for n, p in module.named_parameters()}  # before stage 3
         self.param_shapes = {id(p): p.shape for p in params}
+        own = {id(p) for p in separate}
         if stage == 3:
-            self.engine = ParamShards(module, group, self.comm_stats, group_of)
+            self.engine = ParamShards(module, group, self.comm_stats, group_of, reduce_dtype, own)
         else:
             self.engine = FlatShards(params, stage, group, mb_to_bytes(bucket_mb), self.comm_stats,
-                                     group_of)
+                                     group_of, reduce_dtype, own)
         shards = self.engine.shard_parameters()
         self.masters = mixed.MasterWeights(shards) if self.dtype is not None else None
         stepped = self.masters.masters if self.masters is not None else shards
@@ -124,6 +145,12 @@ class Zero(nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, scaled in fp16 (DeepSpeed's engine.backward). Blocks."""
         self.optimizer.backward(loss)
+
+    def separate_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's shard of the (dp-summed, not yet averaged) gradient of `p`, a
+        parameter given in `separate`, in place: changing it changes what is stepped.
+        Blocks (waits for this step's reductions)."""
+        return self.engine.separate_grad(p)
 
     def fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters by name: the masters in mixed precision, else the
@@ -191,6 +218,13 @@ def _check_arguments(optimizer_factory, precision: str, loss_scaler) -> None:
     if loss_scaler is not None and not isinstance(loss_scaler, mixed.LossScaler):
         raise TypeError("loss_scaler must be a disttrain.LossScaler(init_scale=..., ...), "
                         f"got {type(loss_scaler).__name__}")
+
+
+def _check_reduce_dtype(reduce_dtype, precision: str) -> None:
+    low = mixed.LOW_DTYPES[precision] or torch.float32
+    if reduce_dtype is not None and reduce_dtype not in (torch.float32, low):
+        raise ValueError(f"reduce_dtype must be None (reduce in the parameters' {low}) or "
+                         f"torch.float32 with precision={precision!r}, got {reduce_dtype!r}")
 
 
 def _build_optimizer(factory, stepped: list, where: list[int],

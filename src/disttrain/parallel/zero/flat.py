@@ -19,6 +19,14 @@ that is a view of the owned chunk, so its state covers Psi/N elements.
 Bytes sent per step: stage 0 all-reduce 2 (N-1)/N Psi; stages 1-2 reduce-scatter +
 all-gather, also 2 (N-1)/N Psi (sec. 7.2.1).
 
+`reduce_dtype` (e.g. fp32 under bf16/fp16 parameters; DeepSpeed's
+communication_data_type, FSDP's reduce_dtype): each bucket's gradient is cast up before
+its collective and the reduced shard gradient is kept in that dtype (`shard_grads()`,
+not `shard.grad`, which must match the parameter's dtype); reduction bytes grow by the
+dtype ratio. `separate`: ids of parameters that get a bucket of their own, so any
+group of the same size shards them at the same offsets (weights tied across pipeline
+stages, whose shard gradients are then summed shard by shard: pipeline/tied.py).
+
 NOTE: stages 1-2 keep gradient *sums* until `step()` divides by N, so several
 backward passes before a step accumulate correctly (stage 1 zeroes the chunks it does
 not own once reduced). Every rank must produce gradients for the same parameters.
@@ -62,6 +70,7 @@ class _Bucket:
             self.shard.grad = self.grad[lo:hi]
         self.ready = 0
         self.pending = None  # (work, buffer) of the collective in flight
+        self.rgrad = None  # with reduce_dtype: (hi - lo,) reduced shard gradient in it
 
     def _view(self, p: torch.Tensor) -> torch.Tensor:
         off = self.offset_of[id(p)]
@@ -81,19 +90,22 @@ class FlatShards:
     """Stages 0-2 over `params` (a deduplicated list); see the module docstring."""
 
     def __init__(self, params: list[nn.Parameter], stage: int, group, bucket_bytes: int,
-                 stats: comm.CommStats, group_of: dict[int, int] | None = None):
+                 stats: comm.CommStats, group_of: dict[int, int] | None = None,
+                 reduce_dtype: torch.dtype | None = None, separate: set[int] = frozenset()):
         import torch.distributed as dist
 
         if stage not in (0, 1, 2):
             raise ValueError(f"FlatShards handles stages 0-2, got {stage}")
         self.stage, self.group, self.stats = stage, group, stats
+        self.reduce_dtype = reduce_dtype if reduce_dtype != params[0].dtype else None
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         pad = 1 if stage == 0 else self.world
         group_of = group_of or {}
         # NOTE: the optimizer group is part of the key: groups never share a flat shard
         specs = assign_buckets(
             [p.numel() for p in params], [p.element_size() for p in params], bucket_bytes,
-            keys=[(p.dtype, p.device, group_of.get(id(p), 0)) for p in params], pad_to=pad)
+            keys=[(p.dtype, p.device, group_of.get(id(p), 0), id(p) if id(p) in separate else 0)
+                  for p in params], pad_to=pad)
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         for spec in specs:
@@ -119,6 +131,34 @@ class FlatShards:
     def shard_groups(self) -> list[int]:
         """The optimizer group index of each shard parameter (same order)."""
         return [b.group for b in self.buckets]
+
+    def shard_grads(self) -> list[torch.Tensor | None]:
+        """The reduced gradient of each shard parameter (same order): `shard.grad`, or
+        in `reduce_dtype` when one is set. Sums until prepare_step() averages them."""
+        if self.reduce_dtype is None:
+            return [b.shard.grad for b in self.buckets]
+        return [b.rgrad for b in self.buckets]
+
+    def separate_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the gradient sum of `p`, which has a bucket of its own
+        (`separate`); zeros if it got none. Waits for reductions (blocks)."""
+        self.finish()
+        b = self._bucket_of[id(p)]
+        if len(b.params) != 1:
+            raise ValueError("separate_grad needs a parameter given in `separate`")
+        i = self.buckets.index(b)
+        if self.shard_grads()[i] is None:
+            self._add_shard_grad(b, torch.zeros(b.hi - b.lo, dtype=self.reduce_dtype or
+                                                b.data.dtype, device=b.data.device))
+        return self.shard_grads()[i]
+
+    def _add_shard_grad(self, b: _Bucket, out: torch.Tensor) -> None:
+        if self.reduce_dtype is not None:
+            b.rgrad = out if b.rgrad is None else b.rgrad.add_(out)
+        elif b.shard.grad is None:
+            b.shard.grad = out
+        else:
+            b.shard.grad.add_(out)
 
     def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Per shard parameter: (lo, hi) in its bucket and (id(param), offset, numel)s."""
@@ -147,7 +187,9 @@ class FlatShards:
         b.ready = 0
         if b.pending is not None:  # a second backward before step: finish the first
             self._wait(b)
-        if self.stage == 0:
+        if self.reduce_dtype is not None:
+            self._launch_up(b)
+        elif self.stage == 0:
             b.pending = (comm.all_reduce(b.grad, self.group, self.stats, async_op=True), None)
         elif self.stage == 1:
             work = comm.reduce_scatter(b.grad[b.lo:b.hi], b.grad, self.group, self.stats,
@@ -166,22 +208,43 @@ class FlatShards:
             while len(self._inflight) > _MAX_INFLIGHT:  # bounds transient full gradients
                 self._wait(self._inflight.pop(0))
 
+    def _launch_up(self, b: _Bucket) -> None:
+        """`_launch` in reduce_dtype: a cast-up copy of the local gradient is reduced into
+        a new shard-sized tensor; the low-precision gradient is then zeroed/dropped."""
+        flat = torch.zeros(b.data.numel(), dtype=self.reduce_dtype, device=b.data.device)
+        for p, off in zip(b.params, b.offsets):
+            if p.grad is not None:
+                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        if self.stage < 2:
+            b.grad.zero_()  # NOTE: the sum now lives in b.rgrad; the next backward adds anew
+        else:
+            for p in b.params:
+                p.grad = None
+        if self.stage == 0:
+            work = comm.all_reduce(flat, self.group, self.stats, async_op=True)
+            b.pending = (work, (flat, flat))
+        else:
+            out = torch.empty(b.hi - b.lo, dtype=self.reduce_dtype, device=flat.device)
+            work = comm.reduce_scatter(out, flat, self.group, self.stats, async_op=True)
+            b.pending = (work, (flat, out))
+        self._inflight = [c for c in self._inflight if c.pending is not None] + [b]
+        while len(self._inflight) > _MAX_INFLIGHT:
+            self._wait(self._inflight.pop(0))
+
     @torch.no_grad()
     def _wait(self, b: _Bucket) -> None:
         work, bufs = b.pending
         work.wait()
         b.pending = None
-        if self.stage == 0:
+        if self.reduce_dtype is not None:
+            self._add_shard_grad(b, bufs[1])  # stage 0: the sum, averaged in prepare_step
+        elif self.stage == 0:
             b.grad.div_(self.world)  # NOTE: average now (DDP semantics) so re-reduce is right
         elif self.stage == 1:
             b.grad[:b.lo].zero_()  # chunks we do not own are never read again
             b.grad[b.hi:].zero_()
         else:
-            _, out = bufs
-            if b.shard.grad is None:
-                b.shard.grad = out
-            else:
-                b.shard.grad.add_(out)
+            self._add_shard_grad(b, bufs[1])
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
@@ -202,11 +265,11 @@ class FlatShards:
     def prepare_step(self, average: bool = True) -> None:
         """Wait for reductions and (`average`) turn gradient sums into means (blocks)."""
         self.finish()
-        if self.stage == 0 or not average:
+        if (self.stage == 0 and self.reduce_dtype is None) or not average:
             return
-        for b in self.buckets:
-            if b.shard.grad is not None:
-                b.shard.grad.div_(self.world)
+        for g in self.shard_grads():
+            if g is not None:
+                g.div_(self.world)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -222,6 +285,7 @@ class FlatShards:
         """Forget gradients: zero the flat buffers (stages 0-1) or drop shards (stage 2)."""
         self.finish()
         for b in self.buckets:
+            b.rgrad = None
             if self.stage < 2:
                 b.grad.zero_()
             else:
@@ -237,4 +301,5 @@ class FlatShards:
         grads += [b.shard.grad for b in self.buckets if self.stage == 2 and b.shard.grad is not None]
         grads += [p.grad for b in self.buckets for p in b.params
                   if self.stage == 2 and p.grad is not None]
+        grads += [b.rgrad for b in self.buckets if b.rgrad is not None]
         return {"params": [b.data for b in self.buckets], "grads": grads}

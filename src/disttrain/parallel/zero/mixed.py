@@ -10,8 +10,11 @@ stages 1-3), whose states it also holds in fp32. One step:
                         the low precision by the engine (flat.py / stage3.py), and
                         averaged (/ N) in it
     to_master           master.grad = shard.grad (fp32) / scale
-    found_inf (fp16)    any inf/nan in any rank's master gradient? one all-reduce, so
-                        every rank takes the same decision
+    found_inf (fp16)    any inf/nan in any rank's master gradient? one all-reduce over
+                        the overflow group (the dp group; under parallelize the whole
+                        job: every pp stage and tp rank, as Megatron/DeepSpeed reduce
+                        found_inf over the model-parallel world), so every rank takes
+                        the same decision and the loss scales stay equal
     step or skip        skip: scale *= backoff; else inner.step() on the masters and
                         every `growth_interval` good steps scale *= growth
     copy_down           shard <- master (cast), then the engine all-gathers (stages 1-2)
@@ -20,7 +23,7 @@ stages 1-3), whose states it also holds in fp32. One step:
 hysteresis: initial scale 2**16, x2 after 1000 overflow-free steps, x0.5 on overflow.
 
 Who talks to whom: api.ZeroOptimizer owns a `MasterWeights` and a `LossScaler`; the
-overflow vote goes through comm.py on the ZeRO group.
+overflow vote goes through comm.py on the overflow group (default: the ZeRO group).
 """
 
 from __future__ import annotations
@@ -123,19 +126,21 @@ class MasterWeights:
         self.masters = [nn.Parameter(s.detach().float().clone()) for s in shards]
 
     @torch.no_grad()
-    def to_master(self, divisor: float) -> None:
-        """master.grad = shard.grad in fp32 / divisor (None where the shard has none)."""
-        for s, m in zip(self.shards, self.masters):
-            m.grad = None if s.grad is None else s.grad.float().div_(divisor)
+    def to_master(self, grads: list[torch.Tensor | None], divisor: float) -> None:
+        """master.grad = grads[i] (the shards' reduced gradients) in fp32 / divisor."""
+        for g, m in zip(grads, self.masters):
+            # NOTE: a copy even when g is fp32 (reduce_dtype): never the engine's buffer
+            m.grad = None if g is None else g.to(torch.float32, copy=True).div_(divisor)
 
-    @torch.no_grad()
-    def found_inf(self, group, stats: comm.CommStats) -> bool:
-        """Whether any rank's master gradient holds inf/nan (blocks: one all-reduce)."""
+    def local_inf(self) -> bool:
+        """Whether this rank's master gradients hold an inf/nan (no communication)."""
         bad = [torch.logical_not(m.grad.isfinite().all()) for m in self.masters
                if m.grad is not None]
-        flag = torch.stack(bad).any().float().reshape(1) if bad else torch.zeros(1)
-        comm.all_reduce(flag, group, stats)  # NOTE: every rank must take the same decision
-        return bool(flag.item() > 0)
+        return bool(torch.stack(bad).any()) if bad else False
+
+    def found_inf(self, group, stats: comm.CommStats) -> bool:
+        """Whether any rank's master gradient holds inf/nan (blocks: one all-reduce)."""
+        return vote(self.local_inf(), group, stats, self.masters[0].device)
 
     @torch.no_grad()
     def copy_down(self) -> None:
@@ -152,3 +157,13 @@ class MasterWeights:
     def drop_grads(self) -> None:
         for m in self.masters:
             m.grad = None
+
+
+@torch.no_grad()
+def vote(local: bool, group, stats: comm.CommStats, device=None) -> bool:
+    """Whether any rank of `group` saw an overflow (blocks: one 4-byte all-reduce).
+
+    NOTE: every rank of `group` must call it once per step (same decision everywhere)."""
+    flag = torch.tensor([float(local)], device=device)
+    comm.all_reduce(flag, group, stats)
+    return bool(flag.item() > 0)

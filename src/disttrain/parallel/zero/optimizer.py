@@ -23,7 +23,7 @@ from disttrain.parallel.zero import comm, mixed
 if TYPE_CHECKING:
     from disttrain.parallel.zero.api import Zero
 
-__all__ = ["ZeroOptimizer", "state_tensors"]
+__all__ = ["ZeroOptimizer", "state_tensors", "vote_overflow"]
 
 
 class ZeroOptimizer:
@@ -44,6 +44,7 @@ class ZeroOptimizer:
         self._prepared = False  # reductions waited for, gradients averaged
         self._on_masters = False  # mixed: gradients moved into the fp32 masters
         self._found_inf = False  # fp16: some rank's gradient overflowed this step
+        self._voted = False  # fp16: the overflow vote of this step is done
         self._scaled = False  # fp16: the loss was scaled since the last step
         self.last_step_skipped = False
 
@@ -74,6 +75,11 @@ class ZeroOptimizer:
         self._scaled = True
         return loss * self.scaler.scale if self.scaler is not None else loss
 
+    def mark_scaled(self) -> None:
+        """Say that this step's backward ran from a loss scaled by `loss_scale` that was
+        computed elsewhere (another pipeline stage; parallelize calls it). No comm."""
+        self._scaled = True
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the loss scale (fp16), else of `loss` (DeepSpeed's
         engine.backward). Blocks until backward is done (stages 0-1: and reduced)."""
@@ -89,22 +95,34 @@ class ZeroOptimizer:
         o = self._owner
         o.engine.prepare_step()
         if self.scaler is not None and not self._scaled and any(
-                s.grad is not None for s in o.engine.shard_parameters()):
+                g is not None for g in o.engine.shard_grads()):
             raise RuntimeError("precision='fp16' needs loss scaling: call "
                                "model.optimizer.backward(loss) (or model.backward(loss), or "
                                "backward of model.optimizer.scale_loss(loss)) instead of "
                                "loss.backward()")
         self._prepared = True
 
-    def _to_masters(self) -> None:
+    def _to_masters(self, vote: bool = True) -> None:
         """Mixed precision, once per step: fp32 master gradients = shard gradients / scale,
-        and (fp16) the overflow vote. Blocks (fp16: one all-reduce)."""
+        and (fp16, `vote`) the overflow vote over the owner's overflow group. Blocks
+        (fp16: one all-reduce)."""
         o = self._owner
-        if o.masters is None or self._on_masters:
-            return
-        o.masters.to_master(self.loss_scale)
-        self._found_inf = self.scaler is not None and o.masters.found_inf(o.group, o.comm_stats)
-        self._on_masters = True
+        if o.masters is not None and not self._on_masters:
+            o.masters.to_master(o.engine.shard_grads(), self.loss_scale)
+            self._on_masters = True
+        if vote and self.scaler is not None and not self._voted:
+            self._found_inf = o.masters.found_inf(o.overflow_group, o.comm_stats)
+            self._voted = True
+
+    def grads_to_step(self) -> list[torch.Tensor | None]:
+        """The gradients step() applies, one per shard parameter: the fp32 masters'
+        (unscaled) in mixed precision, else the shards'. Call after backward; blocks
+        (waits for reductions, averages; fp16: the overflow vote)."""
+        self._prepare()
+        self._to_masters()
+        if self._owner.masters is not None:
+            return [m.grad for m in self._owner.masters.masters]
+        return self._owner.engine.shard_grads()
 
     def step(self, closure=None):
         if closure is not None:
@@ -129,6 +147,7 @@ class ZeroOptimizer:
 
     def _reset(self) -> None:
         self._prepared = self._on_masters = self._found_inf = self._scaled = False
+        self._voted = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._owner.engine.zero_grad()
@@ -224,6 +243,27 @@ class ZeroOptimizer:
                 for m, v in zip(self._owner.masters.masters, state_dict["master"]):
                     m.copy_(v)
         self._load_mixed(state_dict)
+
+
+def vote_overflow(optimizers: list[ZeroOptimizer]) -> bool:
+    """One fp16 overflow vote for several ZeroOptimizers of this rank (the chunks of an
+    interleaved pipeline stage), over the first one's overflow group; every optimizer
+    then skips or steps alike. Returns the decision. Blocks (one all-reduce).
+
+    NOTE: one vote per step on every rank of the overflow group, however many chunks a
+    rank holds, so the collectives match and every rank's loss scale moves alike."""
+    fp16 = [o for o in optimizers if o.scaler is not None]
+    if not fp16 or all(o._voted for o in fp16):
+        return any(o._found_inf for o in fp16)
+    for o in optimizers:
+        o._prepare()
+        o._to_masters(vote=False)
+    first = fp16[0]._owner
+    found = mixed.vote(any(o._owner.masters.local_inf() for o in fp16), first.overflow_group,
+                       first.comm_stats, first.masters.masters[0].device)
+    for o in fp16:
+        o._found_inf, o._voted = found, True
+    return found
 
 
 def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -22,6 +22,11 @@ forward. Freeing resizes the *storage* to 0 and gathering resizes it back and wr
 through a separate alias tensor, so those saved views read the gathered values in
 backward and their version counters are untouched (FSDP's flat-parameter trick).
 
+`reduce_dtype` (e.g. fp32 under bf16/fp16): the full gradient is cast up before its
+reduce-scatter and the shard gradient kept in it (`shard_grads()`). `separate`: ids of
+parameters that get a unit of their own (same offsets on any group of the same size;
+pipeline/tied.py sums such shard gradients across stages).
+
 Who talks to whom: api.Zero drives this; module hooks call back into `_pre_forward`,
 `_post_forward`, `_pre_backward_of` and `_on_full_grad_of`; those call comm.py.
 """
@@ -61,6 +66,7 @@ class _Unit:
         size = numel // world
         self.shard = nn.Parameter(flat[rank * size:(rank + 1) * size].clone())  # (S,)
         self.full = torch.empty(numel, dtype=p0.dtype, device=p0.device).requires_grad_()
+        self.rgrad = None  # with reduce_dtype: (S,) shard gradient in it
         self.numel, self.nbytes = numel, numel * flat.element_size()
         self.work = None  # all-gather in flight
         self.views: list[torch.Tensor] = []
@@ -81,8 +87,10 @@ class ParamShards:
     """Stage 3 over `module` (its trainable parameters become per-unit shards)."""
 
     def __init__(self, module: nn.Module, group, stats: comm.CommStats,
-                 group_of: dict[int, int] | None = None):
+                 group_of: dict[int, int] | None = None,
+                 reduce_dtype: torch.dtype | None = None, separate: set[int] = frozenset()):
         self.group, self.stats = group, stats
+        self.reduce_dtype, self._separate = reduce_dtype, separate
         self._group_of = group_of or {}
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.units: list[_Unit] = []
@@ -105,8 +113,9 @@ class ParamShards:
             new = [p for _, p in own if id(p) not in seen]
             by_group: dict[int, list[nn.Parameter]] = {}
             for p in new:  # NOTE: one unit per optimizer group: groups never share a shard
-                by_group.setdefault(self._group_of.get(id(p), 0), []).append(p)
-            for gi, members in by_group.items():
+                key = (self._group_of.get(id(p), 0), id(p) if id(p) in self._separate else 0)
+                by_group.setdefault(key, []).append(p)
+            for (gi, _), members in by_group.items():
                 unit = _Unit(members, self.world, self.rank)
                 unit.group = gi
                 self.units.append(unit)
@@ -123,6 +132,8 @@ class ParamShards:
                 setattr(m, n, u.views[i])
         for u in self.units:
             u.full.register_post_accumulate_grad_hook(self._on_full_grad_of(u))
+        if self.reduce_dtype == (self.units[0].shard.dtype if self.units else None):
+            self.reduce_dtype = None
 
     def shard_parameters(self) -> list[nn.Parameter]:
         return [u.shard for u in self.units]
@@ -130,6 +141,33 @@ class ParamShards:
     def shard_groups(self) -> list[int]:
         """The optimizer group index of each shard parameter (same order)."""
         return [u.group for u in self.units]
+
+    def shard_grads(self) -> list[torch.Tensor | None]:
+        """The reduced gradient of each shard (same order): `shard.grad`, or the one
+        kept in `reduce_dtype`. Sums until prepare_step() averages them."""
+        if self.reduce_dtype is None:
+            return [u.shard.grad for u in self.units]
+        return [u.rgrad for u in self.units]
+
+    def separate_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the gradient sum of `p`, which has a unit of its own
+        (`separate`); zeros if it got none. Waits for reduce-scatters (blocks)."""
+        self.finish()
+        i, u = next((i, u) for i, u in enumerate(self.units) if id(p) in u.param_ids)
+        if len(u.param_ids) != 1:
+            raise ValueError("separate_grad needs a parameter given in `separate`")
+        if self.shard_grads()[i] is None:
+            self._add_shard_grad(u, torch.zeros(u.shard.numel(), device=u.shard.device,
+                                                dtype=self.reduce_dtype or u.shard.dtype))
+        return self.shard_grads()[i]
+
+    def _add_shard_grad(self, u: _Unit, out: torch.Tensor) -> None:
+        if self.reduce_dtype is not None:
+            u.rgrad = out if u.rgrad is None else u.rgrad.add_(out)
+        elif u.shard.grad is None:
+            u.shard.grad = out
+        else:
+            u.shard.grad.add_(out)
 
     def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Per shard parameter: (lo, hi) in its unit and (id(param), offset, numel)s."""
@@ -220,8 +258,10 @@ class ParamShards:
             full.grad = None
             while len(self._pending) >= _MAX_INFLIGHT:
                 self._wait_one()
+            if self.reduce_dtype is not None:
+                grad = grad.to(self.reduce_dtype)
             self._account(grad.numel() * grad.element_size())
-            out = torch.empty_like(u.shard)  # (S,)
+            out = torch.empty(u.shard.numel(), dtype=grad.dtype, device=grad.device)  # (S,)
             work = comm.reduce_scatter(out, grad, self.group, self.stats, async_op=True)
             self._pending.append((work, grad, out, u))
             self._free(u)
@@ -232,10 +272,7 @@ class ParamShards:
         work, grad, out, u = self._pending.pop(0)
         work.wait()
         self._account(-grad.numel() * grad.element_size())
-        if u.shard.grad is None:
-            u.shard.grad = out
-        else:
-            u.shard.grad.add_(out)
+        self._add_shard_grad(u, out)
 
     # ---- step --------------------------------------------------------------------
 
@@ -251,9 +288,9 @@ class ParamShards:
     def prepare_step(self, average: bool = True) -> None:
         """Wait for reduce-scatters and (`average`) turn sums into means (blocks)."""
         self.finish()
-        for u in self.units if average else ():
-            if u.shard.grad is not None:
-                u.shard.grad.div_(self.world)
+        for g in self.shard_grads() if average else ():
+            if g is not None:
+                g.div_(self.world)
 
     def after_step(self) -> None:
         """Nothing to gather: the next forward gathers each unit as it needs it."""
@@ -261,11 +298,11 @@ class ParamShards:
     def zero_grad(self) -> None:
         self.finish()
         for u in self.units:
-            u.shard.grad = None
+            u.shard.grad = u.rgrad = None
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         params = [u.shard for u in self.units] + [u.full for u in self.units if u.gathered]
-        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        grads = [g for g in self.shard_grads() if g is not None]
         return {"params": params, "grads": grads}
 
     # ---- full parameters for state_dict ---------------------------------------------
