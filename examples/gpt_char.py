@@ -9,6 +9,7 @@ running Python: no download. The same script runs alone or under a launcher:
     disttrain run --nproc 8 examples/gpt_char.py --pp 2 --dp 2 --tp 2 --microbatches 4
     disttrain run --nproc 4 examples/gpt_char.py --dp 2 --tp 2 --zero 2  # ZeRO over dp
     disttrain run --nproc 4 examples/gpt_char.py --pp 2 --tp 2 --tie --recompute
+    disttrain run --nproc 4 examples/gpt_char.py --dp 2 --tp 2 --sequence-parallel
     disttrain run --nproc 2 examples/gpt_char.py --dp 2 --zero 2 --precision bf16
 
 It prints the loss going down and, at the end, a sample of generated text.
@@ -43,6 +44,9 @@ def parse_args(argv=None):
                    help="tie the token embedding and the LM head (one copy per pipeline stage)")
     p.add_argument("--recompute", action="store_true",
                    help="recompute each transformer block's activations in backward")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp > 1: split LayerNorm/residual activations along the "
+                        "sequence over tp (Megatron); --block-size must divide by --tp")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step")
     p.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved only)")
     p.add_argument("--steps", type=int, default=150)
@@ -89,6 +93,7 @@ def main(argv=None):
     model = disttrain.parallelize(model, mesh, plan=GPT.tp_plan, schedule=args.schedule,
                                   microbatches=args.microbatches, num_virtual=virtual,
                                   zero=args.zero, recompute=args.recompute, loss_fn=loss_fn,
+                                  sequence_parallel=args.sequence_parallel,
                                   dp_options={"precision": args.precision} if mixed else None,
                                   optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     opt = model.optimizer
