@@ -8,11 +8,21 @@ forward (incl. the vocab-parallel loss) and in the backward, and fits count = a*
 The peer is PyTorch's own tensor parallel (DTensor `parallelize_module` with
 Colwise/RowwiseParallel) on the same MLP, counted the same way, with a timing of both.
 
+Sequence parallelism (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198): the
+same GPT with `sequence_parallel=True` at tp=2 and tp=4, its collectives per layer
+(counted at the flight recorder, i.e. everything through disttrain.comm, with their
+payload bytes: the whole tensor reduced or gathered) against plain TP, and the bytes
+one block saves for backward (torch.autograd.graph.saved_tensors_hooks, weights
+excluded) in its LayerNorms, its column-parallel inputs and in all.
+
     python benchmarks/tp_collectives.py
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import math
 import statistics
 import time
 
@@ -20,6 +30,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from disttrain.comm import recorder
 from disttrain.mesh import Mesh
 from disttrain.models import GPT, GPTConfig
 from disttrain.parallel.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
@@ -91,6 +102,99 @@ def mlp_vs_torch(width=256):
     return out
 
 
+SP_CFG = dict(vocab_size=64, block_size=16, n_head=4, n_embd=32)
+SP_DEPTHS = (1, 3)
+
+
+@contextlib.contextmanager
+def tally():
+    """Count collectives issued through disttrain.comm (at the flight recorder) and the
+    bytes of the whole tensor each reduces or gathers."""
+    rec = recorder()
+    start, out = rec.start, collections.Counter()
+
+    def counting(op, group, ranks, shapes, dtype=""):
+        n = math.prod(shapes[0]) if shapes else 0
+        n *= len(ranks) if op == "all_gather_into_tensor" else 1  # recorded: the shard
+        out[op] += 1
+        out[op + " bytes"] += n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        return start(op, group, ranks, shapes, dtype)
+
+    rec.start = counting
+    try:
+        yield out
+    finally:
+        del rec.start  # the class's method again
+
+
+def sp_layer(tp: int):
+    """Per layer (depth difference): collectives fwd/bwd, SP off and on; saved bytes."""
+    mesh = Mesh(tp=tp)
+    group = mesh.group("tp")
+    counts, saved = {}, {}
+    for sp in (False, True):
+        per = {}
+        for depth in SP_DEPTHS:
+            torch.manual_seed(0)
+            model = apply_tp(GPT(GPTConfig(n_layer=depth, **SP_CFG)), mesh, GPT.tp_plan,
+                             sequence_parallel=sp)
+            x = torch.randint(64, (8, 16))
+            with tally() as fwd:
+                loss = vocab_parallel_cross_entropy(model(x), x, group)
+            with tally() as bwd:
+                loss.backward()
+            per[depth] = (fwd, bwd)
+        lo, hi = SP_DEPTHS
+        counts[sp] = [{k: (per[hi][i][k] - per[lo][i][k]) / (hi - lo)
+                       for k in per[hi][i]} for i in (0, 1)]
+        saved[sp] = _saved(model.blocks["0"], mesh, sp, tp)
+    return counts, saved
+
+
+def _saved(block, mesh, sp: bool, tp: int) -> dict:
+    t = SP_CFG["block_size"] // tp if sp else SP_CFG["block_size"]
+    x = torch.randn(8, t, SP_CFG["n_embd"], requires_grad=True)  # (B, T or T/tp, C)
+    where, out = [None], collections.Counter()
+    for name in ("ln1", "ln2", "attn.qkv", "mlp.fc"):
+        kind = "layernorm" if name.startswith("ln") else "colwise input"
+        mod = block.get_submodule(name)
+        mod.register_forward_pre_hook(lambda *_, k=kind: where.__setitem__(0, k))
+        mod.register_forward_hook(lambda *_: where.__setitem__(0, None))
+
+    def pack(t):
+        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            out["layer"] += t.numel() * t.element_size()
+            if where[0]:
+                out[where[0]] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return dict(out)
+
+
+def print_sp() -> None:
+    ops = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    short = {"all_reduce": "AR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
+    print(f"\nSequence parallelism, GPT {SP_CFG}, batch 8, per transformer layer "
+          f"(depth {SP_DEPTHS[1]} minus depth {SP_DEPTHS[0]}), counted at disttrain.comm:")
+    print(f"{'tp':>3s} {'SP':>4s} {'pass':>8s} " + " ".join(f"{short[o]:>4s} {short[o] + ' KiB':>7s}"
+                                                        for o in ops))
+    memory = {}
+    for tp in (2, 4):
+        counts, memory[tp] = spawn(sp_layer, tp, tp, timeout=300)[0]
+        for sp in (False, True):
+            for name, c in zip(("forward", "backward"), counts[sp]):
+                cells = " ".join(f"{c.get(o, 0):4g} {c.get(o + ' bytes', 0) / 1024:7.1f}" for o in ops)
+                print(f"{tp:3d} {'on' if sp else 'off':>4s} {name:>8s} {cells}")
+    print("\nBytes one block saves for backward (per rank, weights excluded):")
+    print(f"{'tp':>3s} {'part':>14s} {'SP off':>8s} {'SP on':>8s} {'ratio':>6s}")
+    for tp, mem in memory.items():
+        for part in ("layernorm", "colwise input", "layer"):
+            off, on = mem[False][part], mem[True][part]
+            print(f"{tp:3d} {part:>14s} {off:8d} {on:8d} {off / on:6.2f}")
+
+
 def main():
     counts = spawn(gpt_counts, 2, timeout=300)[0]
     print("TP GPT on 2 ranks, allreduces counted by torch.profiler (c10d::allreduce_):")
@@ -110,6 +214,7 @@ def main():
         print(f"{name:14s} {f:13d} {b:13d} {t * 1e3:11.2f}")
     ratio = mlp["disttrain"][2] / mlp["torch DTensor"][2]
     print(f"time ratio disttrain / torch DTensor: {ratio:.2f}")
+    print_sp()
 
 
 if __name__ == "__main__":
