@@ -4,7 +4,7 @@
 (LayerNorms, residual adds) along the sequence over the tp group. Checked: tp=2 with SP
 equals the unsharded reference (losses, first-step gradients, parameters after steps)
 and tp=2 without SP; with recompute too; pp=2 x tp=2 and dp=2 x tp=2 with SP on 4
-ranks; the bytes the LayerNorms (and the column-parallel layers' inputs) save for
+ranks, and dp=2 x tp=2 under ZeRO stage 2; the bytes the LayerNorms (and the column-parallel layers' inputs) save for
 backward drop by exactly tp; per layer the forward issues 2 all-gathers and 2
 reduce-scatters instead of 2 allreduces (counted with torch.profiler); a sequence that
 does not divide by tp and a plan without a scatter point are refused with a fix.
@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 import disttrain
 from disttrain.mesh import Mesh
 from disttrain.models import GPT, GPTConfig
+from disttrain.parallel.parallelize import parallelize
 from disttrain.parallel.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
@@ -101,7 +102,27 @@ def tp2():
     plan = {k: v for k, v in GPT.tp_plan.items() if v != "sequence_scatter"}
     with pytest.raises(ValueError, match="sequence_scatter"):
         apply_tp(ref.make_model(), mesh, plan, sequence_parallel=True)
+    with pytest.raises(ValueError, match="zero=1 or 2"):
+        parallelize(ref.make_model(), mesh, GPT.tp_plan, zero=3, sequence_parallel=True,
+                    optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=ref.LR))
     return counts, memory
+
+
+def zero2_dp2_tp2():
+    """dp=2 x tp=2 with ZeRO stage 2: its reduce-scatter reads the tp-summed LN grads."""
+    mesh = Mesh(dp=2, tp=2)
+    x, y = (t.chunk(2)[mesh.local_rank("dp")] for t in ref.make_batch(8))
+    pm = parallelize(ref.make_model(), mesh, GPT.tp_plan, zero=2, sequence_parallel=True,
+                     microbatches=2, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=ref.LR))
+    losses, grads0 = [], None
+    for s in range(ref.STEPS):
+        pm.optimizer.zero_grad()
+        losses.append(pm.train_step(x, y).item())
+        grads0 = pm.full_state_dict(grads=True) if s == 0 else grads0
+        losses.append(pm.clip_grad_norm_(ref.MAX_NORM).item())
+        pm.optimizer.step()
+    params = pm.full_state_dict()
+    return (losses, grads0, params) if disttrain.rank() == 0 else None
 
 
 def hybrid():
@@ -111,6 +132,9 @@ def hybrid():
         out = ref.run_parallel(Mesh(**shape), sequence_parallel=True, **kw)
         if disttrain.rank() == 0:
             ref.assert_matches_reference(out, expected)
+    out = zero2_dp2_tp2()
+    if disttrain.rank() == 0:
+        ref.assert_matches_reference(out, expected)
     return True
 
 
@@ -132,5 +156,5 @@ def test_sequence_parallel_tp2_matches_reference_saves_memory_and_counts_collect
 
 
 @pytest.mark.timeout(90)
-def test_sequence_parallel_pp2_x_tp2_and_dp2_x_tp2_match_reference():
+def test_sequence_parallel_pp2_x_tp2_and_dp2_x_tp2_and_zero2_match_reference():
     assert spawn(hybrid, 4, timeout=80) == [True] * 4
