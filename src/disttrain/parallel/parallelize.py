@@ -14,6 +14,11 @@ instead of DataParallel, still last: ZeRO flattens (stage 3: removes) the parame
 is given, so it must see the final TP shards of one stage chunk; each (pp, tp) coordinate
 shards its own chunk over its dp peers. ZeRO keeps gradient *sums* until the step, so
 every micro-batch's backward reduces (no no_sync) and the sums accumulate correctly.
+NOTE: with sequence_parallel=True, TP also hooks the Parameters that see a sequence
+shard (LayerNorms, row-parallel biases) so that their gradients are summed over tp inside
+backward, before accumulation: DP's/ZeRO's reduction and the tied sum, which read `.grad`
+later, see whole gradients (sequence_parallel.py); ZeRO stage 3 (no such Parameters left)
+is refused.
 NOTE (ZeRO mixed precision): fp16's overflow vote spans the whole job (every pp stage and
 tp rank, not only the dp group: Megatron/DeepSpeed reduce found_inf over the model-parallel
 world), one vote per step however many chunks a stage holds, so every rank skips alike and
