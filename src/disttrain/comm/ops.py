@@ -196,6 +196,11 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
                 name, ranks, [shape], tensor.dtype, async_op)
 
 
+# NOTE: torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name
+# warns); older releases only have the old one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False):
     """Concatenate every rank's `input` along dim 0 into `output` (blocks unless async_op)."""
@@ -207,7 +212,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, needs "
                          f"{len(ranks)} x {input.numel()} (group size x input); resize it")
     return _run("all_gather_into_tensor",
-                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                lambda: _all_gather(output, input, group=group, async_op=async_op),
                 name, ranks, [shape], input.dtype, async_op)
 
 
