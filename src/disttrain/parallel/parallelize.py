@@ -33,6 +33,8 @@ reduce-scatter gradients, all-gather parameters).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -159,8 +161,11 @@ def _zero_options(dp_options: dict | None, tw: TiedWeights, chunk: nn.Module) ->
     """Zero's keywords: the user's dp_options, fp16's overflow vote over the whole job
     (Mesh spans the world), and this chunk's tied copies in buffers of their own."""
     mine = {id(p) for p in chunk.parameters()}
-    return {"overflow_group": dist.group.WORLD, **(dp_options or {}),
+    opts = {"overflow_group": dist.group.WORLD, **(dp_options or {}),
             "separate": [p for p, _, _, _ in tw.sets if id(p) in mine]}
+    if opts.get("loss_scaler") is not None:  # NOTE: one scaler per chunk, each updated once
+        opts["loss_scaler"] = copy.deepcopy(opts["loss_scaler"])
+    return opts
 
 
 def _scaled_loss(loss_fn, chunks: list, tp_group):
