@@ -11,6 +11,7 @@ running Python: no download. The same script runs alone or under a launcher:
     disttrain run --nproc 4 examples/gpt_char.py --pp 2 --tp 2 --tie --recompute
     disttrain run --nproc 4 examples/gpt_char.py --dp 2 --tp 2 --sequence-parallel
     disttrain run --nproc 2 examples/gpt_char.py --dp 2 --zero 2 --precision bf16
+    disttrain run --nproc 4 examples/gpt_char.py --pp 2 --dp 2 --zero 2 --precision fp16 --tie
 
 It prints the loss going down and, at the end, a sample of generated text.
 """
@@ -39,7 +40,8 @@ def parse_args(argv=None):
                         "+ gradients, + parameters sharded)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="with --zero: bf16/fp16 model and gradients, fp32 master weights in "
-                        "the optimizer; fp16 scales the loss (dynamic) and needs --pp 1")
+                        "the optimizer; fp16 scales the loss (dynamic; every stage and tp "
+                        "rank skips an overflowed step together)")
     p.add_argument("--tie", action="store_true",
                    help="tie the token embedding and the LM head (one copy per pipeline stage)")
     p.add_argument("--recompute", action="store_true",
@@ -81,14 +83,9 @@ def main(argv=None):
     mixed, loss_fn = args.precision != "fp32", None
     if mixed and not args.zero:
         raise SystemExit("--precision bf16/fp16 trains through ZeRO: add --zero 1, 2 or 3")
-    if mixed:  # the loss in fp32; fp16 scales it where it is computed: the last stage
+    if mixed:  # the loss in fp32; with fp16, parallelize scales it (and unscales the result)
         base = token_loss(mesh.group("tp") if args.tp > 1 else None)
         loss_fn = lambda out, y: base(out.float(), y)  # noqa: E731
-    if args.precision == "fp16":
-        if args.pp > 1:
-            raise SystemExit("--precision fp16 needs --pp 1 (every stage would have to agree "
-                             "on overflow); use --precision bf16 with pipelines")
-        loss_fn = lambda out, y: model.optimizer.scale_loss(base(out.float(), y))  # noqa: E731
     # NOTE: parallelize builds the optimizer: with ZeRO it holds only this rank's dp shard
     model = disttrain.parallelize(model, mesh, plan=GPT.tp_plan, schedule=args.schedule,
                                   microbatches=args.microbatches, num_virtual=virtual,
@@ -105,10 +102,9 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         x, y = (t.to(disttrain.device()) for t in next(loader))  # (B, T) each
         opt.zero_grad(set_to_none=True)
-        scale = getattr(opt, "loss_scale", 1.0)  # fp16: gradients are scaled by this
-        loss = model.train_step(x, y).item() / scale
-        if args.clip > 0:
-            model.clip_grad_norm_(args.clip * scale)  # the whole model's norm, over every shard
+        loss = model.train_step(x, y).item()  # fp16: parallelize scaled the loss; unscaled
+        if args.clip > 0:  # the whole model's norm over every shard (fp16: unscaled masters)
+            model.clip_grad_norm_(args.clip)
         opt.step()
         first = loss if first is None else first
         if step == 1 or step % args.log_every == 0 or step == args.steps:
