@@ -25,6 +25,8 @@ def adamw(ps):
     ({"precision": "fp8"}, "precision must be one of ['bf16', 'fp16', 'fp32']"),
     ({"precision": "bf16", "loss_scaler": disttrain.LossScaler()}, "needs no scaling"),
     ({"precision": "fp16", "loss_scaler": 2.0 ** 16}, "must be a disttrain.LossScaler"),
+    ({"precision": "bf16", "reduce_dtype": torch.float64}, "reduce_dtype must be None"),
+    ({"reduce_dtype": torch.bfloat16}, "or torch.float32 with precision='fp32'"),
 ])
 def test_zero_rejects_bad_precision_arguments_before_communicating(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[")
