@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import disttrain
 from disttrain.mesh import Mesh
 from disttrain.models import GPT
-from disttrain.parallel.parallelize import parallelize
+from disttrain.parallel.parallelize import parallelize, token_loss
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
 from tests.dist import test_zero_mixed as mlp
@@ -157,7 +157,23 @@ def run_all():
     out["overflow"]["1f1b", 3] = overflow_on_one_stage(pp_dp, 3, schedule="1f1b")
     for zero in (1, 2, 3):
         out["tied"][zero] = tied_zero(pp_dp, zero)
+    out["double_scaling"] = loss_scaled_twice_is_refused(tp_dp)
     return out
+
+
+def loss_scaled_twice_is_refused(mesh):
+    """The pre-parallelize habit (loss_fn calling scale_loss) would scale twice."""
+    held, base = {}, token_loss(mesh.group("tp"))  # vocab-parallel cross-entropy
+    pm = parallelize(ref.make_model(), mesh, plan=GPT.tp_plan, zero=1, optimizer_factory=sgd,
+                     dp_options={"precision": "fp16"},
+                     loss_fn=lambda out, y: held["pm"].optimizer.scale_loss(base(out.float(), y)))
+    held["pm"] = pm
+    x, y = ref.make_batch(4)
+    try:
+        pm.train_step(x, y)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 _RESULTS: list = []
@@ -224,6 +240,12 @@ def test_tied_across_stages_with_zero_matches_single_process_and_copies_stay_equ
         for step, (a, b) in enumerate(zip(out[first]["tied"][zero][1],
                                           out[last]["tied"][zero][1])):
             assert torch.equal(a, b), f"zero={zero}: tied copies differ after step {step}"
+
+
+@pytest.mark.timeout(150)
+def test_a_loss_fn_that_scales_the_loss_itself_is_refused_with_the_fix():
+    for rank in range(4):
+        assert "return the plain fp32 loss" in results()[rank]["double_scaling"]
 
 
 # ---- reduce_dtype: fp32 reduction under bf16 ------------------------------------------

@@ -174,10 +174,17 @@ def _scaled_loss(loss_fn, chunks: list, tp_group):
     base = loss_fn or token_loss(tp_group)
     if chunks[0].dtype is None:
         return loss_fn
-    opt = chunks[0].optimizer
-    if loss_fn is None:
-        return lambda out, y: opt.scale_loss(base(out.float(), y))
-    return lambda out, y: opt.scale_loss(base(out, y))
+    opt, cast = chunks[0].optimizer, loss_fn is None
+
+    def scaled(out, y):
+        before = opt._scaled
+        loss = base(out.float() if cast else out, y)
+        if opt.scaler is not None and opt._scaled and not before:
+            raise ValueError("loss_fn scaled the loss itself (optimizer.scale_loss): under "
+                             "parallelize return the plain fp32 loss, e.g. "
+                             "lambda out, y: loss(out.float(), y); parallelize scales it")
+        return opt.scale_loss(loss)
+    return scaled
 
 
 class ParallelModel(nn.Module):
