@@ -54,12 +54,13 @@ def test_mesh_that_does_not_fit_the_world_names_every_factor():
 
 
 @pytest.mark.timeout(90)
-def test_zero_1_over_dp_2_lowers_loss_and_samples():
-    cmd = [sys.executable, "-m", "disttrain", "run", "--nproc", "2", GPT_CHAR, "--dp", "2",
-           "--zero", "1", *TINY]
+def test_fp16_zero_1_over_pp_2_dp_2_lowers_loss_and_samples():
+    # fp16 with fp32 master shards, one overflow vote over all 4 ranks, tied weights
+    cmd = [sys.executable, "-m", "disttrain", "run", "--nproc", "4", GPT_CHAR, "--pp", "2",
+           "--dp", "2", "--zero", "1", "--precision", "fp16", "--tie", *TINY]
     proc = _run(cmd, 80)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    assert "mesh pp=1 dp=2 tp=1, schedule 1f1b, 2 micro-batches, zero 1" in proc.stdout
+    assert "mesh pp=2 dp=2 tp=1, schedule 1f1b, 2 micro-batches, zero 1" in proc.stdout
     first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout).groups())
     assert first > 4.0 and last < first - 0.8, proc.stdout
     assert proc.stdout.count("--- sample ---") == 1
