@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per layer")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DataParallel over dp; 1-3: ZeRO stage over dp (optimizer state, "
                         "+ gradients, + parameters sharded)")

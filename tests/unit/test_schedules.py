@@ -111,3 +111,65 @@ def test_split_balances_by_cost_and_keeps_names():
     names = [n for n, _ in first.named_parameters()] + [n for n, _ in second.named_parameters()]
     assert names == [n for n, _ in model.named_parameters()]  # whole-model names, no copies
     torch.testing.assert_close(second(first(x)), model(x))
+
+
+# ZB-H1 (zero_bubble.py): backward split into B (input grad) and W (weight grads).
+
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 4), (3, 5), (4, 2), (1, 3)])
+def test_zb_h1_runs_each_f_b_w_once_in_dependency_order(p, m):
+    from disttrain.parallel.pipeline.zero_bubble import zero_bubble_h1
+
+    sched = make_schedule("zb-h1", p, m)
+    assert sched == zero_bubble_h1(p, m)
+    for acts in sched:
+        seen = [(a.kind, a.microbatch) for a in acts]
+        assert sorted(seen) == sorted((k, i) for k in "FBW" for i in range(m))
+        for i in range(m):
+            assert seen.index(("F", i)) < seen.index(("B", i)) < seen.index(("W", i))
+        # F/B order is 1F1B's: only W is added
+        assert [a for a in acts if a.kind != "W"] == one_f_one_b(p, m)[sched.index(acts)]
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 5), (3, 3), (4, 16)])
+def test_zb_h1_keeps_1f1b_memory_bound(p, m):
+    from disttrain.parallel.pipeline.zero_bubble import peak_pending_w, peak_until_w
+
+    for i, acts in enumerate(make_schedule("zb-h1", p, m)):
+        assert peak_in_flight(acts) == min(p - i, m)  # F..B: as 1F1B
+        assert peak_pending_w(acts) <= i + 1  # B..W: stage i defers i W
+        assert peak_until_w(acts) <= p  # F..W: 1F1B's peak (stage 0 holds p)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 4), (3, 5), (4, 16)])
+def test_zb_h1_bubble_is_a_third_of_1f1b_with_equal_f_b_w(p, m):
+    zb = simulate(make_schedule("zb-h1", p, m), p, t_f=1, t_b=1, t_w=1)
+    ofob = simulate(one_f_one_b(p, m), p, t_f=1, t_b=2)  # B there is B + W
+    idle = [p * s.makespan - s.busy for s in (zb, ofob)]
+    assert idle[0] == pytest.approx(p * (p - 1) * 1.0)  # (p-1)(F+B-W) per stage
+    assert idle[1] == pytest.approx(p * (p - 1) * 3.0)  # (p-1)(F+B+W) per stage
+    assert zb.makespan == m * 3 + (p - 1)
+
+
+def test_zb_h1_static_check_rejects_w_before_b_and_missing_w():
+    sched = make_schedule("zb-h1", 2, 2)
+    bad = [list(s) for s in sched]
+    bad[1] = [Action(k, i) for k, i in (("F", 0), ("W", 0), ("B", 0), ("F", 1), ("B", 1),
+                                         ("W", 1))]
+    with pytest.raises(ValueError, match="stage 1 runs W0 of chunk 0 before its B"):
+        check_schedule(bad, 2, 2)
+    bad[1] = [a for a in sched[1] if str(a) != "W1"]
+    with pytest.raises(ValueError, match=r"stage 1 must run F, B and W.*missing \[\('W', 1, 0\)\]"):
+        check_schedule(bad, 2, 2)
+    with pytest.raises(ValueError, match="num_virtual must be 1"):
+        make_schedule("zb-h1", 2, 4, num_virtual=2)
+
+
+def test_zb_h1_runtime_refuses_recompute():
+    from torch import nn
+
+    from disttrain.parallel.pipeline.runtime import Pipeline
+    from disttrain.parallel.recompute import Recompute
+
+    chunk = nn.Sequential(Recompute(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="recompute=False or schedule='1f1b'"):
+        Pipeline([chunk], make_schedule("zb-h1", 1, 2)[0], 0, 1, 2, lambda o, y: o.sum())

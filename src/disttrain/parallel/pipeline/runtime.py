@@ -1,4 +1,4 @@
-"""Execute a pipeline schedule: this stage's F/B actions with point-to-point send/recv.
+"""Execute a pipeline schedule: this stage's F/B(/W) actions with point-to-point send/recv.
 
 Who talks to whom: stage s receives activations from the owner of the previous
 virtual stage and sends its outputs to the owner of the next one (chunk c of stage s is
@@ -12,6 +12,12 @@ later steps send bare tensors and every receive can be posted before it is neede
 (as torch.distributed.pipelining infers shapes once). NOTE: stage output shapes must
 therefore stay the same from step to step (a sender that sees a change raises).
 Gradient shapes are known: those of the activation sent.
+
+A schedule with W actions (ZB-H1, zero_bubble.py) splits each backward: B computes only
+the gradient w.r.t. the stage input (sent at once) and keeps the graph; W later
+accumulates the weight gradients (DataParallel's and ZeRO 1/2's hooks fire there, once
+per parameter per micro-batch; ZeRO 3 and recompute are refused). NOTE: track_memory counts a saved tensor until B first reads it, so
+what the graph keeps for W is not counted.
 
 The runtime records each action's compute span (after its receive, before its send) so
 bubbles are measured, not only computed, and can count bytes of tensors saved for
@@ -29,6 +35,7 @@ from torch import nn
 
 from disttrain.comm import ops
 from disttrain.parallel.pipeline.schedules import Action
+from disttrain.parallel.pipeline.zero_bubble import backward_input, backward_weight
 
 __all__ = ["Pipeline", "Span"]
 
@@ -85,6 +92,7 @@ class _Step:
     inputs: list
     targets: list
     stash: dict = field(default_factory=dict)
+    pending_w: dict = field(default_factory=dict)  # (mb, chunk) -> (out, grad) kept for W
     posted: dict = field(default_factory=dict)  # (kind, mb, chunk) -> (buffer, recv work)
     sends: list = field(default_factory=list)
     loss: torch.Tensor | None = None
@@ -124,8 +132,13 @@ class Pipeline:
         self.device = first.device if first is not None else torch.device("cpu")
         self.meter = _Meter()
         self.spans: list[Span] = []
-        last_b = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == "B"}
-        self._synced_b = set(last_b.values())
+        self.split_backward = any(a.kind == "W" for a in self.actions)
+        if self.split_backward:
+            _check_split_backward(self.chunks)
+        # NOTE: DataParallel syncs in the chunk's last action that accumulates weight grads
+        last = {a.chunk: i for i, a in enumerate(self.actions)
+                if a.kind == ("W" if self.split_backward else "B")}
+        self._synced_b = set(last.values())
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         """Forward and backward of one batch over all micro-batches. Blocks.
@@ -148,6 +161,8 @@ class Pipeline:
                 self._post_recv(st, self.actions[i + 1])
             if a.kind == "F":
                 self._forward(st, a, t0)
+            elif a.kind == "W":
+                self._weight(st, a, t0, sync=i in self._synced_b)
             else:
                 self._backward(st, a, t0, sync=i in self._synced_b)
         for work in st.sends:
@@ -159,7 +174,8 @@ class Pipeline:
         loss = loss.detach().float().reshape(())
         if self.num_stages > 1:
             ops.broadcast(loss, self.ranks[self.last_virtual % self.num_stages], group=self.group)
-        assert not st.stash, f"pipeline stage {self.stage} left {len(st.stash)} activations"
+        assert not st.stash and not st.pending_w, \
+            f"pipeline stage {self.stage} left {len(st.stash) + len(st.pending_w)} activations"
         self.steps_done += 1
         return loss
 
@@ -205,6 +221,14 @@ class Pipeline:
         x, out = st.stash.pop((a.microbatch, a.chunk))
         grad = self._take(st, a) if j != self.last_virtual else None
         start = time.perf_counter()
+        if self.split_backward:  # B: input gradient only; W runs later
+            gx = backward_input(out, x, grad)
+            st.pending_w[(a.microbatch, a.chunk)] = (out, grad)
+            self.spans.append(Span("B", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
+            if j > 0:
+                st.sends.append(ops.isend(gx.contiguous(), self._peer(j - 1), group=self.group,
+                                           tag=self._tag(a.microbatch, j - 1, 2)))
+            return
         chunk = self.chunks[a.chunk]
         ctx = chunk.no_sync() if (not sync and hasattr(chunk, "no_sync")) else contextlib.nullcontext()
         with ctx:
@@ -213,6 +237,16 @@ class Pipeline:
         if j > 0:
             st.sends.append(ops.isend(x.grad.contiguous(), self._peer(j - 1), group=self.group,
                                        tag=self._tag(a.microbatch, j - 1, 2)))
+
+    def _weight(self, st: _Step, a: Action, t0: float, sync: bool) -> None:
+        """W: weight gradients of a micro-batch whose B ran earlier. Blocks (local)."""
+        out, grad = st.pending_w.pop((a.microbatch, a.chunk))
+        start = time.perf_counter()
+        chunk = self.chunks[a.chunk]
+        ctx = chunk.no_sync() if (not sync and hasattr(chunk, "no_sync")) else contextlib.nullcontext()
+        with ctx:
+            backward_weight(out, grad, [p for p in chunk.parameters() if p.requires_grad])
+        self.spans.append(Span("W", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
 
     def _send_activation(self, st: _Step, y: torch.Tensor, dst: int, mb: int, j: int) -> None:
         if y.dim() > _HEADER - 2 or y.dtype not in _DTYPES:
@@ -292,3 +326,20 @@ class Pipeline:
     def peak_activation_bytes(self) -> int:
         """Peak bytes saved for backward during the last step (with track_memory=True)."""
         return self.meter.peak
+
+
+def _check_split_backward(chunks: list[nn.Module]) -> None:
+    """Refuse what a split backward (B now, W later) is not known to compose with."""
+    from disttrain.parallel.recompute import Recompute
+    from disttrain.parallel.zero import Zero
+
+    for c in chunks:
+        if isinstance(c, Zero) and c.stage == 3:
+            raise ValueError("schedule 'zb-h1' (split backward) is not supported with ZeRO "
+                             "stage 3, whose parameters are flat units gathered around "
+                             "forward and backward (W has no Parameters to run on); use "
+                             "zero=1 or 2, or schedule='1f1b'")
+        if any(isinstance(m, Recompute) for m in c.modules()):
+            raise ValueError("schedule 'zb-h1' walks the retained graph twice (B, then W), "
+                             "which recompute's checkpoints do not support here; use "
+                             "recompute=False or schedule='1f1b'")

@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure functions: per-stage ordered lists of F/B actions.
+"""Pipeline schedules as pure functions: per-stage ordered lists of F/B(/W) actions.
 
 A schedule says, for each pipeline stage, in which order it runs the forward (F) and
 backward (B) of each micro-batch on each of its model chunks. Nothing here talks to
@@ -15,8 +15,13 @@ be checked in unit tests.
   `forward_backward_pipelining_with_interleaving`): each stage holds v chunks; chunk c of
   stage s is virtual stage c*p + s. Bubble (p-1)/(v*m) of the ideal time.
 
+- ZB-H1 (Qi et al. 2023, https://arxiv.org/abs/2401.10241) in zero_bubble.py: the
+  backward split into B (input gradient, sent upstream) and W (weight gradients), W
+  deferred into the cool-down bubble; (p-1)(F+B-W) idle per stage instead of (p-1)(F+B+W).
+
 Dataflow: F of virtual stage j needs F of j-1 (same micro-batch); B of j needs B of j+1,
-and B of the last virtual stage needs its own F (the loss).
+and B of the last virtual stage needs its own F (the loss); W of j needs B of j (same stage).
+A schedule either has a W for every B (split backward) or none (B is the whole backward).
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage: run `kind` ("F" or "B") of `microbatch` on model `chunk`."""
+    """One step of a stage: run `kind` of `microbatch` on model `chunk`.
+
+    kind: "F" forward; "B" backward (input gradient only when the schedule also has W);
+    "W" the deferred weight-gradient half of a split backward.
+    """
 
     kind: str
     microbatch: int
@@ -102,12 +111,12 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_virtual: int) -
     return out
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int,
                   num_virtual: int = 1) -> list[list[Action]]:
-    """Schedule by name ("gpipe", "1f1b", "interleaved"), statically checked."""
+    """Schedule by name ("gpipe", "1f1b", "interleaved", "zb-h1"), statically checked."""
     if name == "gpipe":
         sched = gpipe(num_stages, num_microbatches)
     elif name == "1f1b":
@@ -116,6 +125,10 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
         if num_virtual < 2:
             raise ValueError("schedule 'interleaved' needs num_virtual >= 2 chunks per stage")
         sched = interleaved_1f1b(num_stages, num_microbatches, num_virtual)
+    elif name == "zb-h1":
+        from disttrain.parallel.pipeline.zero_bubble import zero_bubble_h1
+
+        sched = zero_bubble_h1(num_stages, num_microbatches)
     else:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name != "interleaved" and num_virtual != 1:
@@ -125,9 +138,14 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most (micro-batch, chunk) activations a stage holds at once (F done, B not yet)."""
+    """Most (micro-batch, chunk) activations a stage holds at once (F done, B not yet).
+
+    A W action is not counted (its inputs are counted by `peak_pending_w`).
+    """
     live = peak = 0
     for a in actions:
+        if a.kind == "W":
+            continue
         live += 1 if a.kind == "F" else -1
         peak = max(peak, live)
     return peak
@@ -138,19 +156,21 @@ def check_schedule(schedule: list[list[Action]], num_stages: int, num_microbatch
     """Reject an impossible schedule with a clear message, before anything runs.
 
     Checks: one list per stage; each stage runs F and B of every (micro-batch, chunk)
-    exactly once, F before B; every receive is matched by a send that can happen (a
+    exactly once, F before B (and, if the schedule splits the backward, W exactly once
+    after its B); every receive is matched by a send that can happen (a
     dependency-respecting execution exists, i.e. no deadlock).
     """
     if len(schedule) != num_stages:
         raise ValueError(f"schedule has {len(schedule)} stage lists for {num_stages} stages")
-    want = {(k, mb, c) for k in "FB" for mb in range(num_microbatches) for c in range(num_virtual)}
+    kinds = "FBW" if any(a.kind == "W" for acts in schedule for a in acts) else "FB"
+    want = {(k, mb, c) for k in kinds for mb in range(num_microbatches) for c in range(num_virtual)}
     for s, acts in enumerate(schedule):
         got = [(a.kind, a.microbatch, a.chunk) for a in acts]
         if len(got) != len(set(got)) or set(got) != want:
             missing = sorted(want - set(got))[:4]
             extra = sorted(set(got) - want)[:4]
             raise ValueError(
-                f"stage {s} must run F and B of each of {num_microbatches} micro-batches on "
+                f"stage {s} must run {'F, B and W' if kinds == 'FBW' else 'F and B'} of each of {num_microbatches} micro-batches on "
                 f"{num_virtual} chunk(s) exactly once; missing {missing}, unexpected {extra}"
             )
         pos = {g: i for i, g in enumerate(got)}
@@ -158,6 +178,8 @@ def check_schedule(schedule: list[list[Action]], num_stages: int, num_microbatch
             for c in range(num_virtual):
                 if pos[("B", mb, c)] < pos[("F", mb, c)]:
                     raise ValueError(f"stage {s} runs B{mb} of chunk {c} before its F")
+                if kinds == "FBW" and pos[("W", mb, c)] < pos[("B", mb, c)]:
+                    raise ValueError(f"stage {s} runs W{mb} of chunk {c} before its B")
     simulate(schedule, num_stages, num_virtual)  # raises on deadlock
 
 
@@ -179,11 +201,12 @@ class Simulation:
 
 
 def simulate(schedule: list[list[Action]], num_stages: int, num_virtual: int = 1,
-             t_f: float = 1.0, t_b: float = 1.0,
+             t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
              durations: list[list[float]] | None = None) -> Simulation:
     """Run the action lists on a model where each stage does one action at a time.
 
-    A chunk's F takes `t_f / num_virtual`, its B `t_b / num_virtual` (or, when given,
+    A chunk's F takes `t_f / num_virtual`, its B `t_b / num_virtual`, its W (split
+    backward only; B is then the input-gradient half) `t_w / num_virtual` (or, when given,
     `durations[stage][i]` for the i-th action of a stage, e.g. measured ones); sends are
     free and asynchronous. Raises ValueError naming the stuck actions on a deadlock.
     """
@@ -201,12 +224,14 @@ def simulate(schedule: list[list[Action]], num_stages: int, num_virtual: int = 1
                 j = a.chunk * p + s
                 if a.kind == "F":
                     dep = ("F", a.microbatch, j - 1) if j > 0 else None
+                elif a.kind == "W":
+                    dep = ("B", a.microbatch, j)
                 else:
                     dep = ("F", a.microbatch, j) if j == last else ("B", a.microbatch, j + 1)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[s], done[dep] if dep else 0.0)
-                cost = (t_f if a.kind == "F" else t_b) / v
+                cost = {"F": t_f, "B": t_b, "W": t_w}[a.kind] / v
                 end = start + (durations[s][ptr[s]] if durations is not None else cost)
                 done[(a.kind, a.microbatch, j)] = clock[s] = end
                 spans[s].append((start, end, a))
