@@ -1,11 +1,11 @@
 """The worker side of a parameter server: ps-lite's push / pull / wait on a torch model.
 
 `Worker.pull()` asks every server for its shard and writes the answer into the model's
-parameters; `Worker.push()` sends the model's gradients; both return a `Handle` at once
-and `Handle.wait()` blocks. All sockets live on one background thread (compute and
-upload on separate threads, as the user's documents describe): with `overlap=True` a
-parameter's gradient is pushed from its post-accumulate-grad hook while backward still
-runs for the layers below it.
+parameters; `Worker.push()` sends the model's gradients; both return a `Handle`
+(handle.py) at once and `Handle.wait()` blocks. All sockets live on one background
+thread (compute and upload on separate threads, as the user's documents describe): with
+`overlap=True` a parameter's gradient is pushed from its post-accumulate-grad hook while
+backward still runs for the layers below it.
 
 Cancellation (KSync, KBatchSync): a server whose round closed sends `cancel(version)`.
 From then on the next gradient hook, `push()` or `sleep()` raises `Cancelled`; the
@@ -30,56 +30,12 @@ import torch
 import zmq
 
 from disttrain.ps.compress import ErrorFeedback, TopK
+from disttrain.ps.handle import Cancelled, Handle  # re-exported: disttrain.ps.worker.Handle
 from disttrain.ps.ring import Chunk
 from disttrain.ps.server import PSError
 from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message
 
 __all__ = ["Worker", "Handle", "Cancelled"]
-
-
-class Cancelled(Exception):
-    """This worker's round closed without it: abandon the step and pull() again."""
-
-
-class Handle:
-    """A pending push or pull. `done()` never blocks; `wait()` blocks until complete."""
-
-    def __init__(self, worker: Worker, what: str):
-        self._worker, self.what = worker, what
-        self._lock = threading.Lock()
-        self._outstanding = 0
-        self._sealed = False
-        self._event = threading.Event()
-        self.result: dict = {}
-
-    def _add(self, n: int = 1) -> None:
-        with self._lock:
-            self._outstanding += n
-
-    def _finish_one(self) -> None:
-        with self._lock:
-            self._outstanding -= 1
-            if self._sealed and self._outstanding <= 0:
-                self._event.set()
-
-    def _seal(self) -> Handle:
-        with self._lock:
-            self._sealed = True
-            if self._outstanding <= 0:
-                self._event.set()
-        return self
-
-    def done(self) -> bool:
-        """True once every server answered (does not block)."""
-        return self._event.is_set()
-
-    def wait(self) -> Handle:
-        """Block until every server answered; raises PSError if the job failed or a
-        server stayed silent for the worker's timeout."""
-        while not self._event.wait(0.05):
-            self._worker._raise_if_failed(self.what)
-        self._worker._raise_if_failed(self.what)
-        return self
 
 
 class Worker:
