@@ -20,30 +20,29 @@ def sgd(ps):
     return torch.optim.SGD(ps, lr=ref.LR)
 
 
-def zero_run(mesh, zero):
-    """ref.run_parallel with ZeRO: the optimizer comes from parallelize."""
+def train(mesh, **kw):
+    """ref.run_parallel, returning (losses, grads0, params, model) on every rank."""
     x, y = ref.make_batch(8)
     dp, d = mesh.size("dp"), mesh.local_rank("dp")
-    pm = parallelize(ref.make_model(), mesh, zero=zero, schedule="zb-h1", microbatches=4,
-                     optimizer_factory=sgd)
+    pm = parallelize(ref.make_model(), mesh, microbatches=4, **kw)
+    opt = pm.optimizer or sgd(pm.parameters())
     losses, grads0 = [], None
     for s in range(ref.STEPS):
-        pm.optimizer.zero_grad()
+        opt.zero_grad()
         losses.append(pm.train_step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
         if s == 0:
             grads0 = pm.full_state_dict(grads=True)
         losses.append(pm.clip_grad_norm_(ref.MAX_NORM).item())
-        pm.optimizer.step()
-    return losses, grads0, pm.full_state_dict()
+        opt.step()
+    return losses, grads0, pm.full_state_dict(), pm
 
 
 def zb_h1_matches(shape: dict):
     mesh = Mesh(**shape)
     expected = ref.reference(batch=8) if disttrain.rank() == 0 else None
-    outs = {s: ref.run_parallel(mesh, batch=8, schedule=s, microbatches=4)
-            for s in ("zb-h1", "1f1b")}
+    outs = {s: train(mesh, schedule=s) for s in ("zb-h1", "1f1b")}
     if mesh.size("dp") > 1:
-        outs["zero2"] = zero_run(mesh, 2)
+        outs["zero2"] = train(mesh, schedule="zb-h1", zero=2, optimizer_factory=sgd)
         try:
             parallelize(ref.make_model(), mesh, zero=3, schedule="zb-h1", microbatches=4,
                         optimizer_factory=sgd)
@@ -51,6 +50,11 @@ def zb_h1_matches(shape: dict):
         except ValueError as e:
             refused = str(e)
         assert "use zero=1 or 2, or schedule='1f1b'" in refused, refused
+    # stage 0's input is token ids (no B to split: W walks it all); stage 1's W walk only
+    # the weight branches, but DataParallel's synced W (the last) is one whole run
+    whole = outs["zb-h1"][3].pipeline.whole_w
+    if mesh.local_rank("pp") == 1:
+        assert whole == (1 if mesh.size("dp") > 1 else 0), whole
     if disttrain.rank() != 0:
         return None
     ref.assert_matches_reference(outs["zb-h1"], expected)

@@ -3,6 +3,7 @@
 from fractions import Fraction
 
 import pytest
+import torch
 
 from disttrain.parallel.pipeline.schedules import (
     Action,
@@ -90,7 +91,6 @@ def test_missing_action_and_bad_names():
 
 
 def test_split_balances_by_cost_and_keeps_names():
-    import torch
 
     from disttrain.models import GPT, GPTConfig
     from disttrain.parallel.pipeline.split import partition, split_model, time_layers
@@ -173,3 +173,42 @@ def test_zb_h1_runtime_refuses_recompute():
     chunk = nn.Sequential(Recompute(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="recompute=False or schedule='1f1b'"):
         Pipeline([chunk], make_schedule("zb-h1", 1, 2)[0], 0, 1, 2, lambda o, y: o.sum())
+
+
+class _Shared(torch.nn.Module):
+    """A weight used twice (two nodes of x's path feed it), a bias-only branch, a
+    parameter off x's path (added to the output), and one unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.c = torch.nn.Parameter(torch.randn(4))
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):  # (B, 4)
+        h = torch.tanh(self.a(x))
+        return self.b(self.a(h) * h) + self.c
+
+
+@pytest.mark.parametrize("make", [_Shared, lambda: torch.nn.Sequential(
+    torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))])
+def test_split_backward_b_then_w_equals_one_backward(make):
+    from disttrain.parallel.pipeline.zero_bubble import backward_input, backward_weight
+
+    torch.manual_seed(0)
+    model, x0, g = make(), torch.randn(3, 4), torch.randn(3, 4)
+    params = list(model.parameters())
+    x = x0.clone().requires_grad_()
+    model(x).backward(g)
+    want = [p.grad.clone() if p.grad is not None else None for p in params] + [x.grad]
+    model.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    out = model(x)
+    gx, plan = backward_input(out, x, g, params)
+    assert plan is not None and all(p.grad is None for p in params)  # B touches no weight
+    backward_weight(out, g, params, plan)
+    got = [p.grad for p in params] + [gx]
+    for w, h in zip(want, got):
+        assert (w is None) == (h is None)
+        if w is not None:
+            torch.testing.assert_close(h, w)

@@ -14,10 +14,12 @@ therefore stay the same from step to step (a sender that sees a change raises).
 Gradient shapes are known: those of the activation sent.
 
 A schedule with W actions (ZB-H1, zero_bubble.py) splits each backward: B computes only
-the gradient w.r.t. the stage input (sent at once) and keeps the graph; W later
-accumulates the weight gradients (DataParallel's and ZeRO 1/2's hooks fire there, once
-per parameter per micro-batch; ZeRO 3 and recompute are refused). NOTE: track_memory counts a saved tensor until B first reads it, so
-what the graph keeps for W is not counted.
+the gradient w.r.t. the stage input (sent at once), keeping the graph and the gradients
+where weight branches leave the input's path; W later walks only those branches. A W
+whose hooks must see one whole backward (a ZeRO 1/2 chunk, DataParallel's synced last W)
+walks the graph again from the output instead. ZeRO 3 and recompute are refused.
+NOTE: track_memory counts a saved tensor until B first reads it, so what the graph
+keeps for W is not counted.
 
 The runtime records each action's compute span (after its receive, before its send) so
 bubbles are measured, not only computed, and can count bytes of tensors saved for
@@ -35,7 +37,11 @@ from torch import nn
 
 from disttrain.comm import ops
 from disttrain.parallel.pipeline.schedules import Action
-from disttrain.parallel.pipeline.zero_bubble import backward_input, backward_weight
+from disttrain.parallel.pipeline.zero_bubble import (
+    backward_input,
+    backward_weight,
+    check_split_backward,
+)
 
 __all__ = ["Pipeline", "Span"]
 
@@ -132,9 +138,11 @@ class Pipeline:
         self.device = first.device if first is not None else torch.device("cpu")
         self.meter = _Meter()
         self.spans: list[Span] = []
+        self.whole_w = 0  # W actions of the last step that walked the whole graph again
         self.split_backward = any(a.kind == "W" for a in self.actions)
-        if self.split_backward:
-            _check_split_backward(self.chunks)
+        # NOTE: W of a ZeRO chunk, and DataParallel's synced W, run as one autograd run
+        # (their hooks end a step per backward); other W walk only the weight branches
+        self._one_run = check_split_backward(self.chunks) if self.split_backward else []
         # NOTE: DataParallel syncs in the chunk's last action that accumulates weight grads
         last = {a.chunk: i for i, a in enumerate(self.actions)
                 if a.kind == ("W" if self.split_backward else "B")}
@@ -149,7 +157,7 @@ class Pipeline:
         """
         st = _Step(self._split(inputs, "inputs", 0), self._split(targets, "targets",
                                                                    self.last_virtual))
-        self.spans, self.meter.peak = [], self.meter.now
+        self.spans, self.meter.peak, self.whole_w = [], self.meter.now, 0
         if self.num_stages > 1:
             ops.barrier(group=self.group)
         t0 = time.perf_counter()
@@ -222,8 +230,9 @@ class Pipeline:
         grad = self._take(st, a) if j != self.last_virtual else None
         start = time.perf_counter()
         if self.split_backward:  # B: input gradient only; W runs later
-            gx = backward_input(out, x, grad)
-            st.pending_w[(a.microbatch, a.chunk)] = (out, grad)
+            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+            gx, plan = backward_input(out, x, grad, params)
+            st.pending_w[(a.microbatch, a.chunk)] = (out, grad, plan)
             self.spans.append(Span("B", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
             if j > 0:
                 st.sends.append(ops.isend(gx.contiguous(), self._peer(j - 1), group=self.group,
@@ -240,12 +249,16 @@ class Pipeline:
 
     def _weight(self, st: _Step, a: Action, t0: float, sync: bool) -> None:
         """W: weight gradients of a micro-batch whose B ran earlier. Blocks (local)."""
-        out, grad = st.pending_w.pop((a.microbatch, a.chunk))
+        out, grad, plan = st.pending_w.pop((a.microbatch, a.chunk))
         start = time.perf_counter()
         chunk = self.chunks[a.chunk]
-        ctx = chunk.no_sync() if (not sync and hasattr(chunk, "no_sync")) else contextlib.nullcontext()
+        dp = hasattr(chunk, "no_sync")
+        if self._one_run[a.chunk] or (sync and dp):
+            plan = None
+        self.whole_w += plan is None
+        ctx = chunk.no_sync() if (not sync and dp) else contextlib.nullcontext()
         with ctx:
-            backward_weight(out, grad, [p for p in chunk.parameters() if p.requires_grad])
+            backward_weight(out, grad, [p for p in chunk.parameters() if p.requires_grad], plan)
         self.spans.append(Span("W", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
 
     def _send_activation(self, st: _Step, y: torch.Tensor, dst: int, mb: int, j: int) -> None:
@@ -327,19 +340,3 @@ class Pipeline:
         """Peak bytes saved for backward during the last step (with track_memory=True)."""
         return self.meter.peak
 
-
-def _check_split_backward(chunks: list[nn.Module]) -> None:
-    """Refuse what a split backward (B now, W later) is not known to compose with."""
-    from disttrain.parallel.recompute import Recompute
-    from disttrain.parallel.zero import Zero
-
-    for c in chunks:
-        if isinstance(c, Zero) and c.stage == 3:
-            raise ValueError("schedule 'zb-h1' (split backward) is not supported with ZeRO "
-                             "stage 3, whose parameters are flat units gathered around "
-                             "forward and backward (W has no Parameters to run on); use "
-                             "zero=1 or 2, or schedule='1f1b'")
-        if any(isinstance(m, Recompute) for m in c.modules()):
-            raise ValueError("schedule 'zb-h1' walks the retained graph twice (B, then W), "
-                             "which recompute's checkpoints do not support here; use "
-                             "recompute=False or schedule='1f1b'")

@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline schedule ZB-H1 as a pure function: per-stage F/B/W action lists.
+"""Zero-bubble pipeline schedule ZB-H1 (pure) and the split backward that runs it.
 
 Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (https://arxiv.org/abs/2401.10241),
 as torch.distributed.pipelining runs it (separate BACKWARD_INPUT and BACKWARD_WEIGHT
@@ -9,21 +9,29 @@ actions): the backward of a micro-batch is split into
 ZB-H1 keeps 1F1B's warm-up (stage i runs p-i-1 forwards first) and 1F1B's F/B order, so
 stage i still holds at most p-i micro-batches between F and B; stage i lets its W run i
 micro-batches behind its B (the last stage most), so the B chain back to stage 0 is not
-delayed by W, and the deferred W fill the cool-down, where 1F1B waits for gradients.
-A stage then holds at most p micro-batches between F and W: 1F1B's peak (stage 0's p). With equal F, B, W times the idle time per stage drops from
-(p-1)(F+B+W) to (p-1)(F+B-W): a third of 1F1B's. Nothing here talks to another process;
-runtime.py executes the lists (B with torch.autograd.grad w.r.t. the stage input,
-retaining the graph; W w.r.t. the parameters).
+delayed by W, and the deferred W fill the cool-down, where 1F1B waits for gradients. A
+stage holds at most p micro-batches between F and W: 1F1B's peak (stage 0's p). With
+equal F, B, W times the idle time per stage drops from (p-1)(F+B+W) to (p-1)(F+B-W): a
+third of 1F1B's.
+
+The schedule talks to nobody. backward_input/backward_weight are local autograd calls
+that runtime.py makes for B and W (torch's stage_backward_input/_weight idea: B records
+the gradients reaching the nodes where weight branches leave the input's path; W starts
+there), except that W accumulates through AccumulateGrad so DataParallel's and ZeRO's
+post-accumulate-grad hooks fire once per parameter per micro-batch.
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
+from torch.autograd.graph import GradientEdge
 
 from disttrain.parallel.pipeline.schedules import Action, _check_sizes
 
 __all__ = ["zero_bubble_h1", "peak_pending_w", "peak_until_w", "backward_input",
-           "backward_weight"]
+           "backward_weight", "check_split_backward"]
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -70,26 +78,143 @@ def peak_until_w(actions: list[Action]) -> int:
     return peak
 
 
-def backward_input(out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None):
+def backward_input(out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None,
+                   params: list | None = None):
     """B: d(out)/d(x) times `grad` (None when `out` is the loss), keeping the graph for W.
 
-    Returns None when `x` needs no gradient (the first stage's token ids). Weights'
-    `.grad` and their hooks (DataParallel's) are untouched: autograd.grad accumulates
-    nothing. Blocks (local compute).
+    Returns (input gradient, W plan). With `params`, the plan holds, for each group of
+    parameters, the gradients that reached the nodes of x's path feeding them (as torch's
+    stage_backward_input), so W walks only the weight branches; the plan is None (W walks
+    the whole graph again) when x needs no gradient (the first stage's token ids) or a
+    parameter does not hang off x's path. Weights' `.grad` and their hooks are untouched:
+    autograd.grad accumulates nothing. Blocks (local compute).
     """
     if not x.requires_grad:
-        return None
-    (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
-    return gx
+        return None, None
+    groups = _param_groups(out, x, params) if params else None
+    handles = []
+    for g in groups or []:
+        g["grads"] = [None] * len(g["nodes"])
+        for k, node in enumerate(g["nodes"]):
+            handles.append(node.register_prehook(_capture(g["grads"], k)))
+    try:
+        (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return gx, groups
 
 
-def backward_weight(out: torch.Tensor, grad: torch.Tensor | None, params: list) -> None:
-    """W: accumulate d(out)/d(params) times `grad` into `.grad`; frees the graph. Blocks.
+def backward_weight(out: torch.Tensor, grad: torch.Tensor | None, params: list,
+                    plan: list | None = None) -> None:
+    """W: accumulate d(out)/d(params) times `grad` into `.grad`. Blocks (local compute).
 
     NOTE: each parameter's AccumulateGrad runs once here, so post-accumulate-grad hooks
-    (DataParallel's bucket sync, ZeRO 1/2's gradient reduction) fire once per parameter
-    per micro-batch, as with a whole backward. The retained graph is walked again from `out` (torch keeps the input-path
-    gradients of B instead, stage_backward_weight): W costs about a full backward here.
+    fire once per parameter per micro-batch, as with a whole backward (unlike torch's
+    stage_backward_weight, which assigns `.grad`). With a plan from backward_input, one
+    autograd run per parameter group starts at the captured gradients (weight branches
+    only); without one, one run walks the graph again from `out` (about a whole
+    backward), which is what a hook that must see a single backward (DataParallel's
+    synced W, ZeRO's reduction) gets.
     """
-    if params:  # NOTE: a chunk without parameters has no W; dropping `out` frees the graph
+    if not params:  # NOTE: a chunk without parameters has no W; dropping `out` frees the graph
+        return
+    if plan is None:
         torch.autograd.backward(out, grad, inputs=params)
+        return
+    for g in plan:
+        edges = [(GradientEdge(n, i), t) for n, gs in zip(g["nodes"], g["grads"])
+                 for i, t in enumerate(gs or ()) if t is not None]
+        # NOTE: a node reached from another of the group takes its captured gradient,
+        # not a second contribution (no double counting)
+        handles = [n.register_prehook(lambda _go, saved=gs: saved)
+                   for n, gs in zip(g["nodes"], g["grads"])] if len(g["nodes"]) > 1 else []
+        try:
+            if edges:
+                torch.autograd.backward([e for e, _ in edges], [t for _, t in edges],
+                                        inputs=g["params"])
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def check_split_backward(chunks: list) -> list[bool]:
+    """Refuse what a split backward (B now, W later) is not known to compose with; per
+    chunk, whether its W must be one autograd run (ZeRO 1/2 reduce in their hooks)."""
+    from disttrain.parallel.recompute import Recompute
+    from disttrain.parallel.zero import Zero
+
+    for c in chunks:
+        if isinstance(c, Zero) and c.stage == 3:
+            raise ValueError("schedule 'zb-h1' (split backward) is not supported with ZeRO "
+                             "stage 3, whose parameters are flat units gathered around "
+                             "forward and backward (W has no Parameters to run on); use "
+                             "zero=1 or 2, or schedule='1f1b'")
+        if any(isinstance(m, Recompute) for m in c.modules()):
+            raise ValueError("schedule 'zb-h1' walks the retained graph twice (B, then W), "
+                             "which recompute's checkpoints do not support here; use "
+                             "recompute=False or schedule='1f1b'")
+    return [isinstance(c, Zero) for c in chunks]
+
+
+def _capture(store: list, k: int):
+    def hook(grad_outputs):
+        store[k] = grad_outputs
+    return hook
+
+
+def _node(t: torch.Tensor):
+    """A tensor's grad_fn, or for a leaf its AccumulateGrad node."""
+    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _param_groups(out: torch.Tensor, x: torch.Tensor, params: list) -> list[dict] | None:
+    """Parameters grouped by the nodes of x's path their gradients leave it at.
+
+    Returns [{"params": [...], "nodes": [...]}], groups sharing no node, or None when a
+    parameter is not below x's path (W then walks the whole graph).
+    """
+    rev: dict = collections.defaultdict(list)  # node -> nodes that feed it gradients
+    todo, seen = [out.grad_fn], {out.grad_fn}
+    while todo:
+        node = todo.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                rev[nxt].append(node)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+    on_path = _upward(rev, [_node(x)], set())[0]  # every node x's gradient passes
+    owner: dict = {}  # node of x's path -> group (dict), merged when shared
+    groups: list[dict] = []
+    for p in params:
+        acc = _node(p)
+        if acc not in seen:
+            continue  # unused by this chunk's output: no gradient, as a whole backward
+        hits = _upward(rev, [acc], on_path)[1]
+        if not hits:
+            return None
+        mine = {id(owner[n]): owner[n] for n in hits if n in owner}
+        g = {"params": [p], "nodes": [n for n in hits if n not in owner]}
+        for other in mine.values():
+            g["params"] += other["params"]
+            g["nodes"] += other["nodes"]
+            groups = [x for x in groups if x is not other]  # NOTE: by identity
+        groups.append(g)
+        for n in g["nodes"]:
+            owner[n] = g
+    return groups
+
+
+def _upward(rev: dict, roots: list, stop: set) -> tuple[set, list]:
+    """Nodes reachable from `roots` toward the output, not past `stop`; the `stop` hit."""
+    closure, hits, todo = set(roots), [], list(roots)
+    while todo:
+        for up in rev[todo.pop()]:
+            if up in stop:
+                if up not in hits:
+                    hits.append(up)
+            elif up not in closure:
+                closure.add(up)
+                todo.append(up)
+    return closure, hits
