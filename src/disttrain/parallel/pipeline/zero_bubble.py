@@ -152,7 +152,7 @@ def check_split_backward(chunks: list) -> list[bool]:
                              "zero=1 or 2, or schedule='1f1b'")
         if any(isinstance(m, Recompute) for m in c.modules()):
             raise ValueError("schedule 'zb-h1' walks the retained graph twice (B, then W), "
-                             "which recompute's checkpoints do not support here; use "
+                             "which is not verified with recompute's checkpoints; use "
                              "recompute=False or schedule='1f1b'")
     return [isinstance(c, Zero) for c in chunks]
 
