@@ -1,7 +1,7 @@
 """ZB-H1 (split backward, deferred W) over real processes against the unpipelined GPT.
 
-pp=2, and pp=2 x dp=2 with DataParallel and with ZeRO stage 2 (whose gradient hooks now
-fire in W), must match the single-process reference (losses, first-step gradients,
+pp=2, pp=2 x dp=2 with DataParallel and with ZeRO stage 2 (whose gradient hooks now fire
+in W), and pp=2 x tp=2 must match the single-process reference (losses, first-step gradients,
 parameters after the steps); the pp runs also match 1F1B's gradients, and the executed
 spans follow the schedule's F/B/W lists. ZeRO stage 3 is refused with the fix.
 """
@@ -68,6 +68,18 @@ def zb_h1_matches(shape: dict):
     return [s.kind for s in pipe.spans]
 
 
+def zb_h1_all_four_rank_layouts():
+    """pp=2 x dp=2 (DataParallel, ZeRO 2, ZeRO 3 refused), then pp=2 x tp=2 (Megatron's
+    f/g collectives inside B and W, vocab-parallel loss) against the reference."""
+    kinds = zb_h1_matches(dict(pp=2, dp=2))
+    mesh = Mesh(pp=2, tp=2)
+    expected = ref.reference(batch=8) if disttrain.rank() == 0 else None
+    out = ref.run_parallel(mesh, batch=8, schedule="zb-h1", microbatches=4)
+    if disttrain.rank() == 0:
+        ref.assert_matches_reference(out, expected)
+    return kinds
+
+
 @pytest.mark.timeout(90)
 def test_zb_h1_pp2_matches_reference_and_1f1b():
     kinds = spawn(zb_h1_matches, 2, dict(pp=2), timeout=80)[0]
@@ -75,6 +87,6 @@ def test_zb_h1_pp2_matches_reference_and_1f1b():
 
 
 @pytest.mark.timeout(150)
-def test_zb_h1_pp2_dp2_data_parallel_and_zero2_match_reference_zero3_refused():
-    kinds = spawn(zb_h1_matches, 4, dict(pp=2, dp=2), timeout=140)[0]
+def test_zb_h1_pp2_dp2_and_pp2_tp2_match_reference_zero3_refused():
+    kinds = spawn(zb_h1_all_four_rank_layouts, 4, timeout=140)[0]
     assert kinds.count("W") == 4
