@@ -42,6 +42,7 @@ from torch import nn
 
 from disttrain.comm.buckets import assign_buckets
 from disttrain.parallel.zero import comm
+from disttrain.parallel.zero.mixed import accumulate_shard_grad
 
 __all__ = ["FlatShards"]
 
@@ -153,12 +154,7 @@ class FlatShards:
         return self.shard_grads()[i]
 
     def _add_shard_grad(self, b: _Bucket, out: torch.Tensor) -> None:
-        if self.reduce_dtype is not None:
-            b.rgrad = out if b.rgrad is None else b.rgrad.add_(out)
-        elif b.shard.grad is None:
-            b.shard.grad = out
-        else:
-            b.shard.grad.add_(out)
+        accumulate_shard_grad(b, out, self.reduce_dtype)
 
     def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Per shard parameter: (lo, hi) in its bucket and (id(param), offset, numel)s."""

@@ -167,3 +167,17 @@ def vote(local: bool, group, stats: comm.CommStats, device=None) -> bool:
     flag = torch.tensor([float(local)], device=device)
     comm.all_reduce(flag, group, stats)
     return bool(flag.item() > 0)
+
+
+def accumulate_shard_grad(holder: Any, out: torch.Tensor, reduce_dtype: torch.dtype | None) -> None:
+    """Add a reduced shard gradient `out` to a bucket or unit (`holder.shard`, `holder.rgrad`).
+
+    With `reduce_dtype` it goes beside the shard (`holder.rgrad`): a Parameter's `.grad`
+    must have the parameter's dtype. Otherwise into `holder.shard.grad`.
+    """
+    if reduce_dtype is not None:
+        holder.rgrad = out if holder.rgrad is None else holder.rgrad.add_(out)
+    elif holder.shard.grad is None:
+        holder.shard.grad = out
+    else:
+        holder.shard.grad.add_(out)

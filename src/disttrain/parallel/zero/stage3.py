@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from disttrain.parallel.zero import comm
+from disttrain.parallel.zero.mixed import accumulate_shard_grad
 
 __all__ = ["ParamShards"]
 
@@ -162,12 +163,7 @@ class ParamShards:
         return self.shard_grads()[i]
 
     def _add_shard_grad(self, u: _Unit, out: torch.Tensor) -> None:
-        if self.reduce_dtype is not None:
-            u.rgrad = out if u.rgrad is None else u.rgrad.add_(out)
-        elif u.shard.grad is None:
-            u.shard.grad = out
-        else:
-            u.shard.grad.add_(out)
+        accumulate_shard_grad(u, out, self.reduce_dtype)
 
     def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Per shard parameter: (lo, hi) in its unit and (id(param), offset, numel)s."""
