@@ -27,10 +27,11 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 
-__all__ = ["BY_NAME", "NAMES_KEY", "by_name_from_positions", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state", "restore_param_groups",
+__all__ = ["BY_NAME", "FLAT_BY_NAME", "NAMES_KEY", "by_name_from_positions", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state", "restore_param_groups",
            "needs_by_name", "optimizer_state", "param_shards", "position_names"]
 
 BY_NAME = "by-parameter-name"
+FLAT_BY_NAME = "flat-by-parameter-name"  # ZeRO: each state tensor flat, (numel,) per name
 
 
 def _roots(owner: nn.Module) -> list[nn.Module]:
@@ -103,8 +104,10 @@ def _names_in(opt: torch.optim.Optimizer, owner: nn.Module):
     return out
 
 
-def is_by_name(tree: Any) -> bool:
-    return isinstance(tree, dict) and tree.get("format") == BY_NAME
+def is_by_name(tree: Any, flat: bool = False) -> bool:
+    """Keyed by parameter name (`flat`: also ZeRO's flattened per-name state)."""
+    return isinstance(tree, dict) and tree.get("format") in ((BY_NAME, FLAT_BY_NAME) if flat
+                                                            else (BY_NAME,))
 
 
 def optimizer_state(opt: torch.optim.Optimizer, owner: nn.Module) -> dict[str, Any]:

@@ -17,6 +17,7 @@ call might draw from the generators disturbs the restored streams.
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 import warnings
@@ -175,8 +176,9 @@ class _Staged:
                 f"do not pass {key}= to load, or save with {key}=")
         owner = state.state_owner(obj)
         saved = trees[key]
-        if key == "optimizer" and modules.is_by_name(saved):
-            self._stage_by_name(owner, saved)
+        if key == "optimizer" and (modules.is_by_name(saved) or (modules.is_by_name(
+                saved, flat=True) and not hasattr(owner, "sharded_state_dict"))):
+            self._stage_by_name(owner, saved)  # ZeRO's flat state into a plain optimizer too
         elif key == "optimizer" and self._model_needs_by_name(owner):
             converted = modules.by_name_from_positions(saved)
             if converted is None:
@@ -237,8 +239,12 @@ class _Staged:
         for n in stateless:
             del tree["state"][n]
         _, dest = state.encode(tree, "optimizer")
-        self._check_keys("optimizer", set(state.leaves(saved)), dest)
-        filled = {p: self.fetch((rename or {}).get(p, p), _want(t)) for p, t in dest.items()}
+        flat = {p for p, t in dest.items() if self._saved_flat(p, t)}  # ZeRO's (numel,) state
+        self._check_keys("optimizer", set(state.leaves(saved)), {
+            p: torch.empty(math.prod(_global_shape(t)), device="meta") if p in flat else t
+            for p, t in dest.items()})
+        filled = {p: self.fetch(p, None).view(_global_shape(t))[_want(t).index()] if p in flat
+                  else self.fetch((rename or {}).get(p, p), _want(t)) for p, t in dest.items()}
         mine = state.prune(saved, set(dest))
 
         def apply() -> None:
@@ -252,6 +258,12 @@ class _Staged:
                 raise CheckpointMismatchError(f"optimizer state does not fit: {err}") from None
 
         self._actions.append(apply)
+
+    def _saved_flat(self, path: str, t: torch.Tensor | ShardedTensor) -> bool:
+        """Whether `path` was saved flattened (ZeRO) for a parameter of several dims."""
+        entry, shape = self.manifest.tensors.get(path), _global_shape(t)
+        return entry is not None and len(shape) > 1 and list(entry.global_shape) == [
+            math.prod(shape)]
 
     def _stage_whole(self, key: str, owner: Any, saved: Any) -> None:
         """A plain optimizer: its fresh state_dict has no state yet, so load all of it."""

@@ -101,17 +101,23 @@ class TiedWeights:
     stage that holds the set is the source at init.
     """
 
-    def __init__(self, sets: list[tuple[nn.Parameter, object, int, bool]]):
+    def __init__(self, sets: list[tuple[nn.Parameter, object, int, bool]],
+                 first_names: dict[int, str] | None = None):
         self.sets = sets
+        self.first_names = first_names or {}  # id(copy) -> the tied set's first name
         self._zero: dict[int, object] = {}  # id(copy) -> the Zero that shards it
 
     def use_zero(self, wrappers: list) -> None:
         """The copies live in these ZeRO wrappers (built with `separate=` the copies):
-        sum their shard gradients instead of `.grad` (see the module NOTE)."""
+        sum their shard gradients instead of `.grad` (see the module NOTE), and key their
+        optimizer state by the set's first name (`Zero.state_names`), as a plain optimizer's
+        by-name state is (checkpoint/modules.py), so checkpoints move between layouts."""
         for p, _, _, _ in self.sets:
             for z in wrappers:
                 if id(p) in z.param_shapes:
                     self._zero[id(p)] = z
+                    z.state_names = {**getattr(z, "state_names", z.param_names),
+                                     id(p): self.first_names.get(id(p), z.param_names[id(p)])}
 
     @property
     def secondary(self) -> set[int]:
@@ -144,7 +150,7 @@ def build_tied(chunks: list[nn.Module], tied: list[list[str]], stage_of, mesh) -
     """The TiedWeights of this rank: for each set held by more than one stage, create its
     stage group (collective: every rank calls this with the same sets) and find the
     local copy. `stage_of(name)` is the pipeline stage holding parameter `name`."""
-    sets = []
+    sets, first_names = [], {}
     for names in tied:
         stages = sorted({stage_of(n) for n in names})
         if len(stages) < 2:
@@ -160,5 +166,7 @@ def build_tied(chunks: list[nn.Module], tied: list[list[str]], stage_of, mesh) -
                              "separate weights; tie them to one Parameter")
         src = mesh.shape.rank_at(pp=stages[0], dp=mesh.local_rank("dp"),
                                  tp=mesh.local_rank("tp"))
-        sets.append((next(iter(params.values())), group, src, stage == stages[0]))
-    return TiedWeights(sets)
+        copy = next(iter(params.values()))
+        sets.append((copy, group, src, stage == stages[0]))
+        first_names[id(copy)] = names[0]
+    return TiedWeights(sets, first_names)

@@ -9,7 +9,8 @@ buckets. Here every state tensor is re-described per *parameter name*: for Adam,
 rank's piece is the part of its shard that falls inside that parameter (a view of the
 real state, so loading writes in place; empty when the shard does not touch it).
 Scalar state (Adam's `step`) is replicated per name. A checkpoint saved at world 2,
-stage 1 thus loads at world 4, stage 3, or into a plain optimizer's layout. In mixed
+stage 1 thus loads at world 4, stage 3, or into a plain optimizer's layout (the tree
+is marked `format: FLAT_BY_NAME`; the reader views each flat piece as its parameter). In mixed
 precision the fp32 master is one more per-name piece (`state.<name>.master`), and the
 loss scaler's scale and counters are saved under `loss_scaler` (equal on every rank).
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from disttrain.checkpoint.modules import materialize, restore_param_groups
+from disttrain.checkpoint.modules import FLAT_BY_NAME, materialize, restore_param_groups
 from disttrain.checkpoint.reshard import ShardedTensor
 
 __all__ = ["full_flat", "load_sharded_state", "sharded_state"]
@@ -59,7 +60,7 @@ def sharded_state(opt: torch.optim.Optimizer, shards, segments, names,
             elif key not in st:
                 st[key] = v  # replicated: scalar step counts and the like
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"param_groups": groups, "state": dict(sorted(out.items()))}
+    return {"format": FLAT_BY_NAME, "param_groups": groups, "state": dict(sorted(out.items()))}
 
 
 def load_sharded_state(opt: torch.optim.Optimizer, shards, segments, names,

@@ -197,7 +197,7 @@ class ZeroOptimizer:
         o = self._owner
         masters = o.masters.masters if o.masters is not None else None
         tree = ckpt.sharded_state(self.inner, self._params_by_shard(), o.engine.segments(),
-                                  o.param_names, masters)
+                                  getattr(o, "state_names", o.param_names), masters)
         if self.scaler is not None:
             tree["loss_scaler"] = self.scaler.state_dict()
         return tree
@@ -211,7 +211,7 @@ class ZeroOptimizer:
         the loss scaler; (mixed) parameters <- masters (blocks at stages 1-2: all-gather)."""
         o = self._owner
         ckpt.load_sharded_state(self.inner, self._params_by_shard(), o.engine.segments(),
-                                o.param_names, tree)
+                                getattr(o, "state_names", o.param_names), tree)
         self._load_mixed(tree)
 
     def _load_mixed(self, tree: dict[str, Any]) -> None:
