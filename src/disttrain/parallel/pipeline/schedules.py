@@ -142,11 +142,14 @@ def peak_in_flight(actions: list[Action]) -> int:
 
     A W action is not counted (its inputs are counted by `peak_pending_w`).
     """
+    return peak_live(actions, opens="F", closes="B")
+
+
+def peak_live(actions: list[Action], opens: str, closes: str) -> int:
+    """Most micro-batches held at once between an `opens` action and a `closes` action."""
     live = peak = 0
     for a in actions:
-        if a.kind == "W":
-            continue
-        live += 1 if a.kind == "F" else -1
+        live += (a.kind == opens) - (a.kind == closes)
         peak = max(peak, live)
     return peak
 

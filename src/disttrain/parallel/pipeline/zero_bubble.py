@@ -28,7 +28,7 @@ import collections
 import torch
 from torch.autograd.graph import GradientEdge
 
-from disttrain.parallel.pipeline.schedules import Action, _check_sizes
+from disttrain.parallel.pipeline.schedules import Action, _check_sizes, peak_live
 
 __all__ = ["zero_bubble_h1", "peak_pending_w", "peak_until_w", "backward_input",
            "backward_weight", "check_split_backward"]
@@ -62,20 +62,12 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
 
 def peak_pending_w(actions: list[Action]) -> int:
     """Most micro-batches a stage holds between B and W (weight-gradient inputs kept)."""
-    live = peak = 0
-    for a in actions:
-        live += {"B": 1, "W": -1}.get(a.kind, 0)
-        peak = max(peak, live)
-    return peak
+    return peak_live(actions, opens="B", closes="W")
 
 
 def peak_until_w(actions: list[Action]) -> int:
     """Most micro-batches a stage holds between F and W (split backward's full lifetime)."""
-    live = peak = 0
-    for a in actions:
-        live += {"F": 1, "W": -1}.get(a.kind, 0)
-        peak = max(peak, live)
-    return peak
+    return peak_live(actions, opens="F", closes="W")
 
 
 def backward_input(out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None,
