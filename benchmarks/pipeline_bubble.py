@@ -86,13 +86,18 @@ class Stack(nn.Module):
         return x
 
 
-def run_rank(schedule, p, m, v, width, mb_size, t_f, t_b, depth, steps, w_share=0.5):
+def _stage_chunks(p, v, width, t_f, t_b, depth, w_share):
+    """(mesh, this rank's stage, its chunks of the same seeded Stack) for either runtime."""
     mesh = Mesh(pp=p)
     stage = mesh.local_rank("pp")
     torch.manual_seed(0)
     # per layer: t_f / v, so each stage does t_f (and t_b) per micro-batch in total
     model = Stack(p * v, width=width, t_f=t_f / v, t_b=t_b / v, depth=depth, w_share=w_share)
-    chunks = split_model(model, p, stage, v)
+    return mesh, stage, split_model(model, p, stage, v)
+
+
+def run_rank(schedule, p, m, v, width, mb_size, t_f, t_b, depth, steps, w_share=0.5):
+    mesh, stage, chunks = _stage_chunks(p, v, width, t_f, t_b, depth, w_share)
     pipe = Pipeline(chunks, make_schedule(schedule, p, m, v)[stage], stage, p, m,
                     lambda out, y: (out - y).pow(2).mean(), group=mesh.group("pp"),
                     ranks=mesh.peers("pp"), track_memory=True)
@@ -113,11 +118,7 @@ def run_torch_rank(schedule, p, m, v, width, mb_size, t_f, t_b, depth, steps, w_
     """The peer: torch.distributed.pipelining on the same stages and data."""
     from torch.distributed import pipelining as tpp
 
-    mesh = Mesh(pp=p)
-    stage = mesh.local_rank("pp")
-    torch.manual_seed(0)
-    model = Stack(p * v, width=width, t_f=t_f / v, t_b=t_b / v, depth=depth, w_share=w_share)
-    chunks = split_model(model, p, stage, v)
+    mesh, stage, chunks = _stage_chunks(p, v, width, t_f, t_b, depth, w_share)
     stages = [tpp.PipelineStage(c, i * p + stage, p * v, torch.device("cpu"),
                                 group=mesh.group("pp")) for i, c in enumerate(chunks)]
     loss_fn = lambda out, y: (out - y).pow(2).mean()  # noqa: E731
