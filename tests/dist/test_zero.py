@@ -231,21 +231,16 @@ def assert_close(got, want, what):
         torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4, msg=f"{what}: {k}")
 
 
-_RESULTS: list = []
-
-
+@pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Every rank's train_everything(), computed once per test session."""
-    if not _RESULTS:
-        folder = str(tmp_path_factory.mktemp("zero-ckpt"))
-        _RESULTS.extend(spawn(train_everything, 4, folder, timeout=170))
-    return _RESULTS
+    """Every rank's train_everything(), computed once for this module's tests."""
+    return spawn(train_everything, 4, str(tmp_path_factory.mktemp("zero-ckpt")), timeout=170)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_stage_matches_single_process_and_data_parallel(world, tmp_path_factory):
-    out = [r[world] for r in results(tmp_path_factory)]
+def test_every_stage_matches_single_process_and_data_parallel(world, results):
+    out = [r[world] for r in results]
     for name in ("sgd", "adamw"):
         ref = reference(name)
         for rank in range(4):
@@ -267,8 +262,8 @@ def test_every_stage_matches_single_process_and_data_parallel(world, tmp_path_fa
 
 
 @pytest.mark.timeout(180)
-def test_resume_from_state_dicts_and_refuse_another_layout(tmp_path_factory):
-    for rank, out in enumerate(results(tmp_path_factory)):
+def test_resume_from_state_dicts_and_refuse_another_layout(results):
+    for rank, out in enumerate(results):
         resume = out["resume"]
         assert resume[2] < 1e-6 and resume[3] < 1e-6, (rank, resume)
         assert "different ZeRO layout" in resume["mismatch"] and "stage" in resume["mismatch"]
@@ -276,7 +271,7 @@ def test_resume_from_state_dicts_and_refuse_another_layout(tmp_path_factory):
 
 @pytest.mark.timeout(180)
 def test_accumulation_over_micro_batches_and_grad_clipping_match_single_process(
-        tmp_path_factory):
+        results):
     model = make_model()
     opt = factory("adamw")(list(model.parameters()))
     norms = []
@@ -288,7 +283,7 @@ def test_accumulation_over_micro_batches_and_grad_clipping_match_single_process(
         opt.step()
     norms = torch.stack(norms)
     assert (norms > CLIP).all()  # clipping did something
-    for rank, out in enumerate(results(tmp_path_factory)):
+    for rank, out in enumerate(results):
         for stage, got in out["accumulate"].items():
             torch.testing.assert_close(got["norms"], norms, atol=1e-5, rtol=1e-4)
             assert_close(got["sd"], model.state_dict(), f"stage {stage} rank {rank}")
@@ -296,21 +291,21 @@ def test_accumulation_over_micro_batches_and_grad_clipping_match_single_process(
 
 @pytest.mark.timeout(180)
 def test_checkpoint_saved_at_world_4_stage_1_resumes_at_world_2_stages_2_and_3(
-        tmp_path_factory):
+        results):
     ref = reference("adamw")  # 3 uninterrupted steps
-    for rank, out in enumerate(results(tmp_path_factory)):
+    for rank, out in enumerate(results):
         for stage, sd in out["checkpoint"].items():
             assert_close(sd, ref, f"stage {stage} rank {rank} resumed from checkpoint")
 
 
 @pytest.mark.timeout(180)
-def test_zero_over_the_dp_axis_of_a_tp_mesh_matches_data_parallel(tmp_path_factory):
-    for rank, out in enumerate(results(tmp_path_factory)):
+def test_zero_over_the_dp_axis_of_a_tp_mesh_matches_data_parallel(results):
+    for rank, out in enumerate(results):
         tp = out["tp"]
         for kind in ("zero1", "zero3"):
             assert_close(tp[kind], tp["dp"], f"{kind} over dp with tp=2, rank {rank}")
     # the two tp ranks of a dp replica hold different shards (TP really happened)
-    first = results(tmp_path_factory)
+    first = results
     assert not torch.equal(first[0]["tp"]["dp"]["0.weight"], first[1]["tp"]["dp"]["0.weight"])
 
 
@@ -352,9 +347,9 @@ def measure_stages():
 
 @pytest.mark.timeout(180)
 def test_model_state_bytes_match_the_paper_and_stage3_sends_one_and_a_half_times_dp(
-        tmp_path_factory):
+        results):
     world = 4
-    out = [r["measure"] for r in results(tmp_path_factory)]
+    out = [r["measure"] for r in results]
     psi = sum(p.numel() for p in make_mlp().parameters())
     for rank in range(world):
         for stage in list(range(4)) + ["dp"]:

@@ -120,20 +120,16 @@ def reference(spec):
     return model.state_dict(), opt
 
 
-_RESULTS: list = []
-
-
+@pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if not _RESULTS:
-        folder = str(tmp_path_factory.mktemp("zero-groups-ckpt"))
-        _RESULTS.extend(spawn(run_all, WORLD, folder, timeout=150))
-    return _RESULTS
+    """Every rank's run_all(), computed once for this module's tests."""
+    return spawn(run_all, WORLD, str(tmp_path_factory.mktemp("zero-groups-ckpt")), timeout=150)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["function", "list"])
-def test_groups_equal_torch_adamw_with_the_same_groups_at_every_stage(kind, tmp_path_factory):
-    out = results(tmp_path_factory)
+def test_groups_equal_torch_adamw_with_the_same_groups_at_every_stage(kind, results):
+    out = results
     want, opt = reference(SPECS[kind])
     want_opts = sorted(str({k: v for k, v in g.items() if k != "params"})
                        for g in opt.param_groups)
@@ -159,8 +155,8 @@ def test_groups_equal_torch_adamw_with_the_same_groups_at_every_stage(kind, tmp_
 
 
 @pytest.mark.timeout(180)
-def test_group_options_survive_a_checkpoint_and_groups_compose_with_bf16(tmp_path_factory):
-    out = results(tmp_path_factory)
+def test_group_options_survive_a_checkpoint_and_groups_compose_with_bf16(results):
+    out = results
     for rank in range(WORLD):
         ck = out[rank]["checkpoint"]
         assert ck["before"] == [0.01, 0.5, 0.5]  # the new factory's default lr

@@ -207,20 +207,16 @@ def reference(precision, steps, scaler=None, clip=None):
             {n: p.detach().float() for n, p in zip(names, params)}, log)
 
 
-_RESULTS: list = []
-
-
+@pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if not _RESULTS:
-        folder = str(tmp_path_factory.mktemp("zero-mixed-ckpt"))
-        _RESULTS.extend(spawn(run_all, WORLD, folder, timeout=150))
-    return _RESULTS
+    """Every rank's run_all(), computed once for this module's tests."""
+    return spawn(run_all, WORLD, str(tmp_path_factory.mktemp("zero-mixed-ckpt")), timeout=150)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_every_stage_equals_the_mixed_precision_recipe_by_hand(precision, tmp_path_factory):
-    out = results(tmp_path_factory)
+def test_every_stage_equals_the_mixed_precision_recipe_by_hand(precision, results):
+    out = results
     want_master, want_params, want_log = reference(
         precision, STEPS, SCALER if precision == "fp16" else None)
     if precision == "fp16":
@@ -237,8 +233,8 @@ def test_every_stage_equals_the_mixed_precision_recipe_by_hand(precision, tmp_pa
 
 
 @pytest.mark.timeout(180)
-def test_fp16_overflow_skips_the_step_on_every_rank_and_backs_off_alike(tmp_path_factory):
-    out = results(tmp_path_factory)
+def test_fp16_overflow_skips_the_step_on_every_rank_and_backs_off_alike(results):
+    out = results
     want_master, _, want_log = reference("fp16", STEPS, OVERFLOW)
     skipped = [s for s, _ in want_log]
     assert skipped[0] and not all(skipped), want_log  # the test does hit an overflow
@@ -258,8 +254,8 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_backs_off_alike(tmp_path
 
 
 @pytest.mark.timeout(180)
-def test_model_state_bytes_match_the_paper_mixed_precision_formulas(tmp_path_factory):
-    out = results(tmp_path_factory)
+def test_model_state_bytes_match_the_paper_mixed_precision_formulas(results):
+    out = results
     psi = sum(p.numel() for p in make_mlp().parameters())
     for rank in range(WORLD):
         for stage in range(4):
@@ -273,16 +269,16 @@ def test_model_state_bytes_match_the_paper_mixed_precision_formulas(tmp_path_fac
 
 
 @pytest.mark.timeout(180)
-def test_fp16_without_the_loss_scaling_call_or_with_an_fp16_loss_is_refused(tmp_path_factory):
+def test_fp16_without_the_loss_scaling_call_or_with_an_fp16_loss_is_refused(results):
     for rank in range(WORLD):
-        fp16_loss, unscaled = results(tmp_path_factory)[rank]["unscaled"]
+        fp16_loss, unscaled = results[rank]["unscaled"]
         assert "compute the fp16 model's loss in fp32, e.g. loss_fn(out.float(), y)" in fp16_loss
         assert "call model.optimizer.backward(loss)" in unscaled
 
 
 @pytest.mark.timeout(180)
-def test_mixed_checkpoint_keeps_master_and_scaler_and_loads_at_world_1(tmp_path_factory):
-    out = results(tmp_path_factory)
+def test_mixed_checkpoint_keeps_master_and_scaler_and_loads_at_world_1(results):
+    out = results
     got = out[0]["checkpoint"]
     saved, loaded = got["saved"], got["loaded"]
     other = out[1]["checkpoint"]["saved"]  # every rank gathers the same full masters
@@ -298,8 +294,8 @@ def test_mixed_checkpoint_keeps_master_and_scaler_and_loads_at_world_1(tmp_path_
 
 
 @pytest.mark.timeout(180)
-def test_fp16_clipping_acts_on_the_unscaled_fp32_master_gradients(tmp_path_factory):
-    out = results(tmp_path_factory)
+def test_fp16_clipping_acts_on_the_unscaled_fp32_master_gradients(results):
+    out = results
     want_master, _, want_log = reference("fp16", STEPS, SCALER, clip=CLIP)
     assert all(norm > CLIP for _, _, norm in want_log)  # the clip is active every step
     for rank in range(WORLD):

@@ -176,13 +176,10 @@ def loss_scaled_twice_is_refused(mesh):
     return None
 
 
-_RESULTS: list = []
-
-
+@pytest.fixture(scope="module")
 def results():
-    if not _RESULTS:
-        _RESULTS.extend(spawn(run_all, 4, timeout=110))
-    return _RESULTS
+    """Every rank's run_all(), computed once for this module's tests."""
+    return spawn(run_all, 4, timeout=110)
 
 
 def assert_close_log(got, want, where):
@@ -194,8 +191,8 @@ def assert_close_log(got, want, where):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("key", [("pp", 1, False), ("pp", 2, True), ("tp", 2, False)])
-def test_fp16_zero_under_pp_and_tp_matches_the_recipe_by_hand(key):
-    out = results()
+def test_fp16_zero_under_pp_and_tp_matches_the_recipe_by_hand(key, results):
+    out = results
     tie = key[2]
     want_log, want_masters, want_params = fp16_reference(tie=tie)
     assert [s for _, s, _, _ in want_log] == [256.0, 512.0, 512.0]
@@ -217,8 +214,8 @@ def test_fp16_zero_under_pp_and_tp_matches_the_recipe_by_hand(key):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("key", [("interleaved", 1), ("1f1b", 3)])
-def test_fp16_overflow_on_one_stage_skips_on_every_rank_and_backs_off_alike(key):
-    out = results()
+def test_fp16_overflow_on_one_stage_skips_on_every_rank_and_backs_off_alike(key, results):
+    out = results
     for rank in range(4):
         (skipped, scale, norm, kept), (skipped2, scale2, norm2, kept2) = out[rank]["overflow"][key]
         assert skipped and scale == SCALER["init_scale"] / 2 and norm == float("inf") and kept, \
@@ -229,8 +226,8 @@ def test_fp16_overflow_on_one_stage_skips_on_every_rank_and_backs_off_alike(key)
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_tied_across_stages_with_zero_matches_single_process_and_copies_stay_equal(zero):
-    out = results()
+def test_tied_across_stages_with_zero_matches_single_process_and_copies_stay_equal(zero, results):
+    out = results
     (losses, grads0, params), _ = out[0]["tied"][zero]
     expected = ref.reference(steps=STEPS, tie_embeddings=True)
     assert torch.equal(params[TIED[1]], params[TIED[0]])
@@ -243,9 +240,9 @@ def test_tied_across_stages_with_zero_matches_single_process_and_copies_stay_equ
 
 
 @pytest.mark.timeout(150)
-def test_a_loss_fn_that_scales_the_loss_itself_is_refused_with_the_fix():
+def test_a_loss_fn_that_scales_the_loss_itself_is_refused_with_the_fix(results):
     for rank in range(4):
-        assert "return the plain fp32 loss" in results()[rank]["double_scaling"]
+        assert "return the plain fp32 loss" in results[rank]["double_scaling"]
 
 
 # ---- reduce_dtype: fp32 reduction under bf16 ------------------------------------------
