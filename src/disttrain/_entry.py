@@ -10,9 +10,18 @@ The launcher reads that file and prints the traceback with this rank's prefix.
 With DISTTRAIN_REPORT_DIR set (by `disttrain run`), faulthandler writes every thread's
 stack to `rank{R}.a{A}.stacks` there when the rank is stopped (SIGTERM) or crashes, so
 the launcher's hang report can say where a rank that was not in a collective was.
-An exception carrying `disttrain_exit_code` (a collective that timed out) ends the rank
-with that code right after it is recorded: a timed-out gloo group cannot shut down
-cleanly (its threads abort the process at exit).
+An exception carrying `disttrain_exit_code` (a collective that timed out or lost its
+peer) ends the rank with that code right after it is recorded: a broken gloo group cannot
+shut down cleanly (its threads abort the process at exit).
+
+Which rank caused a failure is decided by the launcher (failures.py) from what each
+rank records here: its exception, the kind of failure (`disttrain_kind`: `exception`,
+`exit` for sys.exit with a nonzero code, `timeout` or `peer-lost` for a collective that
+failed because of another rank) and the time. A rank whose collective failed because a
+peer left (`peer-lost`) is a consequence: it records its error, then waits up to
+DISTTRAIN_PEER_GRACE seconds (3 by default) before exiting, so that the rank that left
+ends on its own first (it may still be recording its own exception or running its exit
+handlers) instead of being stopped by the agent in the middle of it.
 
 A parameter-server worker (a job with DISTTRAIN_SERVERS > 0, ranks below world - S)
 runs its script in a child process that this file supervises: when the child is killed
@@ -31,6 +40,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -39,6 +49,11 @@ import time
 import traceback
 
 USAGE = "usage: python _entry.py script.py [args...]  (started by `disttrain run`)"
+# What gloo/NCCL say, through torch.distributed called directly, when a collective
+# failed because of another rank (disttrain.comm's CollectiveError says it by attribute).
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted")
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms|Watchdog caught collective operation timeout")
+DEFAULT_PEER_GRACE = 3.0
 
 
 def user_traceback(exc: BaseException, script: str) -> str:
@@ -51,20 +66,57 @@ def user_traceback(exc: BaseException, script: str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _chain(exc: BaseException):
+    """`exc` and the exceptions it was raised from or while handling, outermost first."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def failure_kind(exc: BaseException) -> str:
+    """`timeout` or `peer-lost` when `exc` is a collective failing because of another rank;
+    `exit` for sys.exit with a nonzero code; `exception` for the rank's own error."""
+    if isinstance(exc, SystemExit):
+        return "exit"
+    for err in _chain(exc):
+        kind = getattr(err, "disttrain_failure", None)
+        if kind in ("timeout", "peer-lost"):
+            return kind
+        if isinstance(err, RuntimeError):  # torch.distributed called directly
+            if _TIMED_OUT.search(str(err)):
+                return "timeout"
+            if _PEER_LOST.search(str(err)):
+                return "peer-lost"
+    return "exception"
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The process exit code `sys.exit(exc.code)` gives."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
+
+
 def record(exc: BaseException, script: str, error_file: str) -> bool:
     """Write `exc` to `error_file` (torch elastic's layout); False if that failed."""
     now = time.time()
-    data = {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": user_traceback(exc, script),
-                "timestamp": str(int(now)),
-                # finer than torch's whole seconds: the launcher orders failures by it
-                "disttrain_time": repr(now),
-            },
-        }
+    kind = failure_kind(exc)
+    if kind == "exit":
+        message = f"SystemExit: sys.exit({exc.code!r})"
+    else:
+        message = f"{type(exc).__name__}: {exc}"
+    info = {
+        "py_callstack": user_traceback(exc, script),
+        "timestamp": str(int(now)),
+        # finer than torch's whole seconds: the launcher orders failures by it
+        "disttrain_time": repr(now),
+        "disttrain_kind": kind,
     }
+    if kind == "exit":
+        info["disttrain_exit_code"] = exit_code(exc)
+    data = {"message": {"message": message, "extraInfo": info}}
     try:
         with open(error_file, "w") as fp:
             json.dump(data, fp)
@@ -139,21 +191,44 @@ def main(argv: list[str]) -> int:
         runpy.run_path(script, run_name="__main__")
     except KeyboardInterrupt:
         return 130  # the launcher is shutting the job down and says so itself
+    except SystemExit as exc:
+        if exit_code(exc) != 0:  # the launcher says which rank chose to exit, and where
+            error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+            if error_file:
+                record(exc, script, error_file)
+        raise
     except Exception as exc:  # noqa: BLE001 - everything the script raises is reported
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
-        recorded = bool(error_file) and record(exc, script, error_file)
-        # The launcher prints the recorded traceback once the job ends; print it here
-        # too when nothing will (no error file) or when a restart follows (the job
-        # goes on, and this attempt's error would otherwise never be seen).
-        if not recorded or _restart_follows():
-            sys.stderr.write(user_traceback(exc, script))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        code = getattr(exc, "disttrain_exit_code", None)
-        if isinstance(code, int):
-            os._exit(code)
-        return 1
+        return fail(exc, script)
     return 0
+
+
+def fail(exc: Exception, script: str) -> int:
+    """Record the script's exception; return the rank's exit code (or end the process)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    recorded = bool(error_file) and record(exc, script, error_file)
+    # The launcher prints the recorded traceback once the job ends; print it here
+    # too when nothing will (no error file) or when a restart follows (the job
+    # goes on, and this attempt's error would otherwise never be seen).
+    if not recorded or _restart_follows():
+        sys.stderr.write(user_traceback(exc, script))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if failure_kind(exc) == "peer-lost" and os.environ.get("DISTTRAIN_REPORT_DIR"):
+        # NOTE: a consequence, not a cause: let the rank that left end first (see the
+        # module docstring). The agent stops this rank as soon as that one has ended.
+        time.sleep(peer_grace())
+    code = getattr(exc, "disttrain_exit_code", None)
+    if isinstance(code, int):
+        os._exit(code)
+    return 1
+
+
+def peer_grace() -> float:
+    """Seconds a rank whose peer left waits before exiting (DISTTRAIN_PEER_GRACE)."""
+    try:
+        return max(0.0, float(os.environ.get("DISTTRAIN_PEER_GRACE", DEFAULT_PEER_GRACE)))
+    except ValueError:
+        return DEFAULT_PEER_GRACE
 
 
 if __name__ == "__main__":

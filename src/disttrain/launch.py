@@ -17,9 +17,10 @@ every other rank's stdout/stderr is tee'd through a log file and printed as
 
 Hangs: `run()` creates a report folder (in the log folder) and passes it to the ranks
 as DISTTRAIN_REPORT_DIR; each rank's flight recorder (comm/flight.py) and faulthandler
-(_entry.py) write there. When a job fails inside a collective, `report_failures` prints
-one merged report (failures.py, comm/hang_report.py): which ranks are missing, where each rank is,
-each rank's stack; the job then exits with EXIT_HANG (124).
+(_entry.py) write there. When ranks fail, `report_failures` (failures.py) prints the
+cause first: the rank that raised (or exited, or was killed), its traceback, and where
+the others waited; only when no rank caused it and a collective timed out, one merged
+hang report (comm/hang_report.py) and exit code EXIT_HANG (124).
 
 Parameter-server jobs (`--workers W --servers S`) start W+S ranks and set
 DISTTRAIN_SERVERS=S; `disttrain.role()` makes the last S global ranks servers.

@@ -150,7 +150,9 @@ class FlightRecorder:
         # the watchdog waits a little longer so that path, which unwinds the user's
         # code, wins whenever the backend has a timeout at all.
         self.grace = grace if grace is not None else min(max(2.0, 0.2 * self.timeout), 30.0)
-        self.interval = interval if interval is not None else min(1.0, self.timeout / 10)
+        # NOTE: also how stale a stopped rank's state may be; the launcher says where the
+        # ranks waited from it, so a rank stopped 0.3 s into a collective must show it.
+        self.interval = interval if interval is not None else min(0.2, self.timeout / 10)
         self.pid = os.getpid()
         self.status = "running"
         self.error: str | None = None

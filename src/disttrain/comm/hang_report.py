@@ -8,7 +8,7 @@ Inputs, per rank, from the report folder `disttrain run` creates (DISTTRAIN_REPO
 
 Output, e.g.:
 
-    disttrain run: a collective did not complete within 5 s (timeout)
+    disttrain run: a collective timed out after 5 s; where every rank was:
       all_reduce #3 on world (ranks 0-2): ranks 0-1 waited; missing: rank 2
       where: ranks 0-1 are at all_reduce #3 (train.py:88); rank 2 is at barrier #3 (train.py:91)
       [rank0] stack (most recent call last): ...
@@ -27,7 +27,7 @@ import signal
 
 from disttrain.comm.flight import format_ranks, is_library
 
-__all__ = ["load_states", "collective_report", "parse_stack", "RankView"]
+__all__ = ["load_states", "collective_report", "describe", "parse_stack", "RankView"]
 
 _FRAME = re.compile(r'File "(.+?)", line (\d+),? in (.+)')
 # A rank's own error that says a collective failed in the backend (not the user's bug).
@@ -241,13 +241,18 @@ def _short(error: str) -> str:
     return re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", first)[:200]
 
 
-def _limit(views: list[RankView]) -> str:
-    timeouts = {v.state["timeout"] for v in views if v.state and v.state.get("timeout")}
-    for v in views:  # unrecorded path: gloo says how long it waited
+def _headline(views: list[RankView]) -> str:
+    """What happened, in words: a timeout only when a collective timed out."""
+    timed_out = [v for v in views if (v.state or {}).get("status") == "timeout"
+                 or re.search(r"timed out", v.error, re.IGNORECASE)]
+    if not timed_out:
+        return "a collective failed because a rank left the job"
+    limits = {v.state["timeout"] for v in timed_out if v.state and v.state.get("timeout")}
+    for v in timed_out:  # unrecorded path: gloo says how long it waited
         m = re.search(r"Timed out waiting (\d+)ms", v.error)
-        if m and not timeouts:
-            timeouts.add(int(m[1]) / 1000)
-    return f" within {min(timeouts):g} s" if timeouts else ""
+        if m and not limits:
+            limits.add(int(m[1]) / 1000)
+    return f"a collective timed out after {min(limits):g} s" if limits else "a collective timed out"
 
 
 def collective_report(report_dir: str, exit_codes: dict[int, int], world_size: int,
@@ -264,7 +269,7 @@ def collective_report(report_dir: str, exit_codes: dict[int, int], world_size: i
              for r in range(world_size)]
     if not any(v.backend_trouble() for v in views):
         return None
-    lines = [f"disttrain run: a collective did not complete{_limit(views)}; where every rank was:"]
+    lines = [f"disttrain run: {_headline(views)}; where every rank was:"]
     lines += ["  " + line for line in _slot_lines(views)]
     lines.append("  " + _where_line(views))
     for v in views:

@@ -24,7 +24,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from disttrain.comm.flight import Entry, FlightRecorder, format_ranks
+from disttrain.comm.flight import EXIT_HANG, Entry, FlightRecorder, format_ranks
 
 __all__ = [
     "CollectiveError", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
@@ -40,15 +40,18 @@ _recorder: FlightRecorder | None = None  # NOTE: per process; see flight.py
 class CollectiveError(RuntimeError):
     """A collective timed out or failed; the message names it, its call site and a fix.
 
-    `disttrain_exit_code` tells disttrain's per-rank wrapper to end the rank with that
-    code once the error is recorded (a timed-out gloo group cannot be shut down cleanly).
+    `disttrain_failure` tells disttrain's per-rank wrapper (_entry.py) and the launcher
+    that this rank is not the cause: `timeout` (the others never joined) or `peer-lost`
+    (the backend failed, usually because a peer exited). `disttrain_exit_code` ends the
+    rank with that code once the error is recorded (a broken gloo group cannot be shut
+    down cleanly): EXIT_HANG (124) for a timeout, 1 otherwise.
     """
-
-    disttrain_exit_code = 124
 
     def __init__(self, message: str, entry: Entry, timed_out: bool):
         super().__init__(message)
         self.entry, self.timed_out = entry, timed_out
+        self.disttrain_failure = "timeout" if timed_out else "peer-lost"
+        self.disttrain_exit_code = EXIT_HANG if timed_out else 1
 
 
 def recorder() -> FlightRecorder:
