@@ -23,7 +23,8 @@ test: install
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests examples benchmarks tools
+	$(PY) tools/budget.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -39,7 +39,9 @@ from torch import nn
 
 import disttrain
 from disttrain.mesh import Mesh
-from disttrain.parallel.pipeline import Pipeline, make_schedule, simulate, split_model
+from disttrain.parallel.pipeline import make_schedule, simulate
+from disttrain.parallel.pipeline.runtime import Pipeline
+from disttrain.parallel.pipeline.split import split_model
 from disttrain.testing import spawn
 
 

@@ -32,7 +32,7 @@ from disttrain.mesh import Mesh
 from disttrain.models import GPT, GPTConfig
 from disttrain.parallel.parallelize import parallelize
 from disttrain.parallel.pipeline import one_f_one_b, peak_in_flight
-from disttrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from disttrain.parallel.tensor import vocab_parallel_cross_entropy
 from disttrain.testing import spawn
 
 

@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from disttrain.comm import recorder
 from disttrain.mesh import Mesh
 from disttrain.models import GPT, GPTConfig
-from disttrain.parallel.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
+from disttrain.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from disttrain.testing import spawn
 
 DEPTHS = (1, 2, 4)

@@ -26,7 +26,6 @@ import torch
 import disttrain
 from disttrain.models import GPT, GPTConfig
 from disttrain.models.text import batches, decode, encode, stdlib_text
-from disttrain.parallel.parallelize import token_loss
 
 
 def parse_args(argv=None):
@@ -84,15 +83,15 @@ def main(argv=None):
     if mixed and not args.zero:
         raise SystemExit("--precision bf16/fp16 trains through ZeRO: add --zero 1, 2 or 3")
     if mixed:  # the loss in fp32; with fp16, parallelize scales it (and unscales the result)
-        base = token_loss(mesh.group("tp") if args.tp > 1 else None)
+        base = disttrain.token_loss(mesh.group("tp") if args.tp > 1 else None)
         loss_fn = lambda out, y: base(out.float(), y)  # noqa: E731
     # NOTE: parallelize builds the optimizer: with ZeRO it holds only this rank's dp shard
-    model = disttrain.parallelize(model, mesh, plan=GPT.tp_plan, schedule=args.schedule,
-                                  microbatches=args.microbatches, num_virtual=virtual,
-                                  zero=args.zero, recompute=args.recompute, loss_fn=loss_fn,
-                                  sequence_parallel=args.sequence_parallel,
-                                  dp_options={"precision": args.precision} if mixed else None,
-                                  optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+    config = disttrain.Parallelism(
+        schedule=args.schedule, microbatches=args.microbatches, num_virtual=virtual,
+        zero=args.zero, precision=args.precision, recompute=args.recompute, loss_fn=loss_fn,
+        sequence_parallel=args.sequence_parallel,
+        optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+    model = disttrain.parallelize(model, mesh, GPT.tp_plan, config)
     opt = model.optimizer
 
     # every rank of one dp replica (its pp stages and tp shards) reads the same batches

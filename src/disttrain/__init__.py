@@ -8,7 +8,8 @@ from disttrain.checkpoint import Checkpointer
 from disttrain.finite import FiniteGradCheck, NonFiniteGradError
 from disttrain.mesh import Mesh
 from disttrain.parallel import DataParallel
-from disttrain.parallel.parallelize import parallelize
+from disttrain.parallel.config import Parallelism
+from disttrain.parallel.parallelize import ParallelModel, parallelize, token_loss
 from disttrain.parallel.zero import LossScaler, Zero
 from disttrain.runtime import (
     backend,
@@ -33,6 +34,8 @@ __all__ = [
     "LossScaler",
     "Mesh",
     "NonFiniteGradError",
+    "ParallelModel",
+    "Parallelism",
     "Zero",
     "backend",
     "comm",
@@ -50,5 +53,6 @@ __all__ = [
     "role",
     "shutdown",
     "testing",
+    "token_loss",
     "world_size",
 ]

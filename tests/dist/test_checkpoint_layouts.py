@@ -27,7 +27,7 @@ from disttrain.checkpoint import Checkpointer, CheckpointMismatchError, Checkpoi
 from disttrain.mesh import Mesh
 from disttrain.models import GPT
 from disttrain.parallel.parallelize import parallelize
-from disttrain.parallel.tensor_parallel import apply_tp
+from disttrain.parallel.tensor import apply_tp
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import disttrain
 from disttrain import comm
-from disttrain.comm.hang_report import collective_report
+from disttrain.launch.hang_report import collective_report
 from disttrain.testing import RankFailedError, spawn
 
 HERE = Path(__file__)

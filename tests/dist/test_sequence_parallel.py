@@ -21,7 +21,7 @@ import disttrain
 from disttrain.mesh import Mesh
 from disttrain.models import GPT, GPTConfig
 from disttrain.parallel.parallelize import parallelize
-from disttrain.parallel.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
+from disttrain.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
 

@@ -9,7 +9,7 @@ from torch import nn
 import disttrain
 from disttrain.mesh import Mesh
 from disttrain.models import GPT
-from disttrain.parallel.tensor_parallel import (
+from disttrain.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

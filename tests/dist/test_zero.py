@@ -159,7 +159,7 @@ def checkpoint_across_world_sizes(folder, pair):
 
 def zero_with_tensor_parallel():
     """Mesh(dp=2, tp=2): a column/row-parallel MLP, ZeRO (or DataParallel) over dp."""
-    from disttrain.parallel.tensor_parallel import apply_tp
+    from disttrain.parallel.tensor import apply_tp
 
     mesh = disttrain.Mesh(dp=2, tp=2)
     rank, world = mesh.local_rank("dp"), mesh.size("dp")

@@ -106,7 +106,7 @@ def test_gloo_timeout_in_a_raw_torch_collective_still_gives_the_merged_report():
 
 @pytest.mark.timeout(60)
 def test_crashed_rank_shows_its_stack_instead_of_nothing():
-    """No Python exception to print: faulthandler's dump (enabled by _entry.py) is shown."""
+    """No Python exception to print: faulthandler's dump (enabled by launch/entry.py) is shown."""
     script = SCRIPTS / "segfault.py"
     res = disttrain("run", "--nproc", "2", str(script))
     assert res.returncode == 128 + 11, res.stderr

@@ -102,7 +102,7 @@ def test_failing_rank_prints_its_traceback_with_its_prefix(fail_rank):
     assert f"{p}Traceback (most recent call last):" in lines, res.stderr
     assert f'{p}  File "{SCRIPTS / "fail_rank.py"}", line 9, in check' in lines
     assert f"{p}ValueError: boom on rank {fail_rank} with value 42" in lines
-    assert "<N/A>" not in res.stderr and "_entry.py" not in res.stderr and "runpy" not in res.stderr
+    assert "<N/A>" not in res.stderr and "entry.py" not in res.stderr and "runpy" not in res.stderr
     # The healthy rank sleeps 60 s in its script: it was stopped, not waited for.
     assert took < 45, f"launcher took {took:.0f}s: the healthy rank was not stopped"
 
@@ -185,15 +185,15 @@ def _signal_lost_in_torch_wrapper():
 
 @pytest.mark.timeout(30)
 def test_ctrl_c_inside_torch_metrics_wrapper_is_still_an_interrupt(monkeypatch, capsys, tmp_path):
-    from disttrain import launch
+    from disttrain.launch import job
     script = SCRIPTS / "sleeper.py"
-    monkeypatch.setattr(launch, "elastic_launch", _raising_launch(_signal_lost_in_torch_wrapper))
-    assert launch.run(launch.RunConfig(script=str(script), nproc=2)) == 130
+    monkeypatch.setattr(job, "elastic_launch", _raising_launch(_signal_lost_in_torch_wrapper))
+    assert job.run(job.RunConfig(script=str(script), nproc=2)) == 130
     assert "got SIGINT, stopped every rank" in capsys.readouterr().err
     # any other error still propagates as itself
-    monkeypatch.setattr(launch, "elastic_launch", _raising_launch(lambda: RuntimeError("boom")))
+    monkeypatch.setattr(job, "elastic_launch", _raising_launch(lambda: RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
-        launch.run(launch.RunConfig(script=str(script), nproc=2))
+        job.run(job.RunConfig(script=str(script), nproc=2))
 
 
 @pytest.mark.timeout(60)

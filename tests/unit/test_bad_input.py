@@ -23,10 +23,11 @@ from disttrain import cli, comm, data, plan, ps
 from disttrain.checkpoint import CheckpointMismatchError
 from disttrain.comm import buckets, compression
 from disttrain.finite import FiniteGradCheck, NonFiniteGradError
-from disttrain.launch import RunConfig, rank_env
+from disttrain.launch.job import RunConfig, rank_env
 from disttrain.models.gpt import GPTConfig
 from disttrain.parallel import pipeline
-from disttrain.parallel.tensor_parallel import apply_tp
+from disttrain.parallel.pipeline import split
+from disttrain.parallel.tensor import apply_tp
 
 PACKAGE = os.path.dirname(os.path.abspath(disttrain.__file__)) + os.sep
 HERE = os.path.abspath(__file__)
@@ -92,7 +93,7 @@ NO_GROUP = [
      "num_microbatches", "integer >= 1"),
     ("interleaved-microbatches", lambda: pipeline.make_schedule("interleaved", 2, 3, 2), ValueError,
      r"num_microbatches \(3\) must be a multiple of num_stages \(2\)", "use e.g. 4"),
-    ("more-stages-than-layers", lambda: pipeline.partition([1.0, 1.0], 3), ValueError,
+    ("more-stages-than-layers", lambda: split.partition([1.0, 1.0], 3), ValueError,
      "cannot cut 2 layers into 3", "use fewer stages"),
     ("zero-stage-in-plan", lambda: plan.model_state_bytes(1e9, 4, 5), ValueError,
      "stage", "must be 0, 1, 2 or 3"),
@@ -136,7 +137,7 @@ NO_GROUP = [
      "unknown straggler model 'x'", "use one of"),
     ("sampler-not-map-style", lambda: data.DistributedSampler(None, num_replicas=2, rank=0), TypeError,
      "NoneType has no __len__", "shard an IterableDataset inside its __iter__"),
-    ("pipeline-model-without-layers", lambda: pipeline.split_model(nn.Linear(2, 2), 2, 0), TypeError,
+    ("pipeline-model-without-layers", lambda: split.split_model(nn.Linear(2, 2), 2, 0), TypeError,
      "Linear does not name its layers", r"give layers=\[\.\.\.\]"),
     ("gpt-no-layers", lambda: GPTConfig(n_layer=0), ValueError, "GPTConfig.n_layer", "must be >= 1"),
     ("1f1b-with-virtual-stages", lambda: pipeline.make_schedule("1f1b", 2, 4, 2), ValueError,

@@ -12,10 +12,10 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from disttrain import _entry
 from disttrain.comm.flight import FlightRecorder
 from disttrain.comm.ops import CollectiveError
-from disttrain.failures import classify, report_failures
+from disttrain.launch import entry as _entry
+from disttrain.launch.failures import classify, report_failures
 
 
 def raised(exc: BaseException) -> BaseException:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from disttrain.comm.flight import FlightRecorder, format_ranks, report_path
-from disttrain.comm.hang_report import collective_report, load_states
+from disttrain.launch.hang_report import collective_report, load_states
 
 
 def test_format_ranks_collapses_runs():
@@ -97,7 +97,7 @@ def test_no_report_when_no_collective_failed(tmp_path):
 @pytest.mark.timeout(30)
 def test_faulthandler_dump_of_a_stopped_rank_gives_its_main_thread_stack(tmp_path):
     """A real process with a busy helper thread, stopped by SIGTERM like the launcher does."""
-    entry = os.path.join(os.path.dirname(__import__("disttrain").__file__), "_entry.py")
+    entry = os.path.join(os.path.dirname(__import__("disttrain").__file__), "launch", "entry.py")
     script = tmp_path / "sleepy.py"
     script.write_text("import threading, time\n"
                       "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"

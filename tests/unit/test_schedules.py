@@ -113,11 +113,11 @@ def test_split_balances_by_cost_and_keeps_names():
     torch.testing.assert_close(second(first(x)), model(x))
 
 
-# ZB-H1 (zero_bubble.py): backward split into B (input grad) and W (weight grads).
+# ZB-H1 (schedules.py, split_backward.py): backward split into B (input grad) and W (weight grads).
 
 @pytest.mark.parametrize("p,m", [(4, 8), (2, 4), (3, 5), (4, 2), (1, 3)])
 def test_zb_h1_runs_each_f_b_w_once_in_dependency_order(p, m):
-    from disttrain.parallel.pipeline.zero_bubble import zero_bubble_h1
+    from disttrain.parallel.pipeline.schedules import zero_bubble_h1
 
     sched = make_schedule("zb-h1", p, m)
     assert sched == zero_bubble_h1(p, m)
@@ -132,7 +132,7 @@ def test_zb_h1_runs_each_f_b_w_once_in_dependency_order(p, m):
 
 @pytest.mark.parametrize("p,m", [(4, 8), (2, 5), (3, 3), (4, 16)])
 def test_zb_h1_keeps_1f1b_memory_bound(p, m):
-    from disttrain.parallel.pipeline.zero_bubble import peak_pending_w, peak_until_w
+    from disttrain.parallel.pipeline.schedules import peak_pending_w, peak_until_w
 
     for i, acts in enumerate(make_schedule("zb-h1", p, m)):
         assert peak_in_flight(acts) == min(p - i, m)  # F..B: as 1F1B
@@ -193,7 +193,7 @@ class _Shared(torch.nn.Module):
 @pytest.mark.parametrize("make", [_Shared, lambda: torch.nn.Sequential(
     torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))])
 def test_split_backward_b_then_w_equals_one_backward(make):
-    from disttrain.parallel.pipeline.zero_bubble import backward_input, backward_weight
+    from disttrain.parallel.pipeline.split_backward import backward_input, backward_weight
 
     torch.manual_seed(0)
     model, x0, g = make(), torch.randn(3, 4), torch.randn(3, 4)

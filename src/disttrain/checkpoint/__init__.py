@@ -15,9 +15,9 @@ from disttrain.checkpoint.manifest import (
     CheckpointMismatchError,
     CheckpointWarning,
     CorruptCheckpointError,
-    Manifest,
 )
-from disttrain.checkpoint.reshard import ShardedTensor, Slice, even_slice, shard_of
+from disttrain.checkpoint.protocols import LoadsShardedState, ShardedState, StageModel
+from disttrain.checkpoint.reshard import ShardedTensor, even_slice, shard_of
 
 __all__ = [
     "Checkpointer",
@@ -25,9 +25,11 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointWarning",
     "CorruptCheckpointError",
-    "Manifest",
+    "LoadsShardedState",
+    "ShardedState",
     "ShardedTensor",
-    "Slice",
+    "StageModel",
+    # for a layer that declares its slice of a global tensor in sharded_state_dict()
     "even_slice",
     "shard_of",
 ]

@@ -46,6 +46,7 @@ from disttrain.checkpoint.manifest import (
     Manifest,
     dtype_name,
 )
+from disttrain.checkpoint.protocols import ShardedState
 from disttrain.checkpoint.reshard import ShardedTensor
 
 __all__ = ["Checkpointer"]
@@ -229,7 +230,7 @@ def _state_for(key: str, obj: Any, model: Any) -> Any:
 
 
 def _plain_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) and not hasattr(obj, "sharded_state_dict")
+    return isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, ShardedState)
 
 
 def _json_only(value: Any, what: str) -> Any:

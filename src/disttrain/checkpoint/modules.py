@@ -6,7 +6,7 @@ pipeline stage holds a disjoint subset of those names; a `ParallelModel` holds o
 more stage chunks. Here both are described as the Checkpoints protocol wants
 (docs/design.md): every tensor under its global name, a sharded one as a `ShardedTensor`
 (global shape, this rank's offsets). The TP layers say their own slice through their
-`sharded_state_dict()` (tensor_parallel.py); this module walks a model to collect them.
+`sharded_state_dict()` (parallel/tensor/layers.py); this module walks a model to collect them.
 
 A plain torch optimizer keys its state by parameter *position*, which differs between
 layouts. For such models `optimizer_state` re-keys it by parameter name, with each
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.checkpoint.protocols import ShardedState, StageModel
 from disttrain.checkpoint.reshard import ShardedTensor
 
 __all__ = ["BY_NAME", "FLAT_BY_NAME", "NAMES_KEY", "by_name_from_positions", "drop_state", "is_by_name", "load_optimizer_state", "materialize", "module_state", "restore_param_groups",
@@ -37,7 +38,7 @@ FLAT_BY_NAME = "flat-by-parameter-name"  # ZeRO: each state tensor flat, (numel,
 def _roots(owner: nn.Module) -> list[nn.Module]:
     """The modules holding parameters under global names: a ParallelModel's stage
     chunks (without their DataParallel wrapper), or the module itself."""
-    if hasattr(owner, "local_modules"):
+    if isinstance(owner, StageModel):
         return list(owner.local_modules())
     return [owner]
 
@@ -49,7 +50,7 @@ def module_state(owner: nn.Module) -> dict[str, Any]:
     for root in _roots(owner):
         sd: dict[str, Any] = dict(root.state_dict())
         for mod_name, mod in root.named_modules():
-            if mod is not root and hasattr(mod, "sharded_state_dict"):
+            if mod is not root and isinstance(mod, ShardedState):
                 for k, v in mod.sharded_state_dict().items():
                     sd[f"{mod_name}.{k}"] = v
         for k, v in sd.items():
@@ -62,7 +63,7 @@ def module_state(owner: nn.Module) -> dict[str, Any]:
 def needs_by_name(owner: nn.Module) -> bool:
     """Whether positions alone cannot describe this model's optimizer state: some
     tensors are slices (TP) or it is a ParallelModel (stages hold different params)."""
-    return hasattr(owner, "local_modules") or any(
+    return isinstance(owner, StageModel) or any(
         isinstance(v, ShardedTensor) for v in module_state(owner).values())
 
 
@@ -71,8 +72,7 @@ def param_shards(owner: nn.Module) -> dict[str, tuple[nn.Parameter, tuple, tuple
     out = {}
     for root in _roots(owner):
         for mod_name, mod in root.named_modules():
-            layout = mod.sharded_state_dict() if mod is not root and hasattr(
-                mod, "sharded_state_dict") else {}
+            layout = mod.sharded_state_dict() if mod is not root and isinstance(mod, ShardedState) else {}
             for p_name, p in mod.named_parameters(recurse=False):
                 name = f"{mod_name}.{p_name}" if mod_name else p_name
                 t = layout.get(p_name)

@@ -38,6 +38,7 @@ from disttrain.checkpoint.manifest import (
     Manifest,
     dtype_from_name,
 )
+from disttrain.checkpoint.protocols import LoadsShardedState, ShardedState, StageModel
 from disttrain.checkpoint.reshard import ShardedTensor, Slice, assemble
 
 __all__ = ["Targets", "load_newest_good"]
@@ -177,7 +178,7 @@ class _Staged:
         owner = state.state_owner(obj)
         saved = trees[key]
         if key == "optimizer" and (modules.is_by_name(saved) or (modules.is_by_name(
-                saved, flat=True) and not hasattr(owner, "sharded_state_dict"))):
+                saved, flat=True) and not isinstance(owner, ShardedState))):
             self._stage_by_name(owner, saved)  # ZeRO's flat state into a plain optimizer too
         elif key == "optimizer" and self._model_needs_by_name(owner):
             converted = modules.by_name_from_positions(saved)
@@ -187,7 +188,7 @@ class _Staged:
                     "parameter names (saved without model=), so it cannot be sliced for "
                     "this tensor/pipeline-parallel model; save with model= and optimizer=")
             self._stage_by_name(owner, *converted)
-        elif hasattr(owner, "sharded_state_dict") or isinstance(owner, nn.Module):
+        elif isinstance(owner, ShardedState) or isinstance(owner, nn.Module):
             self._stage_into_destinations(key, owner, saved)
         else:
             self._stage_whole(key, owner, saved)
@@ -198,12 +199,12 @@ class _Staged:
         mine = state.prune(saved, set(dest))  # without other ranks' keys (pipeline stages)
         self._check_keys(key, set(state.leaves(saved)), dest)
         filled = {p: self.fetch(p, _want(t)) for p, t in dest.items()}
-        if hasattr(owner, "sharded_state_dict") or hasattr(owner, "local_modules"):
+        if isinstance(owner, ShardedState) or isinstance(owner, StageModel):
             def apply() -> None:
                 with torch.no_grad():
                     for p, t in dest.items():
                         (t.local if isinstance(t, ShardedTensor) else t).copy_(filled[p])
-                if hasattr(owner, "load_sharded_state_dict"):
+                if isinstance(owner, LoadsShardedState):
                     owner.load_sharded_state_dict(state.decode(mine, dest.__getitem__))
         else:
             def apply() -> None:
@@ -212,8 +213,7 @@ class _Staged:
 
     def _model_needs_by_name(self, opt: Any) -> bool:
         model = self.targets.model
-        if model is None or not isinstance(opt, torch.optim.Optimizer) or hasattr(
-                opt, "sharded_state_dict"):
+        if model is None or not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, ShardedState):
             return False
         owner = state.state_owner(model)
         return isinstance(owner, nn.Module) and modules.needs_by_name(owner)

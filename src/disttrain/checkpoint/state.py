@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from disttrain.checkpoint.modules import module_state
+from disttrain.checkpoint.protocols import ShardedState
 from disttrain.checkpoint.reshard import ShardedTensor
 
 __all__ = [
@@ -47,7 +48,7 @@ def state_owner(obj: Any) -> Any:
     """The object whose state a checkpoint stores for `obj`: `obj` itself, or the module
     a wrapper holds when the wrapper's state is exactly that module's (so
     `DataParallel(m)` saves and loads as `m`, and either loads into the other)."""
-    while not hasattr(obj, "sharded_state_dict"):
+    while not isinstance(obj, ShardedState):
         inner = getattr(obj, "module", None)
         if not (isinstance(obj, nn.Module) and isinstance(inner, nn.Module)):
             break
@@ -63,7 +64,7 @@ def state_of(obj: Any) -> Any:
     `ShardedTensor`s (modules.py); else its `state_dict()`. Does not block (unless the
     object's method does)."""
     owner = state_owner(obj)
-    if hasattr(owner, "sharded_state_dict"):
+    if isinstance(owner, ShardedState):
         return owner.sharded_state_dict()
     if isinstance(owner, nn.Module):
         return module_state(owner)

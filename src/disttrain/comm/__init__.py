@@ -1,14 +1,13 @@
-"""Communication building blocks: gradient buckets, wire compression, group helpers."""
+"""Communication: torch.distributed's collectives, recorded (ops.py), and wire compression.
 
-from disttrain.comm.buckets import BucketSizeTuner, BucketSpec, FlatBucket, assign_buckets
-from disttrain.comm.collectives import broadcast_tensors, global_rank
-from disttrain.comm.compression import (
-    BF16Compression,
-    Compression,
-    FP16Compression,
-    NoCompression,
-    resolve_compression,
-)
+`disttrain.comm.all_reduce(t)` and its siblings do what torch.distributed's do, and also
+number each call in its group and watch it for hangs (flight.py), so a stuck job names
+the collective, its rank and its line. Compression objects (compression.py) shrink the
+gradients DataParallel all-reduces. Buckets (buckets.py) and group helpers
+(collectives.py) are the strategies' own plumbing: import them from their modules.
+"""
+
+from disttrain.comm.compression import BF16Compression, Compression, FP16Compression, NoCompression
 from disttrain.comm.ops import (
     CollectiveError,
     all_gather,
@@ -38,15 +37,9 @@ __all__ = [
     "recv",
     "reduce_scatter_tensor",
     "send",
+    # gradient compression for DataParallel (comm/compression.py)
     "BF16Compression",
-    "BucketSizeTuner",
-    "BucketSpec",
     "Compression",
     "FP16Compression",
-    "FlatBucket",
     "NoCompression",
-    "assign_buckets",
-    "broadcast_tensors",
-    "global_rank",
-    "resolve_compression",
 ]

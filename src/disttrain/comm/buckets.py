@@ -73,7 +73,7 @@ def assign_buckets(
     bucket. Buckets are returned in the order they were closed, which is the order a
     backward pass fills them. `pad_to` rounds every bucket's numel up (reduce-scatter
     needs a multiple of the world size). `first_cap_bytes` caps each key's first bucket
-    (DDP uses 1 MiB there, so the first allreduce starts early in backward).
+    (DDP uses 1 MiB there, so the first all-reduce starts early in backward).
 
     Members of a bucket are consecutive in visiting order, so a caller may lay all
     tensors of a key out in one buffer in that order and take buckets as slices of it.

@@ -18,8 +18,8 @@ Who talks to whom:
   collective); when a collective is overdue (timeout + grace) it writes a final dump with
   every thread's stack and ends the process with EXIT_HANG (os._exit: the main thread is
   stuck inside the backend and cannot unwind).
-- `disttrain run` (launch.py) creates the report folder, passes it in the environment,
-  and on a failed job merges every rank's file into one report (comm/hang_report.py).
+- `disttrain run` (launch/job.py) creates the report folder, passes it in the environment,
+  and on a failed job merges every rank's file into one report (launch/hang_report.py).
 
 NOTE: `recorder()` returns a per-process object, the one piece of module-level state in
 disttrain: every strategy and group in a process must share one numbering and one

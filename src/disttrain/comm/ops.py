@@ -40,7 +40,7 @@ _recorder: FlightRecorder | None = None  # NOTE: per process; see flight.py
 class CollectiveError(RuntimeError):
     """A collective timed out or failed; the message names it, its call site and a fix.
 
-    `disttrain_failure` tells disttrain's per-rank wrapper (_entry.py) and the launcher
+    `disttrain_failure` tells disttrain's per-rank wrapper (launch/entry.py) and the launcher
     that this rank is not the cause: `timeout` (the others never joined) or `peer-lost`
     (the backend failed, usually because a peer exited). `disttrain_exit_code` ends the
     rank with that code once the error is recorded (a broken gloo group cannot be shut

@@ -1,5 +1,9 @@
-"""Parallel strategies that wrap a user's model (data parallel; more to come)."""
+"""Strategies that wrap a user's model: DataParallel, ZeRO (zero/), tensor parallel
+(tensor/), pipeline (pipeline/), and `parallelize`, which composes them over a Mesh."""
 
+from disttrain.parallel.config import Parallelism
 from disttrain.parallel.data_parallel import DataParallel
+from disttrain.parallel.parallelize import ParallelModel, parallelize, token_loss
+from disttrain.parallel.zero import Zero
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "ParallelModel", "Parallelism", "Zero", "parallelize", "token_loss"]

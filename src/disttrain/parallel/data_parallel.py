@@ -1,4 +1,4 @@
-"""Synchronous data parallelism: bucketed gradient allreduce overlapped with backward.
+"""Synchronous data parallelism: bucketed gradient all-reduce overlapped with backward.
 
 Follows Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training" (VLDB 2020), i.e. what torch DDP does, written out in Python:
@@ -8,14 +8,14 @@ Training" (VLDB 2020), i.e. what torch DDP does, written out in Python:
    registration order (comm/buckets.py).
 2. backward: a post-accumulate-grad hook per parameter copies its gradient, already
    scaled by 1/world, into its bucket slot (or finds it already there: gradients are
-   views of the bucket, zero copy) and, once a bucket is full, launches its allreduce
+   views of the bucket, zero copy) and, once a bucket is full, launches its all-reduce
    asynchronously while autograd keeps computing earlier layers.
 3. end of backward (an autograd engine callback queued by the first hook): launch what
    is left (unused parameters, when allowed), wait for every bucket, decompress, and
    leave the averaged gradient in `param.grad`; `loss.backward(); opt.step()` just works.
 
 Who talks to whom: the user's autograd backward -> these hooks -> recorded collectives
-(comm/ops.py: a hang names the bucket's allreduce and its call site) -> torch.distributed
+(comm/ops.py: a hang names the bucket's all-reduce and its call site) -> torch.distributed
 on `group` (gloo or NCCL; tensors stay on their own device).
 """
 
@@ -43,13 +43,13 @@ _FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: 1 MiB, so communication start
 
 
 class DataParallel(nn.Module):
-    """Replicate `module` over `group`; average gradients by bucketed allreduce.
+    """Replicate `module` over `group`; average gradients by bucketed all-reduce.
 
     bucket_mb: bucket capacity in MiB (25 as torch DDP), or "auto" to time a few sizes
         on the first steps and keep the fastest (agreed on by all ranks).
     compression: None/"fp16"/"bf16" or a `Compression` object, applied on the wire.
     find_unused: treat a parameter that got no gradient in a step as a zero
-        contribution instead of raising (costs one small extra allreduce per step).
+        contribution instead of raising (costs one small extra all-reduce per step).
     group: the process group to replicate over (None = all ranks); broadcasts come
         from its rank 0.
     broadcast_buffers: re-broadcast buffers (e.g. BatchNorm statistics) from group
@@ -57,7 +57,7 @@ class DataParallel(nn.Module):
     gradient_as_bucket_view: leave `param.grad` as a view into the bucket buffer.
     check_finite: check every rank's own gradients for NaN/inf before they are
         averaged; a bad step raises `NonFiniteGradError` from backward() on every rank,
-        naming the parameters and ranks (disttrain.finite; one tiny allreduce per step).
+        naming the parameters and ranks (disttrain.finite; one tiny all-reduce per step).
 
     Construction blocks (a broadcast); forward/backward block only where DDP's do.
     NOTE: as with DDP, every rank must run the same backward: reentrant activation
@@ -146,7 +146,7 @@ class DataParallel(nn.Module):
         if self._finite is not None:
             self._finite.check()  # NOTE: all ranks raise together, before the optimizer step
         # Bucket-size auto-tuning: every rank times its steps; the choice is made on
-        # the max over ranks (one tiny allreduce), so all ranks rebucket identically.
+        # the max over ranks (one tiny all-reduce), so all ranks rebucket identically.
         start, self._step_start = self._step_start, None
         if self.tuner.done or start is None:
             return

@@ -6,8 +6,8 @@ chunks, each maybe wrapped in DataParallel or Zero) and does what needs the whol
 `clip_grad_norm_` computes the unsharded model's gradient norm (torch's rule) from the
 shards; `full_state_dict` reassembles the unsharded parameters on global rank 0.
 `ChunkOptimizers` steps the ZeRO optimizers of several chunks (interleaved pipeline) as
-one. The helpers at the bottom (`_param_info`, `_counted_ranges`, `_unshard_zero`,
-`_shard_dim`, `_stage_of`) map local shards back to full-model names, shapes and slices.
+one. The helpers at the bottom (`param_info`, `_counted_ranges`, `_unshard_zero`,
+`_shard_dim`, `stage_of`) map local shards back to full-model names, shapes and slices.
 
 Who talks to whom: clip_grad_norm_ all-reduces a squared norm over the tp and pp groups
 (ZeRO: dp too, and fp16's overflow vote over the world, zero/optimizer.py);
@@ -25,7 +25,7 @@ from disttrain.comm import ops
 from disttrain.mesh import Mesh
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.tied import TiedWeights
-from disttrain.parallel.tensor_parallel import (
+from disttrain.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -33,7 +33,7 @@ from disttrain.parallel.tensor_parallel import (
 from disttrain.parallel.zero import Zero
 from disttrain.parallel.zero.optimizer import vote_overflow
 
-__all__ = ["ParallelModel", "ChunkOptimizers"]
+__all__ = ["ParallelModel", "ChunkOptimizers", "param_info", "stage_of"]
 
 
 class ParallelModel(nn.Module):
@@ -46,14 +46,20 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, chunks, pipeline: Pipeline, mesh: Mesh, full_shapes: dict, owner: dict,
-                 info: list[dict] | None = None):
+                 info: list[dict] | None = None, tied: TiedWeights | None = None,
+                 aliases: dict[str, str] | None = None, optimizer=None):
+        """chunks: this stage's chunks (maybe DataParallel/Zero-wrapped); pipeline: runs
+        them; full_shapes: name -> (shape, dtype) of the unsharded model; owner: layer
+        name -> pipeline stage; info: per chunk, `param_info` taken before ZeRO stage 3;
+        tied: copies of weights tied across stages; aliases: tied name -> first name;
+        optimizer: what `.optimizer` is (ZeRO's, or one built over the local shards)."""
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.pipeline, self.mesh = pipeline, mesh
         self._full, self._owner = full_shapes, owner
-        self._info = info or [_param_info(c) for c in self.local_modules()]
-        self.optimizer = None  # set by parallelize when it builds one
-        self._tied, self._aliases = TiedWeights([]), {}  # set by parallelize
+        self._info = info or [param_info(c) for c in self.local_modules()]
+        self.optimizer = optimizer
+        self._tied, self._aliases = tied or TiedWeights([]), dict(aliases or {})
         self._counted = [_counted_ranges(c, i, mesh.local_rank("tp") == 0)
                          for c, i in zip(self.chunks, self._info) if isinstance(c, Zero)]
 
@@ -123,7 +129,7 @@ class ParallelModel(nn.Module):
         skip = self._tied.secondary  # NOTE: a tied weight counts once, on one stage
         for z, counted, gs in zip(zeros, self._counted, grads):
             for g, ranges, seg in zip(gs, counted, z.engine.segments()):
-                if g is not None and not (len(seg[2]) == 1 and seg[2][0][0] in skip):
+                if g is not None and not (len(seg.pieces) == 1 and seg.pieces[0].param_id in skip):
                     sq += sum((g[a:b].float().pow(2).sum() for a, b in ranges),
                               torch.zeros((), device=sq.device))
         for axis in ("dp", "tp", "pp"):
@@ -167,7 +173,7 @@ class ParallelModel(nn.Module):
         return out
 
     def _stage_of(self, name: str) -> int:
-        return _stage_of(self._owner, name)
+        return stage_of(self._owner, name)
 
     def _unshard_tp(self, grads: bool) -> dict[str, torch.Tensor]:
         group, tp = self.mesh.group("tp"), self.mesh.size("tp")
@@ -231,7 +237,7 @@ class ChunkOptimizers:
             o.load_state_dict(sd)
 
 
-def _stage_of(owner: dict, name: str) -> int:
+def stage_of(owner: dict, name: str) -> int:
     """The pipeline stage holding parameter `name` (owner: layer name -> stage)."""
     for layer, stage in owner.items():
         if name.startswith(layer + "."):
@@ -239,7 +245,7 @@ def _stage_of(owner: dict, name: str) -> int:
     return 0
 
 
-def _param_info(chunk: nn.Module) -> dict[int, tuple[str, torch.Size, int | None]]:
+def param_info(chunk: nn.Module) -> dict[int, tuple[str, torch.Size, int | None]]:
     """id(param) -> (full-model name, local shape, tp shard dim or None) of a stage chunk."""
     info = {}
     for mod_name, mod in chunk.named_modules():
@@ -269,7 +275,7 @@ def _counted_ranges(z: Zero, info: dict, tp_first: bool) -> list[list[tuple[int,
 def _unshard_zero(z: Zero, info: dict, grads: bool, group) -> dict[int, torch.Tensor]:
     """id(param) -> this tp rank's full local tensor, all-gathered over dp. Blocks."""
     if grads:
-        z.optimizer._prepare()  # NOTE: averaged gradients, as DataParallel leaves them
+        z.optimizer.prepare()  # NOTE: averaged gradients, as DataParallel leaves them
     world, out = dist.get_world_size(group), {}
     for shard, g, (_, _, segs) in zip(z.engine.shard_parameters(), z.engine.shard_grads(),
                                       z.engine.segments()):

@@ -11,9 +11,9 @@ same submodules and parameters under the same names (so checkpoints, TP plans an
 `full_state_dict` see the model unchanged) and reruns the layer in backward.
 
 NOTE (tensor parallel): a recomputed TP layer issues its forward collectives (Megatron's
-g after attention and after the MLP) again inside backward, so a layer costs 2 allreduces
+g after attention and after the MLP) again inside backward, so a layer costs 2 all-reduces
 forward and 2 + 2 backward. Every tp rank runs the same backward in the same order (the
-same schedule, the same layers), so the re-issued allreduces pair up and nothing
+same schedule, the same layers), so the re-issued all-reduces pair up and nothing
 deadlocks; the recomputation consumes no random numbers here (the GPT has no dropout;
 checkpoint restores the RNG state anyway).
 

@@ -1,7 +1,12 @@
-"""Pipeline parallelism: schedules (pure), stage splitting (pure), runtime (p2p), tied
-weights across stages (tied.py), zero-bubble ZB-H1 (zero_bubble.py)."""
+"""Pipeline parallelism: schedules (pure, schedules.py), stage splitting (pure, split.py),
+the runtime that runs a schedule over point-to-point sends (runtime.py), the split
+backward ZB-H1 runs (split_backward.py), weights tied across stages (tied.py).
 
-from disttrain.parallel.pipeline.runtime import Pipeline, Span
+The face is what a user needs to compare schedules without processes (build, check,
+simulate, count what a stage holds) and to measure layer costs for balancing;
+`disttrain.parallelize` builds the runtime.
+"""
+
 from disttrain.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -12,13 +17,11 @@ from disttrain.parallel.pipeline.schedules import (
     one_f_one_b,
     peak_in_flight,
     simulate,
+    zero_bubble_h1,
 )
-from disttrain.parallel.pipeline.split import partition, split_model
-from disttrain.parallel.pipeline.tied import TiedWeights
-from disttrain.parallel.pipeline.zero_bubble import zero_bubble_h1
+from disttrain.parallel.pipeline.split import time_layers
 
 __all__ = [
-    "SCHEDULES", "Action", "Pipeline", "Span", "check_schedule", "gpipe", "interleaved_1f1b",
-    "make_schedule", "one_f_one_b", "partition", "peak_in_flight", "simulate", "split_model",
-    "TiedWeights", "zero_bubble_h1",
+    "SCHEDULES", "Action", "check_schedule", "gpipe", "interleaved_1f1b", "make_schedule",
+    "one_f_one_b", "peak_in_flight", "simulate", "time_layers", "zero_bubble_h1",
 ]

@@ -13,7 +13,7 @@ later steps send bare tensors and every receive can be posted before it is neede
 therefore stay the same from step to step (a sender that sees a change raises).
 Gradient shapes are known: those of the activation sent.
 
-A schedule with W actions (ZB-H1, zero_bubble.py) splits each backward: B computes only
+A schedule with W actions (ZB-H1, schedules.py; run by split_backward.py) splits each backward: B computes only
 the gradient w.r.t. the stage input (sent at once), keeping the graph and the gradients
 where weight branches leave the input's path; W later walks only those branches. A W
 whose hooks must see one whole backward (a ZeRO 1/2 chunk, DataParallel's synced last W)
@@ -37,7 +37,7 @@ from torch import nn
 
 from disttrain.comm import ops
 from disttrain.parallel.pipeline.schedules import Action
-from disttrain.parallel.pipeline.zero_bubble import (
+from disttrain.parallel.pipeline.split_backward import (
     backward_input,
     backward_weight,
     check_split_backward,
@@ -114,11 +114,13 @@ class Pipeline:
         the loss (each micro-batch's loss is divided by num_microbatches).
     tied: this stage's copies of weights tied across stages (tied.py); their gradients
         are summed over their stage group after the step's last backward.
+    device: where activations live (default: the first chunk's parameters').
     """
 
     def __init__(self, chunks: list[nn.Module], actions: list[Action], stage: int,
                  num_stages: int, num_microbatches: int, loss_fn, group=None,
-                 ranks: list[int] | None = None, track_memory: bool = False, tied=None):
+                 ranks: list[int] | None = None, track_memory: bool = False, tied=None,
+                 device: torch.device | None = None):
         self.tied = tied
         self.chunks, self.actions = list(chunks), list(actions)
         self.stage, self.num_stages, self.num_microbatches = stage, num_stages, num_microbatches
@@ -134,8 +136,9 @@ class Pipeline:
         self.steps_done = 0
         self._recv_shapes: dict[int, tuple] = {}  # edge (sending virtual stage) -> (shape, dtype)
         self._sent_shapes: dict[int, tuple] = {}
+        # NOTE: a ZeRO stage-3 chunk has no parameter to read the device from: pass it
         first = next(self.chunks[0].parameters(), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self.device = device or (first.device if first is not None else torch.device("cpu"))
         self.meter = _Meter()
         self.spans: list[Span] = []
         self.whole_w = 0  # W actions of the last step that walked the whole graph again

@@ -15,9 +15,11 @@ be checked in unit tests.
   `forward_backward_pipelining_with_interleaving`): each stage holds v chunks; chunk c of
   stage s is virtual stage c*p + s. Bubble (p-1)/(v*m) of the ideal time.
 
-- ZB-H1 (Qi et al. 2023, https://arxiv.org/abs/2401.10241) in zero_bubble.py: the
-  backward split into B (input gradient, sent upstream) and W (weight gradients), W
-  deferred into the cool-down bubble; (p-1)(F+B-W) idle per stage instead of (p-1)(F+B+W).
+- ZB-H1 (Qi et al. 2023, https://arxiv.org/abs/2401.10241): the backward split into B
+  (input gradient, sent upstream) and W (weight gradients), W deferred into the
+  cool-down bubble; (p-1)(F+B-W) idle per stage instead of (p-1)(F+B+W). Stage i keeps
+  1F1B's F/B order and runs W(k) right after B(k+i), so it holds at most p micro-batches
+  between F and W (1F1B's stage-0 peak). split_backward.py runs B and W.
 
 Dataflow: F of virtual stage j needs F of j-1 (same micro-batch); B of j needs B of j+1,
 and B of the last virtual stage needs its own F (the loss); W of j needs B of j (same stage).
@@ -29,8 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "make_schedule",
-    "check_schedule", "simulate", "Simulation", "peak_in_flight", "SCHEDULES",
+    "Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "make_schedule",
+    "check_schedule", "simulate", "Simulation", "peak_in_flight", "peak_pending_w",
+    "peak_until_w", "SCHEDULES", "SCHEDULE_TABLE",
 ]
 
 
@@ -50,7 +53,7 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def _check_sizes(num_stages: int, num_microbatches: int, num_virtual: int = 1) -> None:
+def check_sizes(num_stages: int, num_microbatches: int, num_virtual: int = 1) -> None:
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("num_virtual", num_virtual)):
         if not isinstance(value, int) or value < 1:
@@ -59,7 +62,7 @@ def _check_sizes(num_stages: int, num_microbatches: int, num_virtual: int = 1) -
 
 def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """GPipe: every stage runs F0..F(m-1), then B0..B(m-1)."""
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     m = num_microbatches
     stage = [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
     return [list(stage) for _ in range(num_stages)]
@@ -67,7 +70,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """1F1B: stage i runs min(p-i-1, m) warm-up forwards, then F/B pairs, then the rest of B."""
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     out = []
     for s in range(p):
@@ -85,7 +88,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_virtual: int) -
 
     Micro-batches go through the chunks in groups of p (so m must be a multiple of p).
     """
-    _check_sizes(num_stages, num_microbatches, num_virtual)
+    check_sizes(num_stages, num_microbatches, num_virtual)
     p, m, v = num_stages, num_microbatches, num_virtual
     if m % p != 0:
         raise ValueError(
@@ -111,26 +114,65 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_virtual: int) -
     return out
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B's F/B order per stage; stage i runs W(k) right after B(k + i).
+
+    Stage i: min(p-i-1, m) warm-up forwards, then per micro-batch k: F(k+warm-up) if
+    any is left, B(k), and W of the oldest pending micro-batch once i+1 are pending;
+    the rest of the W at the end.
+    """
+    check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    out = []
+    for s in range(p):
+        warmup, lag = min(p - s - 1, m), s
+        acts = [Action("F", i) for i in range(warmup)]
+        next_w = 0
+        for k in range(m):
+            if warmup + k < m:
+                acts.append(Action("F", warmup + k))
+            acts.append(Action("B", k))
+            if k - next_w >= lag:  # NOTE: W lags B by i micro-batches on stage i
+                acts.append(Action("W", next_w))
+                next_w += 1
+        acts += [Action("W", i) for i in range(next_w, m)]
+        out.append(acts)
+    return out
+
+
+def peak_pending_w(actions: list[Action]) -> int:
+    """Most micro-batches a stage holds between B and W (weight-gradient inputs kept)."""
+    return peak_live(actions, opens="B", closes="W")
+
+
+def peak_until_w(actions: list[Action]) -> int:
+    """Most micro-batches a stage holds between F and W (split backward's full lifetime)."""
+    return peak_live(actions, opens="F", closes="W")
+
+
+
+def _interleaved(num_stages: int, num_microbatches: int, num_virtual: int) -> list[list[Action]]:
+    if num_virtual < 2:
+        raise ValueError("schedule 'interleaved' needs num_virtual >= 2 chunks per stage")
+    return interleaved_1f1b(num_stages, num_microbatches, num_virtual)
+
+
+# name -> (num_stages, num_microbatches, num_virtual) -> per-stage actions
+SCHEDULE_TABLE = {
+    "gpipe": lambda p, m, v: gpipe(p, m),
+    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "interleaved": _interleaved,
+    "zb-h1": lambda p, m, v: zero_bubble_h1(p, m),
+}
+SCHEDULES = tuple(SCHEDULE_TABLE)
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int,
                   num_virtual: int = 1) -> list[list[Action]]:
     """Schedule by name ("gpipe", "1f1b", "interleaved", "zb-h1"), statically checked."""
-    if name == "gpipe":
-        sched = gpipe(num_stages, num_microbatches)
-    elif name == "1f1b":
-        sched = one_f_one_b(num_stages, num_microbatches)
-    elif name == "interleaved":
-        if num_virtual < 2:
-            raise ValueError("schedule 'interleaved' needs num_virtual >= 2 chunks per stage")
-        sched = interleaved_1f1b(num_stages, num_microbatches, num_virtual)
-    elif name == "zb-h1":
-        from disttrain.parallel.pipeline.zero_bubble import zero_bubble_h1
-
-        sched = zero_bubble_h1(num_stages, num_microbatches)
-    else:
+    if name not in SCHEDULE_TABLE:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    sched = SCHEDULE_TABLE[name](num_stages, num_microbatches, num_virtual)
     if name != "interleaved" and num_virtual != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per stage; num_virtual must be 1")
     check_schedule(sched, num_stages, num_microbatches, num_virtual)

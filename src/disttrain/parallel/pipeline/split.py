@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["partition", "layer_costs", "time_layers", "keep_layers", "split_model"]
+__all__ = ["partition", "layer_names", "layer_costs", "time_layers", "keep_layers", "split_model"]
 
 
 def partition(costs: list[float], num_parts: int) -> list[tuple[int, int]]:
@@ -49,7 +49,7 @@ def partition(costs: list[float], num_parts: int) -> list[tuple[int, int]]:
     return ranges[::-1]
 
 
-def _layer_names(model: nn.Module, layers: list[str] | None) -> list[str]:
+def layer_names(model: nn.Module, layers: list[str] | None) -> list[str]:
     if layers is not None:
         return list(layers)
     if not hasattr(model, "pipeline_layers"):
@@ -70,7 +70,7 @@ def time_layers(model: nn.Module, example_input: torch.Tensor, layers: list[str]
     Runs the layers one after the other in this process (no communication), each alone
     as a one-layer stage, and returns the median of `repeats` timings per layer.
     """
-    names = _layer_names(model, layers)
+    names = layer_names(model, layers)
     x, out = example_input, []
     for name in names:
         layer = keep_layers(model, names, [name])
@@ -116,7 +116,7 @@ def split_model(model: nn.Module, num_stages: int, stage: int, num_virtual: int 
     Layers are cut into num_stages * num_virtual contiguous parts balanced by `costs`
     (one per layer: measured times, say), by parameter count when not given.
     """
-    names = _layer_names(model, layers)
+    names = layer_names(model, layers)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage} is outside 0..{num_stages - 1}")
     costs = layer_costs(model, names) if costs is None else list(costs)

@@ -116,8 +116,7 @@ class TiedWeights:
             for z in wrappers:
                 if id(p) in z.param_shapes:
                     self._zero[id(p)] = z
-                    z.state_names = {**getattr(z, "state_names", z.param_names),
-                                     id(p): self.first_names.get(id(p), z.param_names[id(p)])}
+                    z.state_names[id(p)] = self.first_names.get(id(p), z.param_names[id(p)])
 
     @property
     def secondary(self) -> set[int]:

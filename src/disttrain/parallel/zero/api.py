@@ -46,7 +46,7 @@ from disttrain.comm.buckets import mb_to_bytes
 from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm, groups, mixed
 from disttrain.parallel.zero.flat import FlatShards
-from disttrain.parallel.zero.optimizer import ZeroOptimizer, state_tensors
+from disttrain.parallel.zero.optimizer import ShardLayout, ZeroOptimizer, state_tensors
 from disttrain.parallel.zero.stage3 import ParamShards
 
 __all__ = ["Zero", "ZeroOptimizer"]
@@ -57,7 +57,7 @@ OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 class Zero(nn.Module):
     """Shard `module`'s model states over `group` (ZeRO `stage` 0-3).
 
-    stage: 0 plain data parallelism (allreduce; nothing sharded), 1 optimizer state,
+    stage: 0 plain data parallelism (all-reduce; nothing sharded), 1 optimizer state,
         2 + gradients, 3 + parameters.
     optimizer_factory: `params -> torch.optim.Optimizer`, called once with this rank's
         flat shard parameters (fp32 masters in mixed precision), or with torch param
@@ -130,7 +130,12 @@ class Zero(nn.Module):
         inner = _build_optimizer(optimizer_factory, stepped, self.engine.shard_groups(),
                                  options if param_groups is not None else None)
         scaler = (loss_scaler or mixed.LossScaler()) if precision == "fp16" else None
-        self.optimizer = ZeroOptimizer(self, inner, scaler)
+        # NOTE: one dict, shared with the optimizer's layout: tied weights across pipeline
+        # stages rename their state in place (pipeline/tied.py).
+        self.state_names = dict(self.param_names)
+        layout = ShardLayout(self.engine, self.masters, stage, self.rank, self.world, precision,
+                             group, self.overflow_group, self.comm_stats, self.state_names)
+        self.optimizer = ZeroOptimizer(layout, inner, scaler)
 
     def forward(self, *args, **kwargs):
         if self.dtype is not None:  # floating inputs follow the module (FSDP's cast_forward_inputs)

@@ -37,6 +37,8 @@ post-accumulate-grad hooks call back into `_on_grad`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -44,7 +46,25 @@ from disttrain.comm.buckets import assign_buckets
 from disttrain.parallel.zero import comm
 from disttrain.parallel.zero.mixed import accumulate_shard_grad
 
-__all__ = ["FlatShards"]
+__all__ = ["FlatShards", "Piece", "Segment"]
+
+
+class Piece(NamedTuple):
+    """One parameter inside a flat buffer (bucket or stage-3 unit)."""
+
+    param_id: int
+    """id() of the parameter."""
+    offset: int
+    """Its first element in the flat buffer."""
+    numel: int
+
+
+class Segment(NamedTuple):
+    """This rank's shard of one flat buffer: elements [lo, hi), and what the buffer holds."""
+
+    lo: int
+    hi: int
+    pieces: list[Piece]
 
 _MAX_INFLIGHT = 2  # stage 2: bucket reduce-scatters in flight (each holds a full bucket)
 
@@ -156,9 +176,10 @@ class FlatShards:
     def _add_shard_grad(self, b: _Bucket, out: torch.Tensor) -> None:
         accumulate_shard_grad(b, out, self.reduce_dtype)
 
-    def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-        """Per shard parameter: (lo, hi) in its bucket and (id(param), offset, numel)s."""
-        return [(b.lo, b.hi, [(id(p), off, p.numel()) for p, off in zip(b.params, b.offsets)])
+    def segments(self) -> list[Segment]:
+        """Per shard parameter: its slice of its bucket and the parameters in the bucket."""
+        return [Segment(b.lo, b.hi, [Piece(id(p), off, p.numel())
+                                     for p, off in zip(b.params, b.offsets)])
                 for b in self.buckets]
 
     # ---- backward: reduce each bucket as soon as its gradients exist -------------

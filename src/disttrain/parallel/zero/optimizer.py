@@ -7,23 +7,45 @@ is stepped), (mixed) move them into the fp32 masters, unscaled, and (fp16) vote 
 overflow, step the inner torch optimizer (or skip it), (mixed) cast the masters down,
 and (stages 1-2) all-gather the updated parameters.
 
-Who talks to whom: api.Zero builds it; it drives the engine (flat.py / stage3.py), the
-masters and loss scaler (mixed.py) and checkpoint.py; collectives go through comm.py.
+Who talks to whom: api.Zero builds it and hands it a `ShardLayout` (the engine, the
+masters, the groups; never the module or Zero itself, so ownership points one way); it
+drives the engine (flat.py / stage3.py), the masters and loss scaler (mixed.py) and
+checkpoint.py; collectives go through comm.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm, mixed
 
-if TYPE_CHECKING:
-    from disttrain.parallel.zero.api import Zero
+__all__ = ["ShardLayout", "ZeroOptimizer", "state_tensors", "vote_overflow"]
 
-__all__ = ["ZeroOptimizer", "state_tensors", "vote_overflow"]
+
+@dataclass
+class ShardLayout:
+    """What a ZeroOptimizer steps and over which groups, as Zero built it."""
+
+    engine: Any
+    """FlatShards (stages 0-2) or ParamShards (stage 3): shards, gradients, reductions."""
+    masters: mixed.MasterWeights | None
+    """fp32 master copies of the shards (mixed precision), else None."""
+    stage: int
+    rank: int
+    """This rank's index in `group`."""
+    world: int
+    """Size of `group` (the dp group the shards are spread over)."""
+    precision: str
+    group: Any
+    overflow_group: Any
+    """Where fp16's overflow vote runs (the dp group, or the whole job under parallelize)."""
+    comm_stats: comm.CommStats
+    state_names: dict[int, str]
+    """id(param) -> the name its optimizer state is saved under (tied weights: the first)."""
 
 
 class ZeroOptimizer:
@@ -38,9 +60,9 @@ class ZeroOptimizer:
     reshards. LR schedulers attach to `.inner` (the real torch optimizer).
     """
 
-    def __init__(self, owner: Zero, inner: torch.optim.Optimizer,
+    def __init__(self, layout: ShardLayout, inner: torch.optim.Optimizer,
                  scaler: mixed.LossScaler | None = None):
-        self._owner, self.inner, self.scaler = owner, inner, scaler
+        self.layout, self.inner, self.scaler = layout, inner, scaler
         self._prepared = False  # reductions waited for, gradients averaged
         self._on_masters = False  # mixed: gradients moved into the fp32 masters
         self._found_inf = False  # fp16: some rank's gradient overflowed this step
@@ -75,6 +97,11 @@ class ZeroOptimizer:
         self._scaled = True
         return loss * self.scaler.scale if self.scaler is not None else loss
 
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether this step's loss was scaled (scale_loss/backward/mark_scaled) yet."""
+        return self._scaled
+
     def mark_scaled(self) -> None:
         """Say that this step's backward ran from a loss scaled by `loss_scale` that was
         computed elsewhere (another pipeline stage; parallelize calls it). No comm."""
@@ -88,11 +115,12 @@ class ZeroOptimizer:
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.inner.param_groups for p in g["params"]]
 
-    def _prepare(self) -> None:
-        """Once per step: wait for reductions, sums -> means (in the parameters' dtype)."""
+    def prepare(self) -> None:
+        """Once per step: wait for reductions, sums -> means (in the parameters' dtype).
+        Blocks (the reductions still in flight); later calls in the same step do nothing."""
         if self._prepared:
             return
-        o = self._owner
+        o = self.layout
         o.engine.prepare_step()
         if self.scaler is not None and not self._scaled and any(
                 g is not None for g in o.engine.shard_grads()):
@@ -106,7 +134,7 @@ class ZeroOptimizer:
         """Mixed precision, once per step: fp32 master gradients = shard gradients / scale,
         and (fp16, `vote`) the overflow vote over the owner's overflow group. Blocks
         (fp16: one all-reduce)."""
-        o = self._owner
+        o = self.layout
         if o.masters is not None and not self._on_masters:
             o.masters.to_master(o.engine.shard_grads(), self.loss_scale)
             self._on_masters = True
@@ -118,19 +146,19 @@ class ZeroOptimizer:
         """The gradients step() applies, one per shard parameter: the fp32 masters'
         (unscaled) in mixed precision, else the shards'. Call after backward; blocks
         (waits for reductions, averages; fp16: the overflow vote)."""
-        self._prepare()
+        self.prepare()
         self._to_masters()
-        if self._owner.masters is not None:
-            return [m.grad for m in self._owner.masters.masters]
-        return self._owner.engine.shard_grads()
+        if self.layout.masters is not None:
+            return [m.grad for m in self.layout.masters.masters]
+        return self.layout.engine.shard_grads()
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure; "
                              "compute the loss and call backward() before step()")
-        self._prepare()
+        self.prepare()
         self._to_masters()
-        o = self._owner
+        o = self.layout
         skip = self._found_inf
         if not skip:
             self.inner.step()
@@ -150,9 +178,9 @@ class ZeroOptimizer:
         self._voted = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._owner.engine.zero_grad()
-        if self._owner.masters is not None:
-            self._owner.masters.drop_grads()
+        self.layout.engine.zero_grad()
+        if self.layout.masters is not None:
+            self.layout.masters.drop_grads()
         self._reset()
 
     @torch.no_grad()
@@ -161,15 +189,15 @@ class ZeroOptimizer:
         before clipping (in mixed precision: of the unscaled fp32 master gradients; inf
         when this fp16 step overflowed and will be skipped). Call after backward, before
         step(); blocks (one tiny all-reduce at stages 1-3, where each rank holds its shard)."""
-        self._prepare()
+        self.prepare()
         self._to_masters()
         if self._found_inf:
             return torch.tensor(float("inf"))
         grads = [p.grad for p in self._params() if p.grad is not None]
         sq = torch.stack([g.float().square().sum() for g in grads]).sum() if grads \
             else torch.zeros(())
-        if self._owner.stage > 0:
-            comm.all_reduce(sq, self._owner.group, self._owner.comm_stats)
+        if self.layout.stage > 0:
+            comm.all_reduce(sq, self.layout.group, self.layout.comm_stats)
         norm = sq.sqrt()
         scale = max_norm / (norm + 1e-6)
         if scale < 1:
@@ -178,15 +206,15 @@ class ZeroOptimizer:
         return norm
 
     def _layout(self) -> dict[str, Any]:
-        o = self._owner
+        o = self.layout
         shards = [int(p.numel()) for p in o.engine.shard_parameters()]
         return {"stage": o.stage, "world_size": o.world, "rank": o.rank, "shard_numels": shards,
                 "precision": o.precision}
 
     def state_dict(self) -> dict[str, Any]:
         out = {"zero": self._layout(), "inner": self.inner.state_dict()}
-        if self._owner.masters is not None:
-            out["master"] = [m.detach() for m in self._owner.masters.masters]
+        if self.layout.masters is not None:
+            out["master"] = [m.detach() for m in self.layout.masters.masters]
         if self.scaler is not None:
             out["loss_scaler"] = self.scaler.state_dict()
         return out
@@ -194,28 +222,28 @@ class ZeroOptimizer:
     def sharded_state_dict(self) -> dict[str, Any]:
         """Optimizer state as per-parameter `ShardedTensor` pieces (+ fp32 masters and the
         loss scaler), for `disttrain.Checkpointer` (loads at any world size or stage)."""
-        o = self._owner
+        o = self.layout
         masters = o.masters.masters if o.masters is not None else None
         tree = ckpt.sharded_state(self.inner, self._params_by_shard(), o.engine.segments(),
-                                  getattr(o, "state_names", o.param_names), masters)
+                                  o.state_names, masters)
         if self.scaler is not None:
             tree["loss_scaler"] = self.scaler.state_dict()
         return tree
 
     def _params_by_shard(self) -> list[torch.Tensor]:
-        o = self._owner
+        o = self.layout
         return o.masters.masters if o.masters is not None else o.engine.shard_parameters()
 
     def load_sharded_state_dict(self, tree: dict[str, Any]) -> None:
         """After the checkpointer filled the pieces in place: hyperparameters, scalars,
         the loss scaler; (mixed) parameters <- masters (blocks at stages 1-2: all-gather)."""
-        o = self._owner
+        o = self.layout
         ckpt.load_sharded_state(self.inner, self._params_by_shard(), o.engine.segments(),
-                                getattr(o, "state_names", o.param_names), tree)
+                                o.state_names, tree)
         self._load_mixed(tree)
 
     def _load_mixed(self, tree: dict[str, Any]) -> None:
-        o = self._owner
+        o = self.layout
         if self.scaler is not None:
             if "loss_scaler" not in tree:
                 raise ValueError("this optimizer state has no loss scaler: it was saved "
@@ -238,9 +266,9 @@ class ZeroOptimizer:
                              f"(saved, here): {diff}; load it with the same stage, world size, "
                              "precision and model on the same rank")
         self.inner.load_state_dict(state_dict["inner"])
-        if self._owner.masters is not None:
+        if self.layout.masters is not None:
             with torch.no_grad():
-                for m, v in zip(self._owner.masters.masters, state_dict["master"]):
+                for m, v in zip(self.layout.masters.masters, state_dict["master"]):
                     m.copy_(v)
         self._load_mixed(state_dict)
 
@@ -256,10 +284,10 @@ def vote_overflow(optimizers: list[ZeroOptimizer]) -> bool:
     if not fp16 or all(o._voted for o in fp16):
         return any(o._found_inf for o in fp16)
     for o in optimizers:
-        o._prepare()
+        o.prepare()
         o._to_masters(vote=False)
-    first = fp16[0]._owner
-    found = mixed.vote(any(o._owner.masters.local_inf() for o in fp16), first.overflow_group,
+    first = fp16[0].layout
+    found = mixed.vote(any(o.layout.masters.local_inf() for o in fp16), first.overflow_group,
                        first.comm_stats, first.masters.masters[0].device)
     for o in fp16:
         o._found_inf, o._voted = found, True

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from disttrain.parallel.zero import comm
+from disttrain.parallel.zero.flat import Piece, Segment
 from disttrain.parallel.zero.mixed import accumulate_shard_grad
 
 __all__ = ["ParamShards"]
@@ -165,14 +166,14 @@ class ParamShards:
     def _add_shard_grad(self, u: _Unit, out: torch.Tensor) -> None:
         accumulate_shard_grad(u, out, self.reduce_dtype)
 
-    def segments(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-        """Per shard parameter: (lo, hi) in its unit and (id(param), offset, numel)s."""
+    def segments(self) -> list[Segment]:
+        """Per shard parameter: its slice of its unit and the parameters in the unit."""
         out = []
         for u in self.units:
             size = u.shard.numel()
             offs = [sum(u.numels[:i]) for i in range(len(u.numels))]
-            out.append((self.rank * size, (self.rank + 1) * size,
-                        list(zip(u.param_ids, offs, u.numels))))
+            out.append(Segment(self.rank * size, (self.rank + 1) * size,
+                               [Piece(*t) for t in zip(u.param_ids, offs, u.numels)]))
         return out
 
     # ---- gather / free -----------------------------------------------------------

@@ -8,16 +8,16 @@ matmul is split across the ranks of a tensor-parallel group:
   `RowParallelLinear` directly (Megatron's MLP: fc colwise -> GeLU -> proj rowwise; and
   attention: qkv colwise, whole heads per rank -> proj rowwise).
 - `RowParallelLinear` splits `w` on its input dim: each rank multiplies its slice of the
-  input and the partial outputs are summed by g (allreduce).
+  input and the partial outputs are summed by g (all-reduce).
 - `VocabParallelEmbedding` splits the vocabulary rows; `vocab_parallel_cross_entropy`
   computes the loss from vocabulary-sharded logits, so full logits are never gathered.
 
 `apply_tp(model, mesh_or_group, plan)` swaps a model's nn.Linear / nn.Embedding modules
 for these, from a plan that is data: {"attn.qkv": "colwise", "attn.proj": "rowwise"}.
-Communication lives in tp_comm.py (Megatron's f and g).
+Communication lives in comm.py (Megatron's f and g).
 
 `apply_tp(..., sequence_parallel=True)` adds sequence parallelism (Korthikanti et al.
-2022; sequence_parallel.py): column-parallel layers take a sequence shard and all-gather
+2022; sequence.py): column-parallel layers take a sequence shard and all-gather
 it, row-parallel layers reduce-scatter along the sequence, and the plan's "sequence*"
 entries say where the region starts (the embedding's output is scattered), which modules
 run on shards (LayerNorms) and, if needed, where it ends.
@@ -34,19 +34,19 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 from disttrain.comm import ops
-from disttrain.parallel.sequence_parallel import (
-    SEQUENCE_STYLES,
-    gather_output,
-    gathered_linear,
-    mark_sequence_parallel,
-    scatter_output,
-)
-from disttrain.parallel.tp_comm import (
+from disttrain.parallel.tensor.comm import (
     f,
     g,
     gather_last_dim,
     reduce_scatter_sequence,
     scatter_last_dim,
+)
+from disttrain.parallel.tensor.sequence import (
+    SEQUENCE_STYLES,
+    gather_output,
+    gathered_linear,
+    mark_sequence_parallel,
+    scatter_output,
 )
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -137,7 +137,7 @@ class RowParallelLinear(nn.Module):
         return self
 
     sequence_parallel = False
-    """Output reduce-scattered along dim `sequence_dim` instead of allreduced (apply_tp)."""
+    """Output reduce-scattered along dim `sequence_dim` instead of all-reduced (apply_tp)."""
     sequence_dim = 1
 
     def _init_from(self, linear: nn.Linear, group, input_is_parallel: bool) -> None:
@@ -222,7 +222,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        stats = torch.stack([picked, sum_exp])  # (2, N): one allreduce for both
+        stats = torch.stack([picked, sum_exp])  # (2, N): one all-reduce for both
         ops.all_reduce(stats, group=group)
         picked, sum_exp = stats[0], stats[1]
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, outside)
@@ -240,7 +240,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """Mean cross-entropy of `logits` (..., V/tp) sharded on vocab against `target` (...).
 
     Same value and gradient as F.cross_entropy on the gathered logits; blocks (two
-    allreduces over `group`: the max, then the target logit and the sum of exps).
+    all-reduces over `group`: the max, then the target logit and the sum of exps).
     """
     flat = logits.reshape(-1, logits.shape[-1])
     return _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group).mean()
@@ -280,7 +280,7 @@ def apply_tp(model: nn.Module, mesh_or_group, plan: dict[str, str],
     Plan keys match a module's qualified name exactly, as a dotted suffix ("attn.qkv"
     matches "blocks.0.attn.qkv"), or as a glob ("blocks.*.mlp.fc"). Styles: "colwise",
     "rowwise" (nn.Linear), "vocab" (nn.Embedding), and the sequence-parallel ones
-    ("sequence", "sequence_scatter", "sequence_gather"; sequence_parallel.py), which act
+    ("sequence", "sequence_scatter", "sequence_gather"; sequence.py), which act
     only with `sequence_parallel=True` (activations outside the tp layers split along
     dim `sequence_dim`; the plan needs a "sequence_scatter" entry then). `mesh_or_group`
     is a Mesh (its tp axis is used) or a process group. Blocks only in that shards are

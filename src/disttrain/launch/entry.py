@@ -1,6 +1,6 @@
 """Run one rank of `disttrain run`: the user's script as `__main__`, its failure recorded.
 
-The elastic agent (disttrain/launch.py) starts every rank as
+The elastic agent (disttrain/launch/job.py) starts every rank as
 `python -u <this file> script.py [args...]`. This file runs the script exactly as
 `python script.py args` would (sys.argv, sys.path[0], `__name__ == "__main__"`), and
 when the script raises, writes the exception, with the traceback trimmed to the user's
@@ -14,14 +14,9 @@ An exception carrying `disttrain_exit_code` (a collective that timed out or lost
 peer) ends the rank with that code right after it is recorded: a broken gloo group cannot
 shut down cleanly (its threads abort the process at exit).
 
-Which rank caused a failure is decided by the launcher (failures.py) from what each
-rank records here: its exception, the kind of failure (`disttrain_kind`: `exception`,
-`exit` for sys.exit with a nonzero code, `timeout` or `peer-lost` for a collective that
-failed because of another rank) and the time. A rank whose collective failed because a
-peer left (`peer-lost`) is a consequence: it records its error, then waits up to
-DISTTRAIN_PEER_GRACE seconds (3 by default) before exiting, so that the rank that left
-ends on its own first (it may still be recording its own exception or running its exit
-handlers) instead of being stopped by the agent in the middle of it.
+Each failure is recorded with its kind (`exception`, `exit`, `peer-lost`, `timeout`)
+for the launcher (failures.py); a `peer-lost` rank waits up to DISTTRAIN_PEER_GRACE
+seconds before exiting so the rank that left ends first (docs/design/launcher.md).
 
 A parameter-server worker (a job with DISTTRAIN_SERVERS > 0, ranks below world - S)
 runs its script in a child process that this file supervises: when the child is killed
@@ -48,7 +43,7 @@ import sys
 import time
 import traceback
 
-USAGE = "usage: python _entry.py script.py [args...]  (started by `disttrain run`)"
+USAGE = "usage: python entry.py script.py [args...]  (started by `disttrain run`)"
 # What gloo/NCCL say, through torch.distributed called directly, when a collective
 # failed because of another rank (disttrain.comm's CollectiveError says it by attribute).
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted")

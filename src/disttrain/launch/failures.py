@@ -1,8 +1,8 @@
 """What `disttrain run` prints when ranks fail: the rank that caused it first, then the rest.
 
-Who talks to whom: launch.py hands `report_failures` torch elastic's ProcessFailure per
-failed rank (exit code, pid, the error file `_entry.py` wrote) and the job's report
-folder; comm/hang_report.py reads every rank's flight-recorder state from that folder.
+Who talks to whom: launch/job.py hands `report_failures` torch elastic's ProcessFailure per
+failed rank (exit code, pid, the error file `entry.py` wrote) and the job's report
+folder; hang_report.py reads every rank's flight-recorder state from that folder.
 
 How the cause is chosen (docs/design.md, "What the launcher shows"): each failed rank
 is classified by what it recorded, not by how it ended, because the agent stops (SIGTERM)
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from disttrain.comm.flight import EXIT_HANG, format_ranks
-from disttrain.comm.hang_report import BACKEND_ERROR, collective_report, describe, load_states
+from disttrain.launch.hang_report import BACKEND_ERROR, collective_report, describe, load_states
 
 __all__ = ["PREFIX_TEMPLATE", "RankFailure", "classify", "rank_prefix", "report_failures"]
 
@@ -148,7 +148,7 @@ def _print_cause(root: RankFailure, out, report_dir: str | None) -> None:
         out.writelines(prefix + line + "\n" for line in root.callstack.rstrip("\n").split("\n"))
         return
     crash = _crash_dump(root, report_dir)
-    if crash:  # a crash (SIGSEGV, SIGABRT, ...): the stacks faulthandler wrote (_entry.py)
+    if crash:  # a crash (SIGSEGV, SIGABRT, ...): the stacks faulthandler wrote (entry.py)
         out.write(f"{prefix}no Python exception; the rank's threads when it died:\n")
         out.writelines(prefix + line + "\n" for line in crash.rstrip("\n").split("\n"))
     elif root.exitcode == -signal.SIGKILL:

@@ -4,13 +4,13 @@ Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter
 Language Models Using Model Parallelism", https://arxiv.org/abs/1909.08053, section 3,
 figure 3) names two conjugate operators:
 
-- f: identity in the forward pass, allreduce of the gradient in the backward pass.
+- f: identity in the forward pass, all-reduce of the gradient in the backward pass.
   Placed where a replicated activation enters a column-parallel layer.
-- g: allreduce in the forward pass, identity in the backward pass. Placed where the
+- g: all-reduce in the forward pass, identity in the backward pass. Placed where the
   partial outputs of a row-parallel layer are summed.
 
 A transformer layer has one f and one g in attention and one of each in the MLP: two
-allreduces forward and two backward.
+all-reduces forward and two backward.
 
 Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", https://arxiv.org/abs/2205.05198, section 4.2.2) splits the
@@ -27,7 +27,7 @@ pair into all-gather / reduce-scatter along that dim (Megatron's mappings.py nam
   region hands a replicated (not tensor-parallel) consumer the whole sequence.
 
 Who talks to whom: the ranks of one tensor-parallel `group` (a mesh's "tp" axis), with
-blocking allreduce / all-gather / reduce-scatter on it (comm/ops.py, so a hang names them).
+blocking all-reduce / all-gather / reduce-scatter on it (comm/ops.py, so a hang names them).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ __all__ = ["MegatronF", "MegatronG", "GatherLastDim", "ScatterLastDim", "f", "g"
            "gather_last_dim", "scatter_last_dim", "GatherSequence", "ReduceScatterSequence",
            "ScatterSequence", "GatherSequenceSplitGrad", "gather_sequence",
            "reduce_scatter_sequence", "scatter_sequence", "gather_sequence_split_grad",
-           "check_sequence_length"]
+           "check_sequence_length", "all_gather_seq", "reduce_scatter_seq"]
 
 
-def _allreduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     x = x.contiguous()
@@ -71,7 +71,7 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class MegatronF(torch.autograd.Function):
-    """Megatron's f: forward identity, backward allreduce (sum) over the tp group."""
+    """Megatron's f: forward identity, backward all-reduce (sum) over the tp group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -80,15 +80,15 @@ class MegatronF(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _allreduce(grad.clone(), ctx.group), None
+        return _all_reduce(grad.clone(), ctx.group), None
 
 
 class MegatronG(torch.autograd.Function):
-    """Megatron's g: forward allreduce (sum) over the tp group, backward identity."""
+    """Megatron's g: forward all-reduce (sum) over the tp group, backward identity."""
 
     @staticmethod
     def forward(ctx, x, group):
-        return _allreduce(x.clone(), group)
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -122,12 +122,12 @@ class ScatterLastDim(torch.autograd.Function):
 
 
 def f(x: torch.Tensor, group) -> torch.Tensor:
-    """Megatron's f (identity forward, allreduce backward)."""
+    """Megatron's f (identity forward, all-reduce backward)."""
     return MegatronF.apply(x, group)
 
 
 def g(x: torch.Tensor, group) -> torch.Tensor:
-    """Megatron's g (allreduce forward, identity backward). Blocks."""
+    """Megatron's g (all-reduce forward, identity backward). Blocks."""
     return MegatronG.apply(x, group)
 
 
@@ -151,7 +151,7 @@ def check_sequence_length(length: int, world: int, dim: int) -> None:
             "sequence_parallel off")
 
 
-def _gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def all_gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., T/tp, ..) shards -> (.., T, ..), rank order along `dim`. Blocks."""
     world = dist.get_world_size(group)
     if world == 1:
@@ -164,7 +164,7 @@ def _gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def reduce_scatter_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., T, ..) partial sums -> this rank's (.., T/tp, ..) slice of their sum. Blocks."""
     world = dist.get_world_size(group)
     if world == 1:
@@ -191,11 +191,11 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _gather_seq(x, group, dim)
+        return all_gather_seq(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group, ctx.dim), None, None
+        return reduce_scatter_seq(grad, ctx.group, ctx.dim), None, None
 
 
 class ReduceScatterSequence(torch.autograd.Function):
@@ -204,11 +204,11 @@ class ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _reduce_scatter_seq(x, group, dim)
+        return reduce_scatter_seq(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group, ctx.dim), None, None
+        return all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
 class ScatterSequence(torch.autograd.Function):
@@ -221,7 +221,7 @@ class ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group, ctx.dim), None, None
+        return all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
 class GatherSequenceSplitGrad(torch.autograd.Function):
@@ -230,7 +230,7 @@ class GatherSequenceSplitGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _gather_seq(x, group, dim)
+        return all_gather_seq(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline schedule ZB-H1 (pure) and the split backward that runs it.
+"""The split backward that runs the zero-bubble schedule ZB-H1 (schedules.py has the schedule).
 
 Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (https://arxiv.org/abs/2401.10241),
 as torch.distributed.pipelining runs it (separate BACKWARD_INPUT and BACKWARD_WEIGHT
@@ -14,7 +14,7 @@ stage holds at most p micro-batches between F and W: 1F1B's peak (stage 0's p). 
 equal F, B, W times the idle time per stage drops from (p-1)(F+B+W) to (p-1)(F+B-W): a
 third of 1F1B's.
 
-The schedule talks to nobody. backward_input/backward_weight are local autograd calls
+backward_input/backward_weight are local autograd calls
 that runtime.py makes for B and W (torch's stage_backward_input/_weight idea: B records
 the gradients reaching the nodes where weight branches leave the input's path; W starts
 there), except that W accumulates through AccumulateGrad so DataParallel's and ZeRO's
@@ -28,46 +28,7 @@ import collections
 import torch
 from torch.autograd.graph import GradientEdge
 
-from disttrain.parallel.pipeline.schedules import Action, _check_sizes, peak_live
-
-__all__ = ["zero_bubble_h1", "peak_pending_w", "peak_until_w", "backward_input",
-           "backward_weight", "check_split_backward"]
-
-
-def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """ZB-H1: 1F1B's F/B order per stage; stage i runs W(k) right after B(k + i).
-
-    Stage i: min(p-i-1, m) warm-up forwards, then per micro-batch k: F(k+warm-up) if
-    any is left, B(k), and W of the oldest pending micro-batch once i+1 are pending;
-    the rest of the W at the end.
-    """
-    _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
-    out = []
-    for s in range(p):
-        warmup, lag = min(p - s - 1, m), s
-        acts = [Action("F", i) for i in range(warmup)]
-        next_w = 0
-        for k in range(m):
-            if warmup + k < m:
-                acts.append(Action("F", warmup + k))
-            acts.append(Action("B", k))
-            if k - next_w >= lag:  # NOTE: W lags B by i micro-batches on stage i
-                acts.append(Action("W", next_w))
-                next_w += 1
-        acts += [Action("W", i) for i in range(next_w, m)]
-        out.append(acts)
-    return out
-
-
-def peak_pending_w(actions: list[Action]) -> int:
-    """Most micro-batches a stage holds between B and W (weight-gradient inputs kept)."""
-    return peak_live(actions, opens="B", closes="W")
-
-
-def peak_until_w(actions: list[Action]) -> int:
-    """Most micro-batches a stage holds between F and W (split backward's full lifetime)."""
-    return peak_live(actions, opens="F", closes="W")
+__all__ = ["backward_input", "backward_weight", "check_split_backward"]
 
 
 def backward_input(out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None,

@@ -1,4 +1,4 @@
-"""Sequence parallelism: the pieces tensor_parallel.apply_tp adds when it is switched on.
+"""Sequence parallelism: the pieces layers.apply_tp adds when it is switched on.
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", https://arxiv.org/abs/2205.05198, section 4.2.2), as Megatron-LM implements it
@@ -13,7 +13,7 @@ activations split along the sequence dim over the tp group, so their activations
   saved input shrinks by tp too.
 - after a row-parallel linear: reduce-scatter along the sequence (backward: all-gather).
 
-Same number of bytes on the wire as the two allreduces (an allreduce is a reduce-scatter
+Same number of bytes on the wire as the two all-reduces (an all-reduce is a reduce-scatter
 plus an all-gather), 1/tp of the activation memory in the replicated regions.
 
 Parameters replicated over tp that see only a sequence shard (LayerNorm weight and bias,
@@ -26,12 +26,12 @@ gradient: DataParallel's and ZeRO stage 1-2's post-accumulate hooks (the dp aver
 reduce-scatter), the pipeline's tied-weight sum after the step, clip_grad_norm_ (which
 counts replicated parameters once) and the optimizer. Sums over tp and dp commute, so this
 equals Megatron's order (dp first in finish_grad_sync, then the tp sum); we pay one small
-allreduce per such parameter per micro-batch instead of one coalesced per step, in
+all-reduce per such parameter per micro-batch instead of one coalesced per step, in
 exchange for working under ZeRO, which consumes gradients during backward. ZeRO stage 3
 replaces the Parameters by flat units whose hooks these are not: refused (parallelize).
 
 Who talks to whom: the ranks of one tp group (comm/ops.py all-gather, reduce-scatter,
-allreduce); nothing else.
+all-reduce); nothing else.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.comm import ops
-from disttrain.parallel.tp_comm import (
-    _gather_seq,
-    _reduce_scatter_seq,
+from disttrain.parallel.tensor.comm import (
+    all_gather_seq,
     gather_sequence_split_grad,
+    reduce_scatter_seq,
     scatter_sequence,
 )
 
@@ -66,15 +66,15 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, dim):  # x (.., T/tp, .., in), w (out/tp, in)
         ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
         ctx.save_for_backward(x, weight)
-        full = _gather_seq(x, group, dim)  # (.., T, .., in); blocks
+        full = all_gather_seq(x, group, dim)  # (.., T, .., in); blocks
         return torch.nn.functional.linear(full, weight, bias)  # (.., T, .., out/tp)
 
     @staticmethod
     def backward(ctx, grad):  # (.., T, .., out/tp)
         x, weight = ctx.saved_tensors
-        full = _gather_seq(x, ctx.group, ctx.dim)  # NOTE: gathered again, not kept
+        full = all_gather_seq(x, ctx.group, ctx.dim)  # NOTE: gathered again, not kept
         grad_full = grad.matmul(weight)  # (.., T, .., in): this rank's partial sum
-        grad_x = _reduce_scatter_seq(grad_full, ctx.group, ctx.dim)  # (.., T/tp, .., in)
+        grad_x = reduce_scatter_seq(grad_full, ctx.group, ctx.dim)  # (.., T/tp, .., in)
         g2 = grad.reshape(-1, grad.shape[-1])  # (N, out/tp)
         grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1])).to(weight.dtype)  # (out/tp, in)
         grad_b = g2.sum(0) if ctx.has_bias else None

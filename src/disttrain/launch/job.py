@@ -2,9 +2,9 @@
 
 Who talks to whom: `cli.py` turns flags into a `RunConfig`; `run()` builds a torch
 `LaunchConfig` from it and hands it to `elastic_launch`, whose agent starts one
-`python -u disttrain/_entry.py script.py args` per local rank, watches them, restarts
+`python -u disttrain/launch/entry.py script.py args` per local rank, watches them, restarts
 the group up to `max_restarts` times, and stops every rank when one fails or the
-launcher gets SIGINT/SIGTERM. `_entry.py` records a failing rank's traceback to its
+launcher gets SIGINT/SIGTERM. `entry.py` records a failing rank's traceback to its
 TORCHELASTIC_ERROR_FILE; `run()` prints it with that rank's prefix (failures.py).
 
 Rendezvous follows torchrun: on one node without --master-addr a c10d store on
@@ -17,10 +17,10 @@ every other rank's stdout/stderr is tee'd through a log file and printed as
 
 Hangs: `run()` creates a report folder (in the log folder) and passes it to the ranks
 as DISTTRAIN_REPORT_DIR; each rank's flight recorder (comm/flight.py) and faulthandler
-(_entry.py) write there. When ranks fail, `report_failures` (failures.py) prints the
+(entry.py) write there. When ranks fail, `report_failures` (failures.py) prints the
 cause first: the rank that raised (or exited, or was killed), its traceback, and where
 the others waited; only when no rank caused it and a collective timed out, one merged
-hang report (comm/hang_report.py) and exit code EXIT_HANG (124).
+hang report (hang_report.py) and exit code EXIT_HANG (124).
 
 Parameter-server jobs (`--workers W --servers S`) start W+S ranks and set
 DISTTRAIN_SERVERS=S; `disttrain.role()` makes the last S global ranks servers.
@@ -45,11 +45,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from disttrain.failures import PREFIX_TEMPLATE, rank_prefix, report_failures
+from disttrain.launch.failures import PREFIX_TEMPLATE, rank_prefix, report_failures
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
 
-ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_entry.py")
+ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py")
 MIN_SECRET_CHARS = 16
 
 

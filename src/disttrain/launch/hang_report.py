@@ -4,7 +4,7 @@ Inputs, per rank, from the report folder `disttrain run` creates (DISTTRAIN_REPO
 - `rank{R}.a{A}.json`: the recorder's state (comm/flight.py): collectives in flight,
   recent ones, status (running / exited / timeout / failed), and stacks when it failed;
 - `rank{R}.a{A}.stacks`: every thread's stack as faulthandler wrote it when the rank was
-  stopped (SIGTERM from the launcher) or crashed (disttrain/_entry.py enables it).
+  stopped (SIGTERM from the launcher) or crashed (disttrain/launch/entry.py enables it).
 
 Output, e.g.:
 
@@ -13,7 +13,7 @@ Output, e.g.:
       where: ranks 0-1 are at all_reduce #3 (train.py:88); rank 2 is at barrier #3 (train.py:91)
       [rank0] stack (most recent call last): ...
 
-Who talks to whom: launch.py calls `collective_report(report_dir, exit_codes)` when a
+Who talks to whom: launch/failures.py calls `collective_report(report_dir, exit_codes)` when a
 job fails; it reads files only (standard library), never contacts the ranks.
 """
 
@@ -220,7 +220,7 @@ def _where_line(views: list[RankView]) -> str:
 
 def _stack_lines(v: RankView) -> list[str]:
     frames = v.stack
-    # Drop the launcher's own frames below the user's script (_entry.py, runpy).
+    # Drop the launcher's own frames below the user's script (launch/entry.py, runpy).
     user = [i for i, f in enumerate(frames) if not is_library(f[0])]
     if user:  # keep the library call the user's code made (a collective's name), drop the rest
         calls = [i for i, f in enumerate(frames) if i > user[-1] and f[2] in COLLECTIVES]

@@ -1,0 +1,79 @@
+"""`disttrain run`'s flags: the parser and the handler that builds a RunConfig (job.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_run_parser"]
+
+RUN_EPILOG = """\
+examples:
+  disttrain run --nproc 4 train.py --lr 3e-4          data parallel, 4 processes
+  disttrain run --workers 4 --servers 2 train.py       parameter server: ranks 0-3 workers, 4-5 servers
+  disttrain run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc 8 train.py   (on node 0)
+  disttrain run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc 8 train.py   (on node 1)
+
+Options go before the script; everything after it is passed to the script.
+Rank 0 writes to the terminal as is; other ranks' lines start with [rankN]:.
+When a rank fails, its own traceback comes first (with its prefix), then one line
+saying where the other ranks waited; the job exits with that rank's code (1 for an
+exception, n for sys.exit(n), 128+n for signal n). A collective that does not complete
+within --timeout (default 60 s) while no rank failed ends the job with ONE report: the
+missing ranks, where every rank is (op #number, file:line) and each rank's stack;
+exit code 124. Collectives are numbered when issued through
+disttrain (disttrain.comm.all_reduce, DataParallel, ...).
+Ranks get DISTTRAIN_SECRET (a fresh per-job secret unless already set: multi-node
+jobs must export the same value on every node), DISTTRAIN_SERVERS and, with several
+processes per node, OMP_NUM_THREADS = cores / processes unless set.
+"""
+
+
+def add_run_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="launch a script on N processes (torch elastic launcher underneath)",
+        description="Launch script.py on every rank of a job, like torchrun.",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    size = p.add_argument_group("job size (pick one)")
+    size.add_argument("--nproc", type=int, help="processes per node (default 1)")
+    size.add_argument("--workers", type=int, help="parameter server: worker processes in the job")
+    size.add_argument("--servers", type=int, help="parameter server: server processes in the job")
+    nodes = p.add_argument_group("several machines")
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index (default 0)")
+    nodes.add_argument("--master-addr", help="address of node 0, reachable from every node")
+    nodes.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart the ranks up to K times after a failure (default 0)")
+    p.add_argument("--timeout", type=float, help="seconds a collective may wait before the job is stopped with a report naming the "
+                        "missing ranks (DISTTRAIN_TIMEOUT; default 60)")
+    p.add_argument("--log-dir", help="keep every rank's stdout/stderr/error files in this folder")
+    p.add_argument("script", help="the Python script every rank runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from disttrain.launch import job  # NOTE: imports torch elastic; only `run` pays for it
+
+    try:
+        cfg = job.RunConfig(
+            script=args.script,
+            script_args=args.script_args,
+            nproc=args.nproc,
+            workers=args.workers,
+            servers=args.servers,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            max_restarts=args.max_restarts,
+            timeout=args.timeout,
+            log_dir=args.log_dir,
+        )
+        return job.run(cfg)
+    except ValueError as err:
+        print(f"disttrain run: error: {err}", file=sys.stderr)
+        return 2
