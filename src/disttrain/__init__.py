@@ -1,6 +1,6 @@
 """disttrain: distributed training of PyTorch models, every strategy behind one API.
 
-This module only re-exports the public API; see docs/design.md for the layers.
+This module only re-exports the public API; see docs/design/index.md for the layers.
 """
 
 from disttrain import comm, data, memory, ps, testing

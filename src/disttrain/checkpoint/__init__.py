@@ -6,7 +6,7 @@ loader=, extra=)` and `load(...) -> step`. Files are safetensors plus a JSON man
 checkpoint saved under one layout loads under another (reshard.py); tensor- and
 pipeline-parallel models and their optimizers are saved under the unsharded model's
 parameter names (modules.py), so tp/pp 2 -> 1 and back load the same values. See
-docs/design.md, "Checkpoints", for the format and the `sharded_state_dict()` protocol.
+docs/design/checkpoints.md for the format and the `sharded_state_dict()` protocol.
 """
 
 from disttrain.checkpoint.checkpointer import Checkpointer

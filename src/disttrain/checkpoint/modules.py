@@ -4,7 +4,7 @@ A tensor-parallel model holds slices of its weights under the names the unsharde
 uses (`blocks.0.attn.qkv.weight` is rows [r*n/tp, (r+1)*n/tp) of the full weight); a
 pipeline stage holds a disjoint subset of those names; a `ParallelModel` holds one or
 more stage chunks. Here both are described as the Checkpoints protocol wants
-(docs/design.md): every tensor under its global name, a sharded one as a `ShardedTensor`
+(docs/design/checkpoints.md): every tensor under its global name, a sharded one as a `ShardedTensor`
 (global shape, this rank's offsets). The TP layers say their own slice through their
 `sharded_state_dict()` (parallel/tensor/layers.py); this module walks a model to collect them.
 

@@ -41,7 +41,7 @@ def merged_trees(gathered: list[dict]) -> dict[str, Any]:
                     f"rank {r} and a lower rank disagree on replicated {key} state at {err}. "
                     "Replicated values (hyperparameters, step counts) must be equal on every "
                     "rank; state that differs per rank (a sharded optimizer's) must be "
-                    "declared through sharded_state_dict() (see docs/design.md, Checkpoints)"
+                    "declared through sharded_state_dict() (see docs/design/checkpoints.md)"
                 ) from None
     return merged
 

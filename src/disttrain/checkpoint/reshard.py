@@ -9,7 +9,7 @@ loaded whole, or resliced to 2, or saved whole and loaded as TP columns: all the
 code.
 
 `ShardedTensor` is the protocol object: a strategy's `sharded_state_dict()` returns it
-for every tensor that is not replicated (see docs/design.md, "Checkpoints").
+for every tensor that is not replicated (see docs/design/checkpoints.md).
 
 Pure tensor code: no processes, no files (the caller passes a `read(shard)` function).
 """

@@ -4,7 +4,7 @@ Who talks to whom: launch/job.py hands `report_failures` torch elastic's Process
 failed rank (exit code, pid, the error file `entry.py` wrote) and the job's report
 folder; hang_report.py reads every rank's flight-recorder state from that folder.
 
-How the cause is chosen (docs/design.md, "What the launcher shows"): each failed rank
+How the cause is chosen (docs/design/launcher.md, "What the launcher shows"): each failed rank
 is classified by what it recorded, not by how it ended, because the agent stops (SIGTERM)
 every other rank as soon as it sees one fail, and the rank that raised may be the one
 stopped while it runs its exit handlers:

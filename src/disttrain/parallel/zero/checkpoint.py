@@ -1,6 +1,6 @@
 """ZeRO optimizer state as per-parameter pieces, so checkpoints reshard.
 
-`disttrain.Checkpointer` (docs/design.md, "Checkpoints") saves state that differs per
+`disttrain.Checkpointer` (docs/design/checkpoints.md) saves state that differs per
 rank through `sharded_state_dict()`: tensors returned as `ShardedTensor(local,
 global_shape, offsets)`. A ZeRO rank's optimizer state covers flat chunks that cut
 across parameters, and the chunking depends on the stage, the world size and the
