@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disttrain.ps import TopK, parse_compression
-from disttrain.ps.compress import ErrorFeedback, densify
+from disttrain.ps.compress import ErrorFeedback, TopK, densify, parse_compression
 from disttrain.ps.policy import SSP, Async, KBatchSync, KSync, Sync
 from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server

@@ -1,12 +1,16 @@
 """Parameter-server training: sharded servers, push/pull, consistency policies.
 
-`connect(model, policy=..., optimizer=...)` is the whole user surface; see worker.py and
-server.py. Placement is `HashRing`, consistency is a policy object (policy.py), the wire
-is transport.py (ZeroMQ, msgpack headers, raw tensor buffers, HMAC-SHA256); top-k push
-sparsification with error feedback is compress.py, snapshots bound to their job snapshot.py.
+`connect(model, policy=..., optimizer=...)` is the whole user surface (connect.py): on
+a server rank it serves, on a worker it returns a `Worker` whose `push()`/`pull()`
+return `Handle`s. Consistency is a policy object the servers apply (policy.py; write
+your own from `Policy` and `Decision`); placement is the consistent-hash `HashRing`
+(ring.py); the wire is transport.py; top-k pushes with error feedback are compress.py;
+`Straggler` delays make stragglers reproducible on one machine.
 """
 
-from disttrain.ps.compress import TopK, parse_compression
+from disttrain.ps.compress import TopK
+from disttrain.ps.connect import connect
+from disttrain.ps.handle import Cancelled, Handle
 from disttrain.ps.policy import (
     SSP,
     Async,
@@ -19,30 +23,30 @@ from disttrain.ps.policy import (
     Sync,
     backup_workers,
 )
-from disttrain.ps.ring import HashRing, chunk_tensor
+from disttrain.ps.ring import HashRing
+from disttrain.ps.server import PSError
 from disttrain.ps.straggler import Straggler, parse_straggler
+from disttrain.ps.worker import Worker
 
 __all__ = [
-    "SSP",
-    "Async",
+    "connect",
+    "Worker",
+    "Handle",
+    "Cancelled",
+    "PSError",
+    # consistency policies (the servers' rule)
+    "Policy",
     "Decision",
-    "HashRing",
+    "Sync",
+    "KSync",
+    "KBatchSync",
+    "Async",
     "KAsync",
     "KBatchAsync",
-    "KBatchSync",
-    "KSync",
-    "Policy",
-    "Straggler",
-    "Sync",
-    "TopK",
+    "SSP",
     "backup_workers",
-    "chunk_tensor",
-    "parse_compression",
+    "HashRing",
+    "TopK",
+    "Straggler",
     "parse_straggler",
 ]
-
-from disttrain.ps.connect import connect, format_stats  # noqa: E402
-from disttrain.ps.server import PSError, Server  # noqa: E402
-from disttrain.ps.worker import Cancelled, Handle, Worker  # noqa: E402
-
-__all__ += ["Cancelled", "Handle", "PSError", "Server", "Worker", "connect", "format_stats"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import zmq
@@ -34,6 +35,17 @@ from disttrain.ps.ring import Chunk
 from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, FrameError, Limits, Message, encode
 
 __all__ = ["Server", "PSError"]
+
+
+class PartialPush(NamedTuple):
+    """A worker's push whose keys are still arriving (several messages per push)."""
+
+    clock: int
+    """The worker's push counter: a newer one means this attempt was abandoned."""
+    version: int
+    """The parameter version the worker computed the gradient on (its staleness)."""
+    grads: dict
+    """key -> gradient received so far."""
 
 
 class PSError(RuntimeError):
@@ -61,7 +73,7 @@ class Server:
         self.address = f"tcp://{advertise}:{port}"
         self.ep = Endpoint(sock, secret, limits)
         self.idents: dict[int, bytes] = {}
-        self.partial: dict[int, tuple[int, int, dict]] = {}  # worker -> (clock, version, grads)
+        self.partial: dict[int, PartialPush] = {}  # worker -> the push still arriving
         self.complete: dict[int, dict[str, torch.Tensor]] = {}  # push id -> grads
         self.parked: dict[int, int] = {}  # worker -> version it already has
         self.finished: set[int] = set()
@@ -159,16 +171,16 @@ class Server:
             grads = {k: t for k, t in zip(msg.keys, msg.tensors)
                      if k in self.params and t.numel() == self.params[k].numel()}
         have = self.partial.get(w)
-        if have is None or have[0] != clock:
+        if have is None or have.clock != clock:
             if have is not None:  # NOTE: a newer clock means the old attempt was abandoned
                 self.partial_dropped += 1
-            have = self.partial[w] = (clock, version, {})
-        have[2].update(grads)
-        if len(have[2]) == len(self.keys):
+            have = self.partial[w] = PartialPush(clock, version, {})
+        have.grads.update(grads)
+        if len(have.grads) == len(self.keys):
             del self.partial[w]
             pid, self._pid = self._pid, self._pid + 1
-            self.complete[pid] = have[2]
-            self._execute(self.policy.push(pid, w, have[1]))
+            self.complete[pid] = have.grads
+            self._execute(self.policy.push(pid, w, have.version))
         return True
 
     # ---- decisions ------------------------------------------------------------------

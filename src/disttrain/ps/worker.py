@@ -75,11 +75,11 @@ class Worker:
         self._wake_out.connect(self._wake_addr)
         self._thread = threading.Thread(target=self._run, name=f"ps-worker{rank}", daemon=True)
         self._thread.start()
-        hello = Handle(self, "hello")
+        hello = Handle(self._raise_if_failed, "hello")
         for s in range(len(addresses)):
             self._send(s, Message("hello", {"keys": [c.key for c in plan[s]],
                                             "policy": policy_repr}), hello, "welcome")
-        hello._seal().wait()
+        hello.seal().wait()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n))
                        for n, p in self.params.items() if p.requires_grad]
 
@@ -98,11 +98,11 @@ class Worker:
         if self._sent:
             self._abandon()
         self._cancel_event.clear()
-        h = Handle(self, "pull")
+        h = Handle(self._raise_if_failed, "pull")
         for s in range(len(self.addresses)):
             self._send(s, Message("pull", {"have": self._version[s]}), h, "params")
         self.pulls += 1
-        return h._seal()
+        return h.seal()
 
     def push(self) -> Handle:
         """Send the gradients not yet sent by the hooks; returns at once (does not block).
@@ -120,7 +120,7 @@ class Worker:
         self._attempt, self._sent = None, set()
         self._clock += 1
         self.pushes += 1
-        return h._seal()
+        return h.seal()
 
     def wire_stats(self) -> dict:
         """Bytes and frames this worker sent and received, per op, summed over servers:
@@ -157,11 +157,11 @@ class Worker:
         """Tell every server this worker is done; blocks for their goodbye (bounded by the
         timeout) and returns their stats (staleness histograms, drops, lost workers)."""
         if self._thread.is_alive() and self._error is None:
-            bye = Handle(self, "close")
+            bye = Handle(self._raise_if_failed, "close")
             for s in range(len(self.addresses)):
                 self._send(s, Message("done", {}), bye, "bye")
             try:
-                bye._seal().wait()
+                bye.seal().wait()
             finally:
                 self._cmds.put(None)
                 self._wake()
@@ -192,7 +192,7 @@ class Worker:
 
     def _attempt_handle(self) -> Handle:
         if self._attempt is None:
-            self._attempt = Handle(self, "push")
+            self._attempt = Handle(self._raise_if_failed, "push")
         return self._attempt
 
     def _send_grads(self, names: list[str]) -> None:
@@ -221,7 +221,7 @@ class Worker:
 
     def _send(self, s: int, msg: Message, handle: Handle, reply: str) -> None:
         msg.meta["worker"] = self.rank
-        handle._add()
+        handle.add()
         self._cmds.put((s, msg, handle, reply))
         self._wake()
 
@@ -313,7 +313,7 @@ class Worker:
         pending = waiting.get({"ack": "ack", "params": "params", "welcome": "welcome",
                                "bye": "bye"}.get(msg.op, ""), [])
         if pending:
-            pending.pop(0)._finish_one()
+            pending.pop(0).finish_one()
 
     def _key_chunk(self, s: int, key: str) -> tuple[str, Chunk]:
         if not hasattr(self, "_by_key"):

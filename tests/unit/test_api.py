@@ -1,0 +1,62 @@
+"""The public API is a decision: every package's `__all__`, snapshotted.
+
+A change here is a change of the API a user imports: make it on purpose, in the same
+commit as the code, and say so. Every name listed must exist, and every package is listed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import disttrain
+
+API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossScaler', 'Mesh',
+               'NonFiniteGradError', 'ParallelModel', 'Parallelism', 'Zero', 'backend',
+               'comm', 'data', 'device', 'init', 'is_initialized', 'local_rank',
+               'local_world_size', 'memory', 'parallelize', 'print0', 'ps', 'rank', 'role',
+               'shutdown', 'testing', 'token_loss', 'world_size'],
+ 'disttrain.checkpoint': ['CheckpointError', 'CheckpointMismatchError', 'CheckpointWarning',
+                          'Checkpointer', 'CorruptCheckpointError', 'LoadsShardedState',
+                          'ShardedState', 'ShardedTensor', 'StageModel', 'even_slice',
+                          'shard_of'],
+ 'disttrain.comm': ['BF16Compression', 'CollectiveError', 'Compression', 'FP16Compression',
+                    'NoCompression', 'all_gather', 'all_gather_into_tensor', 'all_reduce',
+                    'barrier', 'broadcast', 'irecv', 'isend', 'recorder', 'recv',
+                    'reduce_scatter_tensor', 'send'],
+ 'disttrain.launch': ['RunConfig', 'run'],
+ 'disttrain.models': ['GPT', 'GPTConfig'],
+ 'disttrain.parallel': ['DataParallel', 'ParallelModel', 'Parallelism', 'Zero',
+                        'parallelize', 'token_loss'],
+ 'disttrain.parallel.pipeline': ['Action', 'SCHEDULES', 'check_schedule', 'gpipe',
+                                 'interleaved_1f1b', 'make_schedule', 'one_f_one_b',
+                                 'peak_in_flight', 'simulate', 'time_layers',
+                                 'zero_bubble_h1'],
+ 'disttrain.parallel.tensor': ['ColumnParallelLinear', 'RowParallelLinear', 'STYLES',
+                               'VocabParallelEmbedding', 'apply_tp',
+                               'vocab_parallel_cross_entropy'],
+ 'disttrain.parallel.zero': ['CommStats', 'LossScaler', 'Zero', 'ZeroOptimizer'],
+ 'disttrain.ps': ['Async', 'Cancelled', 'Decision', 'Handle', 'HashRing', 'KAsync',
+                  'KBatchAsync', 'KBatchSync', 'KSync', 'PSError', 'Policy', 'SSP',
+                  'Straggler', 'Sync', 'TopK', 'Worker', 'backup_workers', 'connect',
+                  'parse_straggler']}
+
+
+def packages() -> list[str]:
+    return ["disttrain"] + sorted(m.name for m in pkgutil.walk_packages(disttrain.__path__, "disttrain.")
+                                  if m.ispkg)
+
+
+def test_every_package_face_is_the_snapshot():
+    assert sorted(API) == packages()
+    for name in packages():
+        module = importlib.import_module(name)
+        assert sorted(getattr(module, "__all__", [])) == API[name], name
+
+
+def test_every_exported_name_exists():
+    for name, exported in API.items():
+        module = importlib.import_module(name)
+        missing = [n for n in exported if not hasattr(module, n)]
+        assert not missing, f"{name} exports missing names {missing}"
+
