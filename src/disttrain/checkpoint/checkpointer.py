@@ -1,31 +1,6 @@
 """`Checkpointer`: every rank calls save/load; the library decides who writes what.
 
-Save (a collective over `group`; every rank must call it with the same step):
-
-1. each rank turns model, optimizer, extra into a JSON skeleton + named tensors
-   (state.py); replicated tensors are pieces covering their whole global shape,
-   `ShardedTensor`s are the rank's slice; its RNG state is row `rank` of a
-   `(world, n)` tensor, so RNG states are just another sharded tensor;
-2. ranks exchange skeletons and piece lists as JSON (io.all_gather_json, no pickle);
-   every rank derives the same plan: skeletons are merged (keys may differ, as on
-   pipeline stages; values may not), each distinct piece is written by the lowest rank
-   holding it (so replicated state is written once, by rank 0), and replicated tensors
-   whose CRC-32 differs between ranks are reported;
-3. each rank writes `rankNNNNN.safetensors` into `.tmp-step_XXXXXXXX-<nonce>/` and
-   fsyncs it; they exchange the SHA-256 of what they wrote;
-4. rank 0 writes the manifest, fsyncs, renames the folder to `step_XXXXXXXX`
-   (the commit point), points `latest` at it (atomic replace) and prunes to `keep`;
-   it then tells the others whether that worked.
-
-NOTE: a failure on any rank (bad input in step 1, a write error in step 3, the commit in
-step 4) is sent to all ranks, which all raise; no rank is left waiting in a collective
-that will never come. One job (one saving group) per folder: a save deletes the
-temporary folders that killed saves left behind.
-
-Load is in reader.py: verify checksums, fall back to the previous good checkpoint,
-reslice into the current layout, then apply. Who talks to whom: the user's training
-loop -> Checkpointer -> state/reshard (pure), io (files, JSON collectives) -> the
-filesystem shared by all ranks and torch.distributed.
+More (the design and its reasons): docs/design/checkpoints.md, "Notes from checkpoint/checkpointer.py".
 """
 
 from __future__ import annotations

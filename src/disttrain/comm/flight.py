@@ -1,14 +1,5 @@
 """Flight recorder for collectives: every collective numbered, placed, and watched.
 
-Every collective disttrain issues goes through `FlightRecorder.start()`/`end()` (see
-comm/ops.py): it gets a sequence number per process group (`all_reduce #412`), its
-shapes, dtype and the user's call site (the first stack frame outside disttrain, torch
-and the standard library). A watchdog thread turns a collective that has not completed
-within the timeout into a report instead of a silent hang.
-
-The idea follows PyTorch's NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) and its
-desync debugging, done in Python for every backend so it works on gloo/CPU too.
-
 Who talks to whom:
 - comm/ops.py calls `recorder().start(...)` before and `.end(entry)` after a collective
   (for `async_op=True`, when its future completes or `wait()` returns), and
@@ -21,12 +12,7 @@ Who talks to whom:
 - `disttrain run` (launch/job.py) creates the report folder, passes it in the environment,
   and on a failed job merges every rank's file into one report (launch/hang_report.py).
 
-NOTE: `recorder()` returns a per-process object, the one piece of module-level state in
-disttrain: every strategy and group in a process must share one numbering and one
-watchdog, as torch keeps its own c10d state per process. It holds no distributed state
-(groups and ranks are passed in) and is re-created in a forked child.
-
-This module is standard-library only, so it can be unit-tested and read by the launcher.
+More (the design and its reasons): docs/design/launcher.md, "Notes from comm/flight.py".
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """Top-k gradient sparsification with error feedback for parameter-server pushes.
-
-Follows Deep Gradient Compression (Lin et al., ICLR 2018, section 3.1, "gradient
-sparsification" with local gradient accumulation), also known as top-k sparsification
-with error feedback (Stich et al. 2018; Aji & Heafield 2017): per key, a worker adds the
-new gradient to what it has not sent yet (its residual), sends only the k entries of
-largest magnitude, k = ceil(ratio * numel), and keeps the rest as the residual for the
-next step. Nothing is lost, only delayed: after any number of steps, everything sent plus
-the residual equals the sum of the raw gradients. The seeds (003) say the same in one
-line: a worker pushes the parameters with the largest gradients.
+Follows Deep Gradient Compression (Lin et al. 2018, arXiv 1712.01887): top-k with error feedback.
 
 Who talks to whom: the worker (worker.py) calls `ErrorFeedback.compress(key, grad)` on
 its compute thread for each key of a push and sends the (indices, values) pairs; the
@@ -16,15 +8,7 @@ server (server.py) calls `densify(...)`, which checks every pair (a malformed on
 them into dense gradients; from there the server's policy and optimizer treat the push
 as any dense one, so every consistency mode works unchanged.
 
-Wire format of a sparse push: op "push" with meta["sparse"] = 1; two tensors per key,
-    keys    = [k0, k0, k1, k1, ...]
-    tensors = [idx_0 (k0,) int32, val_0 (k0,), idx_1, val_1, ...]
-idx strictly increasing in [0, numel) (int64 only for keys of >= 2**31 elements), val
-1-D floating point of the same length. No pickle: raw buffers as any frame.
-
-Departures from DGC: selection is exact (`torch.topk`), not DGC's sampled threshold;
-momentum is the server's optimizer (applied to the averaged sparse gradient), so there is
-no worker-side momentum correction, clipping or sparsity warm-up.
+More (the design and its reasons): docs/design/parameter-server.md, "Notes from ps/compress.py".
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """Consistency policies of a parameter server: pure objects fed events, answering decisions.
+Follows ps-lite's server-side consistency (Li et al. 2014) and SSP (Ho et al. 2013).
 
-A server owns one policy object. It feeds it events (a complete push from worker w of a
-gradient computed on version v, a pull, a worker leaving or lost) and carries out the
-returned `Decision`: average and apply these pushes, drop those, tell these workers that
-their in-flight work is cancelled, answer these parked pulls, or stop with an error.
-No sockets, no tensors, no clocks: every rule is unit-tested with scripted arrivals.
-
-The family, as the user's documents and the papers describe it:
-
-- `Sync` (BSP): apply once every live worker pushed for the round.
-- `KSync(k)`: apply the first k gradients of the round (one per worker); the other
-  workers are cancelled and pull the new version; their late gradients are dropped.
-  Backup workers (Chen et al. 2016, "Revisiting distributed synchronous SGD") are
-  `KSync(P - b)`: see `backup_workers`.
-- `KBatchSync(k)`: apply after the first k minibatches from any workers; a worker that
-  finished a minibatch keeps computing on the same, un-updated version; when the round
-  closes every worker still computing on the old version is cancelled.
-- `KAsync(k)`, `KBatchAsync(k)` (Dutta et al. 2018, "Slow and stale gradients can win the
-  race"): as above, but nothing is cancelled: stale gradients count in later rounds.
-- `Async`: apply every push at once (`KBatchAsync(1)`).
-- `SSP(s)` (Ho et al. 2013, stale synchronous parallel): apply every push at once, but a
-  worker that has finished c iterations may start the next only while
-  c - (slowest live worker's count) <= s.
-
-Staleness of an applied gradient = server version at apply time minus the version it was
-computed on; every policy keeps the histogram.
+More (the design and its reasons): docs/design/parameter-server.md, "Notes from ps/policy.py".
 """
 
 from __future__ import annotations

@@ -1,39 +1,10 @@
 """Weights tied across pipeline stages: one copy per stage, kept equal (Megatron-LM).
-
-A GPT with tied embeddings uses one weight twice: the token embedding on the first stage
-and the LM head on the last. Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale
-Language Model Training on GPU Clusters", and `_allreduce_word_embedding_grads` in its
-finalize_model_grads) keeps a copy on each of those stages, makes the copies equal at
-init, and after backward all-reduces (sums) the copies' gradients over an "embedding
-group" made of the first and last stage of each (dp, tp) pipeline. Each copy then holds
-the gradient of the single weight, both optimizers take the same step, and the copies
-stay bitwise equal.
-
-Here the mechanism is general: a tied set is a list of parameter names (from
-`model.tied_parameters()`, or found as one Parameter under several names); the stages
-that hold them form the group (`Mesh.stage_group`). With tensor parallelism both copies
-are TP shards of the same layout (vocab-parallel embedding rows = column-parallel head
-rows), so the sum runs shard by shard, each tp rank in its own group.
-
-NOTE (ordering): the tied sum runs after the step's last backward, when DataParallel has
-already written dp-averaged gradients (its reduction finishes inside that backward). Sum
-and average are both linear, so summing averaged copies equals averaging summed ones;
-running after DP is what lets it read final gradients (as Megatron: finish_grad_sync,
-then the embedding all-reduce).
-
-NOTE (ZeRO): ZeRO reduce-scatters gradients into dp shards during backward, so there is
-no full tied gradient left to sum. Instead each stage's ZeRO gives its tied copy a flat
-buffer (stage 3: a unit) of its own (`Zero(separate=...)`): same shape, same padding to
-a multiple of the dp size, so dp rank d owns the same slice [d S, (d+1) S) of the copy
-on every stage. After the step's last backward (ZeRO's reductions waited for) the
-copies' shard gradients (dp sums, in ZeRO's reduction dtype, loss-scaled in fp16 with
-the same scale everywhere) are all-reduced over the embedding group shard by shard:
-each then holds its slice of the gradient of the single weight, ZeRO averages and
-steps both alike (same masters, same optimizer state), and the copies stay bitwise
-equal. Summing after ZeRO's dp reduction is right for the reason above (linearity).
+Follows Megatron-LM's embedding group (Narayanan et al. 2021, arXiv 2104.04473).
 
 Who talks to whom: the ranks of one embedding group (same dp and tp coordinate, first
 and last stage); one broadcast at set-up and one all-reduce per tied weight per step.
+
+More (the design and its reasons): docs/design/model-parallelism.md, "Notes from parallel/pipeline/tied.py".
 """
 
 from __future__ import annotations

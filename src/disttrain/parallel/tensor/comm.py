@@ -1,33 +1,10 @@
 """The communication of tensor parallelism, as autograd functions (no math here).
-
-Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter
-Language Models Using Model Parallelism", https://arxiv.org/abs/1909.08053, section 3,
-figure 3) names two conjugate operators:
-
-- f: identity in the forward pass, all-reduce of the gradient in the backward pass.
-  Placed where a replicated activation enters a column-parallel layer.
-- g: all-reduce in the forward pass, identity in the backward pass. Placed where the
-  partial outputs of a row-parallel layer are summed.
-
-A transformer layer has one f and one g in attention and one of each in the MLP: two
-all-reduces forward and two backward.
-
-Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-Large Transformer Models", https://arxiv.org/abs/2205.05198, section 4.2.2) splits the
-activations outside the tensor-parallel layers along the sequence dim, and turns the
-pair into all-gather / reduce-scatter along that dim (Megatron's mappings.py names):
-
-- `GatherSequence` (gather_from_sequence_parallel_region): all-gather forward,
-  reduce-scatter backward. Where a sequence shard enters a column-parallel layer.
-- `ReduceScatterSequence` (reduce_scatter_to_sequence_parallel_region): reduce-scatter
-  forward, all-gather backward. Where a row-parallel layer's partial sums leave.
-- `ScatterSequence` (scatter_to_sequence_parallel_region): keep this rank's slice
-  forward, all-gather backward. Where a replicated activation enters the region.
-- `GatherSequenceSplitGrad`: all-gather forward, keep the slice backward. Where the
-  region hands a replicated (not tensor-parallel) consumer the whole sequence.
+Follows Megatron-LM's f and g (Shoeybi et al. 2019, arXiv 1909.08053) and its sequence-parallel pairs.
 
 Who talks to whom: the ranks of one tensor-parallel `group` (a mesh's "tp" axis), with
 blocking all-reduce / all-gather / reduce-scatter on it (comm/ops.py, so a hang names them).
+
+More (the design and its reasons): docs/design/model-parallelism.md, "Notes from parallel/tensor/comm.py".
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """Sequence parallelism: the pieces layers.apply_tp adds when it is switched on.
-
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", https://arxiv.org/abs/2205.05198, section 4.2.2), as Megatron-LM implements it
-(`sequence_parallel=True`): with tp > 1, the parts of a transformer layer outside the
-tensor-parallel attention and MLP (LayerNorms, dropout, residual adds) run on
-activations split along the sequence dim over the tp group, so their activations take
-1/tp of the memory. Megatron's f/g pair becomes:
-
-- before a column-parallel linear: all-gather the sequence (backward: reduce-scatter).
-  `gathered_linear` keeps only the *shard* for backward and gathers it again there, as
-  Megatron's LinearWithGradAccumulationAndAsyncCommunication does, so the linear's
-  saved input shrinks by tp too.
-- after a row-parallel linear: reduce-scatter along the sequence (backward: all-gather).
-
-Same number of bytes on the wire as the two all-reduces (an all-reduce is a reduce-scatter
-plus an all-gather), 1/tp of the activation memory in the replicated regions.
-
-Parameters replicated over tp that see only a sequence shard (LayerNorm weight and bias,
-a row-parallel layer's bias) get only this shard's part of their gradient: `mark_sequence_
-parallel` makes autograd sum it over the tp group (Megatron marks these `sequence_parallel`
-and all-reduces them in `_allreduce_layernorm_grads`).
-NOTE (ordering): the sum runs inside backward, in a hook on the Parameter that autograd
-calls *before* accumulating into `.grad`. So every later consumer reads the tp-summed
-gradient: DataParallel's and ZeRO stage 1-2's post-accumulate hooks (the dp average /
-reduce-scatter), the pipeline's tied-weight sum after the step, clip_grad_norm_ (which
-counts replicated parameters once) and the optimizer. Sums over tp and dp commute, so this
-equals Megatron's order (dp first in finish_grad_sync, then the tp sum); we pay one small
-all-reduce per such parameter per micro-batch instead of one coalesced per step, in
-exchange for working under ZeRO, which consumes gradients during backward. ZeRO stage 3
-replaces the Parameters by flat units whose hooks these are not: refused (parallelize).
+Follows Megatron-LM sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198).
 
 Who talks to whom: the ranks of one tp group (comm/ops.py all-gather, reduce-scatter,
 all-reduce); nothing else.
+
+More (the design and its reasons): docs/design/model-parallelism.md, "Notes from parallel/tensor/sequence.py".
 """
 
 from __future__ import annotations

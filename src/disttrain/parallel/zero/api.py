@@ -1,35 +1,10 @@
 """`Zero`: a module plus an optimizer whose model states are sharded over a group.
-
-The user-facing wrapper of ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054):
-
-    model = disttrain.Zero(net, lambda ps: torch.optim.AdamW(ps, lr=3e-4), stage=2)
-    opt = model.optimizer
-    for x, y in loader:
-        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
-
-Stages 0-2 live in flat.py (full parameters, sharded optimizer state and gradients),
-stage 3 in stage3.py (parameters sharded too). Any torch optimizer works: the factory
-gets this rank's flat shard parameters (one per bucket or layer) and builds it over
-them; element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad...) then give the
-same result as unsharded training. Optimizers that look across elements (LAMB's
-per-tensor trust ratio, LBFGS) would see flat shards, not tensors.
-
-Mixed precision (`precision="bf16"|"fp16"`, mixed.py): the module is cast to the low
-precision, the factory gets fp32 master shards. fp16 scales the loss:
-
-    model = disttrain.Zero(net, factory, stage=2, precision="fp16")
-    model.optimizer.backward(loss); model.optimizer.step()   # may skip on overflow
-
-`reduce_dtype=torch.float32` reduces gradients in fp32 under bf16/fp16 (DeepSpeed's
-communication_data_type, FSDP's reduce_dtype): twice the reduction bytes, no
-low-precision rounding of the sum. `overflow_group` widens fp16's overflow vote beyond
-`group` (parallelize passes the whole job, so every pp stage and tp rank skips together).
-
-Per-parameter options (`param_groups=`, groups.py): the factory then gets torch param
-groups over the shards, e.g. `lambda groups: torch.optim.AdamW(groups, lr=1e-3)`.
+Follows ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054) and DeepSpeed's engine API.
 
 Who talks to whom: the training loop calls Zero/ZeroOptimizer; they drive the engine
 (flat.py or stage3.py), which calls comm.py on `group`; mixed.py holds the masters.
+
+More (the design and its reasons): docs/design/zero.md, "Notes from parallel/zero/api.py".
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
 """ZeRO stages 0-2: full parameters in flat buckets, optimizer over this rank's shard.
-
-Rajbhandari et al. 2019 (arXiv 1910.02054), sec. 5.1-5.2. Parameters that need
-gradients are packed (reverse registration order, `comm.buckets.assign_buckets`) into
-flat buffers padded to a multiple of N = group size; each module parameter becomes a
-view of its bucket, and rank r owns the contiguous chunk [r S, (r+1) S) of every
-bucket (S = numel / N). The optimizer is built over one flat `nn.Parameter` per bucket
-that is a view of the owned chunk, so its state covers Psi/N elements.
-
-    stage 0  plain data parallelism: each bucket's gradient is all-reduced (averaged)
-             as soon as backward has produced it; the optimizer covers everything.
-    stage 1  the full gradient buffer stays (4 Psi bytes in fp32), but only the owned
-             chunk is reduced (in-place reduce-scatter, launched from the same hooks);
-             after the step every rank's updated chunk is all-gathered in place.
-    stage 2  gradients are sharded too: when a bucket's gradients are ready they are
-             copied into a transient flat buffer, the per-parameter .grad is dropped,
-             and a reduce-scatter adds this rank's chunk into a Psi/N shard gradient.
-
-Bytes sent per step: stage 0 all-reduce 2 (N-1)/N Psi; stages 1-2 reduce-scatter +
-all-gather, also 2 (N-1)/N Psi (sec. 7.2.1).
-
-`reduce_dtype` (e.g. fp32 under bf16/fp16 parameters; DeepSpeed's
-communication_data_type, FSDP's reduce_dtype): each bucket's gradient is cast up before
-its collective and the reduced shard gradient is kept in that dtype (`shard_grads()`,
-not `shard.grad`, which must match the parameter's dtype); reduction bytes grow by the
-dtype ratio. `separate`: ids of parameters that get a bucket of their own, so any
-group of the same size shards them at the same offsets (weights tied across pipeline
-stages, whose shard gradients are then summed shard by shard: pipeline/tied.py).
-
-NOTE: stages 1-2 keep gradient *sums* until `step()` divides by N, so several
-backward passes before a step accumulate correctly (stage 1 zeroes the chunks it does
-not own once reduced). Every rank must produce gradients for the same parameters.
+Follows ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054), stages 1-2.
 
 Who talks to whom: api.Zero drives this; this calls comm.py; the module's parameters'
 post-accumulate-grad hooks call back into `_on_grad`.
+
+More (the design and its reasons): docs/design/zero.md, "Notes from parallel/zero/flat.py".
 """
 
 from __future__ import annotations

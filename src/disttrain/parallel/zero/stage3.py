@@ -1,34 +1,10 @@
 """ZeRO stage 3: parameters sharded too, gathered per layer just in time.
-
-Rajbhandari et al. 2019 (arXiv 1910.02054), sec. 5.3; the mechanics follow FSDP
-(Zhao et al. 2023, "PyTorch FSDP", sec. 3-4). Every submodule that directly owns
-trainable parameters is a *unit*: its parameters are flattened into one buffer padded
-to a multiple of N, and rank r keeps only the chunk [r S, (r+1) S) as a flat
-`nn.Parameter` (the optimizer's). The full buffer's storage is freed between uses:
-
-    forward pre-hook    all-gather the unit (or wait for its prefetch), bind the module's
-                        parameters as views of it, prefetch the next unit in forward order
-    forward post-hook   free the unit; hook the outputs so backward gathers it again
-    output grad hook    (backward reached this module) all-gather again, prefetch the
-                        unit before it in forward order
-    full.grad hook      (all of the unit's gradients summed) reduce-scatter this rank's
-                        chunk into the shard gradient and free the full buffer and grad
-
-Bytes sent per step: all-gather forward + all-gather backward + reduce-scatter =
-3 (N-1)/N Psi, 1.5x data parallelism (sec. 7.2.2).
-
-NOTE: autograd saves views of the full buffer (e.g. a linear layer's weight) during
-forward. Freeing resizes the *storage* to 0 and gathering resizes it back and writes
-through a separate alias tensor, so those saved views read the gathered values in
-backward and their version counters are untouched (FSDP's flat-parameter trick).
-
-`reduce_dtype` (e.g. fp32 under bf16/fp16): the full gradient is cast up before its
-reduce-scatter and the shard gradient kept in it (`shard_grads()`). `separate`: ids of
-parameters that get a unit of their own (same offsets on any group of the same size;
-pipeline/tied.py sums such shard gradients across stages).
+Follows ZeRO stage 3 (Rajbhandari et al. 2019, sec. 5.3) with FSDP's mechanics (Zhao et al. 2023).
 
 Who talks to whom: api.Zero drives this; module hooks call back into `_pre_forward`,
 `_post_forward`, `_pre_backward_of` and `_on_full_grad_of`; those call comm.py.
+
+More (the design and its reasons): docs/design/zero.md, "Notes from parallel/zero/stage3.py".
 """
 
 from __future__ import annotations
