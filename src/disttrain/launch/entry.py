@@ -1,33 +1,17 @@
 """Run one rank of `disttrain run`: the user's script as `__main__`, its failure recorded.
 
-The elastic agent (disttrain/launch/job.py) starts every rank as
-`python -u <this file> script.py [args...]`. This file runs the script exactly as
-`python script.py args` would (sys.argv, sys.path[0], `__name__ == "__main__"`), and
-when the script raises, writes the exception, with the traceback trimmed to the user's
-frames, to TORCHELASTIC_ERROR_FILE in the JSON layout torch elastic's ErrorHandler uses.
-The launcher reads that file and prints the traceback with this rank's prefix.
+The elastic agent (job.py) starts every rank as `python -u <this file> script.py args`;
+this runs the script exactly as `python script.py args` would and, when it fails, writes
+the exception (user frames, a failure kind: exception, exit, peer-lost, timeout) to
+TORCHELASTIC_ERROR_FILE for the launcher (failures.py). A `peer-lost` rank waits up to
+DISTTRAIN_PEER_GRACE s so the rank that left ends first; faulthandler dumps every
+thread's stack into DISTTRAIN_REPORT_DIR on SIGTERM or a crash; a parameter-server
+worker runs in a supervised child so a SIGKILLed worker does not stop the job
+(docs/design/launcher.md says why, for each).
 
-With DISTTRAIN_REPORT_DIR set (by `disttrain run`), faulthandler writes every thread's
-stack to `rank{R}.a{A}.stacks` there when the rank is stopped (SIGTERM) or crashes, so
-the launcher's hang report can say where a rank that was not in a collective was.
-An exception carrying `disttrain_exit_code` (a collective that timed out or lost its
-peer) ends the rank with that code right after it is recorded: a broken gloo group cannot
-shut down cleanly (its threads abort the process at exit).
-
-Each failure is recorded with its kind (`exception`, `exit`, `peer-lost`, `timeout`)
-for the launcher (failures.py); a `peer-lost` rank waits up to DISTTRAIN_PEER_GRACE
-seconds before exiting so the rank that left ends first (docs/design/launcher.md).
-
-A parameter-server worker (a job with DISTTRAIN_SERVERS > 0, ranks below world - S)
-runs its script in a child process that this file supervises: when the child is killed
-(SIGKILL: the OOM killer, a lost machine, `kill -9`), the rank reports it and exits 0,
-so the elastic agent does not stop the whole job. Losing a worker is the servers'
-business: asynchronous and K policies go on without it, `Sync` stops with an error that
-names it. A worker that raises still fails the job, as any rank does.
-
-NOTE: it is started by path, not with `-m disttrain._entry`, so it imports nothing but
-the standard library: a rank pays for torch only if the script imports it, and no
-module of the disttrain package can shadow a module of the user's script directory.
+NOTE: it is started by path, not with `-m`, so it imports nothing but the standard
+library: a rank pays for torch only if the script imports it, and no module of the
+disttrain package can shadow a module of the user's script directory.
 """
 
 from __future__ import annotations
