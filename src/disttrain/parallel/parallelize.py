@@ -26,6 +26,7 @@ from torch import nn
 
 from disttrain.mesh import Mesh
 from disttrain.parallel.config import Parallelism
+from disttrain.parallel.model_loss import read_loss, target_arg
 from disttrain.parallel.parallel_model import ChunkOptimizers, ParallelModel, param_info, stage_of
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.schedules import make_schedule
@@ -64,6 +65,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     costs = layer_costs(model, names) if names and cfg.costs is None else cfg.costs
     full = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
     tied = tied_names(model, cfg.tied)
+    # NOTE: a model that takes the targets computes its own loss, unless loss_fn is given
+    arg = target_arg(model) if cfg.loss_fn is None else None
     device = next(model.parameters()).device
     # NOTE: TP first (it must see whole layers), then recompute (wraps the sharded layers),
     # then the stage split, then DP/ZeRO (it must see one stage's final shards).
@@ -75,10 +78,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
     info = [param_info(c) for c in chunks]  # before ZeRO stage 3 removes the parameters
     tw = _tie_stages(chunks, tied, owner, mesh)
     tp_group = mesh.group("tp") if tp > 1 else None
-    chunks, loss_fn = _apply_data_parallel(chunks, mesh, cfg, tw, tp_group)
+    chunks, loss_fn = _apply_data_parallel(chunks, mesh, cfg, tw, tp_group, arg is not None)
     pipe = Pipeline(chunks, actions[stage], stage, pp, cfg.microbatches, loss_fn,
                     group=mesh.group("pp"), ranks=mesh.peers("pp"), track_memory=cfg.track_memory,
-                    tied=tw if tw.sets else None, device=device)
+                    tied=tw if tw.sets else None, device=device, target_arg=arg)
     aliases = {n: names_[0] for names_ in tied for n in names_[1:]}
     optimizer = _build_optimizer(chunks, cfg)
     return ParallelModel(chunks, pipe, mesh, full, owner, info, tied=tw, aliases=aliases,
@@ -112,15 +115,17 @@ def _tie_stages(chunks, tied, owner: dict, mesh: Mesh) -> TiedWeights:
     return tw
 
 
-def _apply_data_parallel(chunks: list, mesh: Mesh, cfg: Parallelism, tw: TiedWeights, tp_group):
+def _apply_data_parallel(chunks: list, mesh: Mesh, cfg: Parallelism, tw: TiedWeights, tp_group,
+                         model_loss: bool = False):
     """Wrap each chunk in Zero (zero >= 1) or DataParallel (dp > 1); returns the chunks
-    and the loss the last stage backpropagates (ZeRO mixed precision: fp32, scaled)."""
-    loss_fn = cfg.loss_fn or token_loss(tp_group)
+    and the loss the last stage backpropagates (ZeRO mixed precision: fp32, scaled).
+    model_loss: the model returns its own loss (read_loss finds it in the output)."""
+    loss_fn = cfg.loss_fn or (_own_loss if model_loss else token_loss(tp_group))
     if cfg.zero:
         chunks = [Zero(c, cfg.optimizer_factory, stage=cfg.zero, group=mesh.group("dp"),
                        **_zero_options(cfg, tw, c)) for c in chunks]
         tw.use_zero(chunks)
-        return chunks, _scaled_loss(cfg.loss_fn, chunks, tp_group)
+        return chunks, _scaled_loss(loss_fn, chunks, cast=cfg.loss_fn is None and not model_loss)
     if mesh.size("dp") > 1:
         from disttrain.parallel.data_parallel import DataParallel
 
@@ -140,17 +145,21 @@ def _zero_options(cfg: Parallelism, tw: TiedWeights, chunk: nn.Module) -> dict:
     return opts
 
 
-def _scaled_loss(loss_fn, chunks: list, tp_group):
-    """The loss ZeRO mixed precision backpropagates: computed in fp32 by default, and
-    (fp16) times the loss scale, every stage's scale being equal."""
-    base = loss_fn or token_loss(tp_group)
+def _own_loss(out, y):
+    """The loss a model computed itself from the targets it was given (model_loss.py)."""
+    return read_loss(out)
+
+
+def _scaled_loss(base, chunks: list, cast: bool):
+    """The loss ZeRO mixed precision backpropagates: in fp32 (cast: the logits cast before
+    the default token loss), and (fp16) times the loss scale, every stage's scale equal."""
     if chunks[0].dtype is None:
         return base
-    opt, cast = chunks[0].optimizer, loss_fn is None
+    opt = chunks[0].optimizer
 
     def scaled(out, y):
         before = opt.loss_scaled
-        loss = base(out.float() if cast else out, y)
+        loss = base(out.float() if cast else out, y).float()
         if opt.scaler is not None and opt.loss_scaled and not before:
             raise ValueError("loss_fn scaled the loss itself (optimizer.scale_loss): under "
                              "parallelize return the plain fp32 loss, e.g. "

@@ -115,13 +115,15 @@ class Pipeline:
     tied: this stage's copies of weights tied across stages (tied.py); their gradients
         are summed over their stage group after the step's last backward.
     device: where activations live (default: the first chunk's parameters').
+    target_arg: the last virtual stage calls `chunk(x, **{target_arg: y})` (a model that
+        computes its own loss) and passes what it returns to loss_fn.
     """
 
     def __init__(self, chunks: list[nn.Module], actions: list[Action], stage: int,
                  num_stages: int, num_microbatches: int, loss_fn, group=None,
                  ranks: list[int] | None = None, track_memory: bool = False, tied=None,
-                 device: torch.device | None = None):
-        self.tied = tied
+                 device: torch.device | None = None, target_arg: str | None = None):
+        self.tied, self.target_arg = tied, target_arg
         self.chunks, self.actions = list(chunks), list(actions)
         self.stage, self.num_stages, self.num_microbatches = stage, num_stages, num_microbatches
         self.loss_fn, self.group = loss_fn, group
@@ -218,8 +220,10 @@ class Pipeline:
             x = self._recv_activation(st, a, j - 1)
         start = time.perf_counter()
         with self._saving():
-            out = self.chunks[a.chunk](x)
-            if j == self.last_virtual:
+            last = j == self.last_virtual
+            kw = {self.target_arg: st.targets[a.microbatch]} if last and self.target_arg else {}
+            out = self.chunks[a.chunk](x, **kw)
+            if last:
                 out = self.loss_fn(out, st.targets[a.microbatch]) / self.num_microbatches
                 st.loss = out.detach() if st.loss is None else st.loss + out.detach()
         self.spans.append(Span("F", a.microbatch, a.chunk, start - t0, time.perf_counter() - t0))
