@@ -31,3 +31,23 @@ def data_parallel_and_zero():
 @pytest.mark.timeout(150)
 def test_hf_gpt2_data_parallel_and_zero_match_one_process():
     assert spawn(data_parallel_and_zero, 2, timeout=140) == [True, True]
+
+
+def tensor_parallel():
+    from disttrain.parallel.tensor import gpt2_plan
+
+    mesh = Mesh(tp=2)
+    for kind, plan in (("gpt2", gpt2_plan()), ("llama", "auto")):
+        expected = ref.reference(kind=kind) if disttrain.rank() == 0 else None
+        out = ref.run_parallel(mesh, plan=plan, kind=kind)
+        if disttrain.rank() == 0:
+            ref.assert_matches(out, expected)
+    odd = ref.make_model(n_embd=18, n_head=3)  # 3 heads cannot split over tp=2
+    with pytest.raises(ValueError, match="3 attention heads, which do not divide over tp=2"):
+        disttrain.parallelize(odd, mesh, gpt2_plan())
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_hf_tensor_parallel_plans_match_one_process():
+    assert spawn(tensor_parallel, 2, timeout=110) == [True, True]

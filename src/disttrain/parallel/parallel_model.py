@@ -183,13 +183,15 @@ class ParallelModel(nn.Module):
                 local = _unshard_zero(chunk, info, grads, self.mesh.group("dp"))
             else:
                 local = {id(p): p.grad if grads else p for p in chunk.parameters()}
-            for pid, (name, shape, dim) in info.items():
+            for pid, (name, shape, dim, fused) in info.items():
                 t = local.get(pid)
                 t = torch.zeros(shape, device=self.pipeline.device) if t is None else t.detach()
                 if dim is not None and tp > 1:
                     parts = [torch.empty_like(t) for _ in range(tp)]
                     ops.all_gather(parts, t.contiguous(), group=group)
-                    t = torch.cat(parts, dim=dim)
+                    # NOTE: a fused layer's shard is its slice of each block: regroup by block
+                    blocks = [p.chunk(fused, dim) for p in parts]
+                    t = torch.cat([b[k] for k in range(fused) for b in blocks], dim=dim)
                 out[name] = t
         return out
 
@@ -245,13 +247,15 @@ def stage_of(owner: dict, name: str) -> int:
     return 0
 
 
-def param_info(chunk: nn.Module) -> dict[int, tuple[str, torch.Size, int | None]]:
-    """id(param) -> (full-model name, local shape, tp shard dim or None) of a stage chunk."""
+def param_info(chunk: nn.Module) -> dict[int, tuple[str, torch.Size, int | None, int]]:
+    """id(param) -> (full-model name, local shape, tp shard dim or None, fused blocks) of a
+    stage chunk."""
     info = {}
     for mod_name, mod in chunk.named_modules():
         for p_name, p in mod.named_parameters(recurse=False):
             name = f"{mod_name}.{p_name}" if mod_name else p_name
-            info.setdefault(id(p), (name, p.shape, _shard_dim(mod, p_name)))
+            info.setdefault(id(p), (name, p.shape, _shard_dim(mod, p_name),
+                                    getattr(mod, "fused", 1)))
     return info
 
 
@@ -289,8 +293,6 @@ def _unshard_zero(z: Zero, info: dict, grads: bool, group) -> dict[int, torch.Te
 
 
 def _shard_dim(mod: nn.Module, param: str) -> int | None:
-    if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
-        return 0
-    if isinstance(mod, RowParallelLinear) and param == "weight":
-        return 1
-    return None
+    if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+        return mod.shard_dim(param)
+    return 0 if isinstance(mod, VocabParallelEmbedding) else None

@@ -33,7 +33,7 @@ from disttrain.parallel.pipeline.schedules import make_schedule
 from disttrain.parallel.pipeline.split import layer_costs, layer_names, partition, split_model
 from disttrain.parallel.pipeline.tied import TiedWeights, build_tied, retie, tied_names
 from disttrain.parallel.recompute import apply_recompute, recompute_names
-from disttrain.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
+from disttrain.parallel.tensor import apply_tp, plan_for, vocab_parallel_cross_entropy
 from disttrain.parallel.zero import Zero
 
 __all__ = ["parallelize", "token_loss", "ParallelModel", "ChunkOptimizers", "Parallelism"]
@@ -46,7 +46,7 @@ def token_loss(group=None):
     return lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None,
+def parallelize(model: nn.Module, mesh: Mesh, plan=None,
                 config: Parallelism | None = None, **options) -> ParallelModel:
     """Shard `model` over `mesh`: TP (plan), PP (schedule, micro-batches), DP or ZeRO. Blocks.
 
@@ -88,11 +88,15 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None = None
                          optimizer=optimizer)
 
 
-def _apply_tp(model: nn.Module, mesh: Mesh, plan: dict[str, str] | None,
-              sequence_parallel: bool, tied: list[list[str]]) -> None:
-    """Shard the plan's modules over tp, in place; tied names share one shard again."""
+def _apply_tp(model: nn.Module, mesh: Mesh, plan, sequence_parallel: bool,
+              tied: list[list[str]]) -> None:
+    """Shard the plan's modules over tp, in place; tied names share one shard again.
+    plan="auto": the ready plan for a Hugging Face model (tensor/plans.py)."""
     if not plan:
-        raise ValueError("tp > 1 needs a plan, e.g. GPT.tp_plan or {'mlp.fc': 'colwise', ...}")
+        raise ValueError("tp > 1 needs a plan, e.g. GPT.tp_plan, plan='auto' for a Hugging "
+                         "Face GPT-2 or Llama, or {'mlp.fc': 'colwise', ...}")
+    if plan == "auto":
+        plan = plan_for(model)
     apply_tp(model, mesh, plan, sequence_parallel=sequence_parallel)
     retie(model, tied)  # NOTE: TP cloned each tied name into its own shard
 

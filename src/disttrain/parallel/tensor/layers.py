@@ -12,8 +12,9 @@ matmul is split across the ranks of a tensor-parallel group:
 - `VocabParallelEmbedding` splits the vocabulary rows; `vocab_parallel_cross_entropy`
   computes the loss from vocabulary-sharded logits, so full logits are never gathered.
 
-`apply_tp(model, mesh_or_group, plan)` swaps a model's nn.Linear / nn.Embedding modules
-for these, from a plan that is data: {"attn.qkv": "colwise", "attn.proj": "rowwise"}.
+`apply_tp(model, mesh_or_group, plan)` (apply.py) swaps a model's nn.Linear (or Hugging
+Face Conv1D, whose (in, out) weight layout the shards keep) / nn.Embedding modules for
+these, from a plan that is data: {"attn.qkv": "colwise", "attn.proj": "rowwise"}.
 Communication lives in comm.py (Megatron's f and g).
 
 `apply_tp(..., sequence_parallel=True)` adds sequence parallelism (Korthikanti et al.
@@ -24,8 +25,6 @@ run on shards (LayerNorms) and, if needed, where it ends.
 """
 
 from __future__ import annotations
-
-import fnmatch
 
 import torch
 import torch.distributed as dist
@@ -41,18 +40,10 @@ from disttrain.parallel.tensor.comm import (
     reduce_scatter_sequence,
     scatter_last_dim,
 )
-from disttrain.parallel.tensor.sequence import (
-    SEQUENCE_STYLES,
-    gather_output,
-    gathered_linear,
-    mark_sequence_parallel,
-    scatter_output,
-)
+from disttrain.parallel.tensor.sequence import gathered_linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "apply_tp", "STYLES"]
-
-STYLES = ("colwise", "rowwise", "vocab") + SEQUENCE_STYLES
+           "vocab_parallel_cross_entropy", "is_linear"]
 
 
 def _shard_range(total: int, group, what: str) -> tuple[int, int]:
@@ -62,6 +53,30 @@ def _shard_range(total: int, group, what: str) -> tuple[int, int]:
                          f"({world}); pick a tp degree that divides it")
     size = total // world
     return rank * size, (rank + 1) * size
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An nn.Linear, or Hugging Face's Conv1D (GPT-2: a linear layer whose weight is (in, out))."""
+    if type(module) is nn.Linear:
+        return True
+    w = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor)
+            and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def _out_in(linear: nn.Module) -> tuple[torch.Tensor, bool]:
+    """The weight as (out, in), and whether the module stores it transposed (Conv1D)."""
+    return (linear.weight, False) if type(linear) is nn.Linear else (linear.weight.t(), True)
+
+
+def _fused_rows(total: int, fused: int, group) -> torch.Tensor:
+    """Output rows of this rank: its slice of each of `fused` equal blocks (q|k|v: 3)."""
+    if total % fused:
+        raise ValueError(f"out_features ({total}) is not {fused} equal fused blocks; check "
+                         f"the plan's colwise_fused:{fused}")
+    block = total // fused
+    lo, hi = _shard_range(block, group, f"each of the {fused} fused blocks' out_features")
+    return torch.cat([torch.arange(b * block + lo, b * block + hi) for b in range(fused)])
 
 
 class ColumnParallelLinear(nn.Module):
@@ -74,24 +89,35 @@ class ColumnParallelLinear(nn.Module):
         self._init_from(full, group, gather_output)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, gather_output: bool = False):
-        """Shard an existing nn.Linear by output features (its values, dtype, device)."""
+    def from_linear(cls, linear: nn.Module, group, gather_output: bool = False, fused: int = 1):
+        """Shard an existing nn.Linear (or Conv1D) by output features (its values, dtype,
+        device); with fused=k the output is k blocks (q|k|v) and each is sharded alike."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._init_from(linear, group, gather_output)
+        self._init_from(linear, group, gather_output, fused)
         return self
 
     sequence_parallel = False
     """Input is a sequence shard (dim `sequence_dim`), all-gathered here (apply_tp sets it)."""
     sequence_dim = 1
+    transposed = False
+    """Weight kept (in, out/tp), as Hugging Face's Conv1D keeps it, so names and layout match."""
+    fused = 1
+    """Output made of this many equal blocks (fused q|k|v: 3), each sharded by rows alike."""
 
-    def _init_from(self, linear: nn.Linear, group, gather_output: bool) -> None:
-        lo, hi = _shard_range(linear.out_features, group, "out_features")
-        self.group, self.gather_output = group, gather_output
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach()[lo:hi].clone())  # (out/tp, in)
+    def _init_from(self, linear: nn.Module, group, gather_output: bool, fused: int = 1) -> None:
+        w, self.transposed = _out_in(linear)
+        self.out_features, self.in_features = w.shape
+        rows = _fused_rows(self.out_features, fused, group)
+        self.group, self.gather_output, self.fused = group, gather_output, fused
+        local = w.detach()[rows].clone()  # (out/tp, in)
+        self.weight = nn.Parameter(local.t().contiguous() if self.transposed else local)
         b = linear.bias
-        self.bias = nn.Parameter(b.detach()[lo:hi].clone()) if b is not None else None
+        self.bias = nn.Parameter(b.detach()[rows].clone()) if b is not None else None
+
+    def shard_dim(self, param: str) -> int:
+        """The dim of `param` split over tp."""
+        return 1 if self.transposed and param == "weight" else 0
 
     def sharded_state_dict(self) -> dict:
         """weight and bias as row slices of the unsharded nn.Linear's (for Checkpointer).
@@ -99,19 +125,27 @@ class ColumnParallelLinear(nn.Module):
         The global tensor is exactly the unsharded layer's: shard r holds rows
         [r*out/tp, (r+1)*out/tp) (for GPT's qkv, laid out (nh, 3, hs), whole heads).
         """
-        lo = self.weight.shape[0] * dist.get_rank(self.group)
-        out = {"weight": ShardedTensor(self.weight.detach(), (self.out_features, self.in_features),
-                                       (lo, 0))}
+        if self.fused > 1:
+            raise ValueError("a colwise_fused layer's shard is not one slice of the weight; "
+                             "save the model with full_state_dict() instead of a sharded checkpoint")
+        lo = self.out_features // dist.get_world_size(self.group) * dist.get_rank(self.group)
+        shape, at = (self.out_features, self.in_features), (lo, 0)
+        if self.transposed:
+            shape, at = shape[::-1], at[::-1]
+        out = {"weight": ShardedTensor(self.weight.detach(), shape, at)}
         if self.bias is not None:
             out["bias"] = ShardedTensor(self.bias.detach(), (self.out_features,), (lo,))
         return out
 
     def forward(self, x):  # (..., in) replicated, or (B, T/tp, in) with sequence_parallel
         if self.sequence_parallel:
-            y = gathered_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
+            y = gathered_linear(x, self._w(), self.bias, self.group, self.sequence_dim)
         else:
-            y = F.linear(f(x, self.group), self.weight, self.bias)  # (..., out/tp)
+            y = F.linear(f(x, self.group), self._w(), self.bias)  # (..., out/tp)
         return gather_last_dim(y, self.group) if self.gather_output else y
+
+    def _w(self) -> torch.Tensor:  # (out/tp, in)
+        return self.weight.t() if self.transposed else self.weight
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} "
@@ -129,8 +163,8 @@ class RowParallelLinear(nn.Module):
         self._init_from(full, group, input_is_parallel)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, input_is_parallel: bool = True):
-        """Shard an existing nn.Linear by input features (its values, dtype, device)."""
+    def from_linear(cls, linear: nn.Module, group, input_is_parallel: bool = True):
+        """Shard an existing nn.Linear (or Conv1D) by input features (values, dtype, device)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._init_from(linear, group, input_is_parallel)
@@ -139,21 +173,27 @@ class RowParallelLinear(nn.Module):
     sequence_parallel = False
     """Output reduce-scattered along dim `sequence_dim` instead of all-reduced (apply_tp)."""
     sequence_dim = 1
+    transposed = False
+    """Weight kept (in/tp, out), as Hugging Face's Conv1D keeps it."""
 
-    def _init_from(self, linear: nn.Linear, group, input_is_parallel: bool) -> None:
-        lo, hi = _shard_range(linear.in_features, group, "in_features")
+    def _init_from(self, linear: nn.Module, group, input_is_parallel: bool) -> None:
+        w, self.transposed = _out_in(linear)
+        self.out_features, self.in_features = w.shape
+        lo, hi = _shard_range(self.in_features, group, "in_features")
         self.group, self.input_is_parallel = group, input_is_parallel
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach()[:, lo:hi].clone())  # (out, in/tp)
+        local = w.detach()[:, lo:hi].clone()  # (out, in/tp)
+        self.weight = nn.Parameter(local.t().contiguous() if self.transposed else local)
         b = linear.bias
         # NOTE: the bias is replicated and added once, after the sum.
         self.bias = nn.Parameter(b.detach().clone()) if b is not None else None
 
     def sharded_state_dict(self) -> dict:
         """weight as a column slice of the unsharded nn.Linear's; bias replicated."""
-        lo = self.weight.shape[1] * dist.get_rank(self.group)
-        out = {"weight": ShardedTensor(self.weight.detach(), (self.out_features, self.in_features),
-                                       (0, lo))}
+        lo = self.in_features // dist.get_world_size(self.group) * dist.get_rank(self.group)
+        shape, at = (self.out_features, self.in_features), (0, lo)
+        if self.transposed:
+            shape, at = shape[::-1], at[::-1]
+        out = {"weight": ShardedTensor(self.weight.detach(), shape, at)}
         if self.bias is not None:
             out["bias"] = self.bias.detach()
         return out
@@ -161,15 +201,20 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):  # (..., in/tp), or (..., in) when not input_is_parallel
         if not self.input_is_parallel:
             x = scatter_last_dim(x, self.group)
-        y = F.linear(x, self.weight)  # (..., out) partial sum of this rank's inputs
+        w = self.weight.t() if self.transposed else self.weight  # (out, in/tp)
+        y = F.linear(x, w)  # (..., out) partial sum of this rank's inputs
         if self.sequence_parallel:  # (B, T/tp, out) summed over tp
             y = reduce_scatter_sequence(y, self.group, self.sequence_dim)
         else:
             y = g(y, self.group)  # (..., out) summed over tp
         return y + self.bias if self.bias is not None else y
 
+    def shard_dim(self, param: str) -> int | None:
+        """The dim of `param` split over tp (the bias is replicated)."""
+        return (0 if self.transposed else 1) if param == "weight" else None
+
     def extra_repr(self) -> str:
-        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}"
+        return (f"in={self.in_features} (local {self.in_features // dist.get_world_size(self.group)}), out={self.out_features}"
                 + (", sequence_parallel" if self.sequence_parallel else ""))
 
 
@@ -244,82 +289,3 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """
     flat = logits.reshape(-1, logits.shape[-1])
     return _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group).mean()
-
-
-def _matches(name: str, key: str) -> bool:
-    return name == key or name.endswith("." + key) or fnmatch.fnmatchcase(name, key)
-
-
-def _shard(module: nn.Module, style: str, group, name: str, sp: dict | None = None) -> nn.Module:
-    out = _shard_one(module, style, group, name)
-    if sp and style in ("colwise", "rowwise"):
-        out.sequence_parallel, out.sequence_dim = True, sp["dim"]
-        if style == "rowwise" and out.bias is not None:  # NOTE: added to a sequence shard
-            mark_sequence_parallel(out.bias, group)
-    return out
-
-
-def _shard_one(module: nn.Module, style: str, group, name: str) -> nn.Module:
-    if style in ("colwise", "rowwise") and type(module) is not nn.Linear:
-        raise TypeError(f"plan says {name!r} is {style}, but it is a {type(module).__name__}, "
-                        "not an nn.Linear")
-    if style == "colwise":
-        return ColumnParallelLinear.from_linear(module, group)
-    if style == "rowwise":
-        return RowParallelLinear.from_linear(module, group)
-    if type(module) is not nn.Embedding:
-        raise TypeError(f"plan says {name!r} is vocab, but it is a {type(module).__name__}, "
-                        "not an nn.Embedding")
-    return VocabParallelEmbedding.from_embedding(module, group)
-
-
-def apply_tp(model: nn.Module, mesh_or_group, plan: dict[str, str],
-             sequence_parallel: bool = False, sequence_dim: int = 1) -> nn.Module:
-    """Replace the modules named in `plan` by their tensor-parallel shards, in place.
-
-    Plan keys match a module's qualified name exactly, as a dotted suffix ("attn.qkv"
-    matches "blocks.0.attn.qkv"), or as a glob ("blocks.*.mlp.fc"). Styles: "colwise",
-    "rowwise" (nn.Linear), "vocab" (nn.Embedding), and the sequence-parallel ones
-    ("sequence", "sequence_scatter", "sequence_gather"; sequence.py), which act
-    only with `sequence_parallel=True` (activations outside the tp layers split along
-    dim `sequence_dim`; the plan needs a "sequence_scatter" entry then). `mesh_or_group`
-    is a Mesh (its tp axis is used) or a process group. Blocks only in that shards are
-    local copies.
-    """
-    group = mesh_or_group.group("tp") if hasattr(mesh_or_group, "group") else mesh_or_group
-    for key, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan[{key!r}] = {style!r}; styles are {', '.join(STYLES)}")
-    names = [n for n, _ in model.named_modules() if n]
-    for key in plan:
-        if not any(_matches(n, key) for n in names):
-            raise ValueError(f"plan key {key!r} matches no module of {type(model).__name__}; "
-                             f"module names look like {names[:6]}")
-    if sequence_parallel and "sequence_scatter" not in plan.values():
-        raise ValueError("sequence_parallel=True needs the plan to say where activations are "
-                         "split along the sequence: add e.g. {'embed': 'sequence_scatter', "
-                         "'ln1': 'sequence', ...} (see GPT.tp_plan)")
-    sp = dict(group=group, dim=sequence_dim) if sequence_parallel else None
-    for name in names:
-        styles = [s for k, s in plan.items() if _matches(name, k)]
-        for style in [s for s in styles if s in SEQUENCE_STYLES]:
-            if sp:
-                _sequence(model.get_submodule(name), style, **sp)
-        styles = [s for s in styles if s not in SEQUENCE_STYLES]
-        if not styles:
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, _shard(getattr(parent, attr), styles[0], group, name, sp))
-    return model
-
-
-def _sequence(module: nn.Module, style: str, group, dim: int) -> None:
-    """Apply a sequence-parallel plan style to `module` (hooks; the module is unchanged)."""
-    if style == "sequence_scatter":
-        scatter_output(module, group, dim)
-    elif style == "sequence_gather":
-        gather_output(module, group, dim)
-    else:  # "sequence": runs on shards, so its replicated parameters see part of the data
-        for p in module.parameters():
-            mark_sequence_parallel(p, group)
