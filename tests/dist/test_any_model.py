@@ -51,3 +51,20 @@ def tensor_parallel():
 @pytest.mark.timeout(120)
 def test_hf_tensor_parallel_plans_match_one_process():
     assert spawn(tensor_parallel, 2, timeout=110) == [True, True]
+
+
+def traced_pipeline():
+    mesh = Mesh(pp=2)
+    expected = ref.reference() if disttrain.rank() == 0 else None
+    example = ref.make_batch()
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        out = ref.run_parallel(mesh, schedule=schedule, microbatches=4, num_virtual=v,
+                               example=example)
+        if disttrain.rank() == 0:
+            ref.assert_matches(out, expected)
+    return True
+
+
+@pytest.mark.timeout(150)
+def test_hf_gpt2_traced_pipeline_every_schedule_matches_one_process():
+    assert spawn(traced_pipeline, 2, timeout=140) == [True, True]

@@ -55,7 +55,10 @@ class Parallelism:
     over tp when tp > 1). Return the plain fp32 loss: under fp16 parallelize scales it."""
     layers: list[str] | None = None
     """Names of the layers a pipeline may cut between, in forward order (default:
-    `model.pipeline_layers()`)."""
+    `model.pipeline_layers()`, or for a traced model its largest run of repeated blocks)."""
+    example: tuple | None = None
+    """(inputs, targets) of one train_step batch (this dp replica's share): a model without
+    `pipeline_layers()` is pipelined by tracing it on one micro-batch of it."""
     costs: list[float] | None = None
     """One cost per layer for balancing stages (default: parameter counts)."""
     recompute: bool | list[str] = False

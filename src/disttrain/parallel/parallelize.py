@@ -32,6 +32,7 @@ from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.schedules import make_schedule
 from disttrain.parallel.pipeline.split import layer_costs, layer_names, partition, split_model
 from disttrain.parallel.pipeline.tied import TiedWeights, build_tied, retie, tied_names
+from disttrain.parallel.pipeline.trace import trace_stages
 from disttrain.parallel.recompute import apply_recompute, recompute_names
 from disttrain.parallel.tensor import apply_tp, plan_for, vocab_parallel_cross_entropy
 from disttrain.parallel.zero import Zero
@@ -61,7 +62,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
     cfg = config if config is not None else Parallelism.from_options(options)
     pp, tp, stage = mesh.size("pp"), mesh.size("tp"), mesh.local_rank("pp")
     actions = make_schedule(cfg.schedule, pp, cfg.microbatches, cfg.num_virtual)  # checks first
-    names = layer_names(model, cfg.layers) if pp * cfg.num_virtual > 1 else []
+    # NOTE: a model that does not name its layers is cut from its traced graph (trace.py)
+    traced = pp * cfg.num_virtual > 1 and not hasattr(model, "pipeline_layers")
+    names = layer_names(model, cfg.layers) if pp * cfg.num_virtual > 1 and not traced else []
     costs = layer_costs(model, names) if names and cfg.costs is None else cfg.costs
     full = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
     tied = tied_names(model, cfg.tied)
@@ -74,7 +77,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
         _apply_tp(model, mesh, plan, cfg.sequence_parallel, tied)
     if cfg.recompute:
         apply_recompute(model, recompute_names(model, cfg.recompute))
-    chunks, owner = _split_stages(model, mesh, stage, cfg.num_virtual, names, costs)
+    if traced:
+        chunks, owner = _trace_stages(model, mesh, cfg, arg)
+    else:
+        chunks, owner = _split_stages(model, mesh, stage, cfg.num_virtual, names, costs)
     info = [param_info(c) for c in chunks]  # before ZeRO stage 3 removes the parameters
     tw = _tie_stages(chunks, tied, owner, mesh)
     tp_group = mesh.group("tp") if tp > 1 else None
@@ -110,6 +116,21 @@ def _split_stages(model: nn.Module, mesh: Mesh, stage: int, num_virtual: int,
     chunks = split_model(model, pp, stage, num_virtual, names, costs)
     ranges = partition(costs, pp * num_virtual)
     return chunks, {n: v % pp for v, (a, b) in enumerate(ranges) for n in names[a:b]}
+
+
+def _trace_stages(model: nn.Module, mesh: Mesh, cfg: Parallelism, arg: str | None):
+    """This stage's chunks cut from the model's traced graph, and the owner map."""
+    if cfg.example is None:
+        raise ValueError(f"{type(model).__name__} has no pipeline_layers(), so parallelize "
+                         "traces it: pass example=(x, y), a batch as train_step gets it")
+    if mesh.size("tp") > 1 or cfg.recompute:
+        raise ValueError("a traced pipeline does not combine with tensor parallelism or "
+                         "recompute yet (the trace would inline their collectives and "
+                         "checkpoints); use tp=1, or define pipeline_layers() and a forward "
+                         "that skips missing layers (disttrain.models.GPT)")
+    x, y = (t.chunk(cfg.microbatches)[0] for t in cfg.example)
+    return trace_stages(model, (x, y if arg else None), arg, mesh.size("pp"),
+                        mesh.local_rank("pp"), cfg.num_virtual, cfg.layers, cfg.costs)
 
 
 def _tie_stages(chunks, tied, owner: dict, mesh: Mesh) -> TiedWeights:
