@@ -1,0 +1,242 @@
+"""Allreduce algorithms built from torch.distributed point-to-point sends and receives.
+
+`all_reduce(t, algorithm="ring", group=g)` sums `t` in place over `g`, with the result
+bitwise identical on every rank (each element is summed on exactly one rank, then
+copied). The algorithms, for N ranks and S bytes (alpha = latency per message, B =
+link bandwidth; the model is in disttrain/cluster/model.py):
+
+- `ring`: reduce-scatter then all-gather around a ring, N-1 steps each, every step
+  sending one 1/N chunk right while receiving one from the left (Patarasuk & Yuan
+  2009; Baidu's ring allreduce, 2017): 2(N-1) alpha + 2(N-1)/N S/B.
+- `halving-doubling`: recursive halving reduce-scatter then recursive doubling
+  all-gather (Rabenseifner 2004; Thakur, Rabenseifner & Gropp 2005); a non-power of
+  two folds its extra ranks into neighbours first: 2 log2 N alpha + 2(N-1)/N S/B.
+- `tree`: binomial-tree reduce to the first rank, then binomial broadcast:
+  2 log2 N (alpha + S/B); for small messages.
+- `hierarchical`: reduce-scatter inside each node, one ring per local rank across the
+  nodes on that rank's 1/L share, all-gather inside the node (Horovod's hierarchical
+  allreduce; NCCL's rings per channel): 2(L-1) fast local steps + 2(M-1) steps across
+  M nodes carrying 2(M-1)/M S in total per node link.
+- `native`: the backend's own all_reduce (gloo's ring, NCCL's rings/trees).
+- `auto`: picks one of the above from the cluster's alpha-beta model and the size.
+
+Blocks until done. The whole call is one entry in the flight recorder (comm/ops.py),
+so a hang names `all_reduce[ring]` and the user's line, not an inner send.
+Ranks must be node-major for `hierarchical` (global rank = node * L + local rank), as
+torchrun and `disttrain run` number them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from disttrain.comm import ops
+
+__all__ = ["ALGORITHMS", "all_reduce"]
+
+ALGORITHMS = ("native", "ring", "halving-doubling", "tree", "hierarchical", "auto")
+_PIECE_BYTES = 1 << 20  # NOTE: ring steps move 1 MB pieces so adding one overlaps the next's transfer
+
+
+def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
+               local_size: int | None = None) -> None:
+    """Sum `tensor` in place over `group` (None = the world) with `algorithm`; blocks.
+
+    `local_size`: ranks per node for `hierarchical`/`auto` (default LOCAL_WORLD_SIZE).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; pick one of "
+                         f"{', '.join(ALGORITHMS)}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"all_reduce: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("all_reduce needs a process group: call disttrain.init() first "
+                           "(it works alone too, as a world of one)")
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if algorithm == "auto":
+        from disttrain.cluster.model import choose_algorithm  # NOTE: pure; no import circle
+
+        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), len(ranks),
+                                     _local_size(local_size, len(ranks)))
+    if algorithm == "native" or len(ranks) == 1:
+        ops.all_reduce(tensor, group=group)
+        return
+    local = _local_size(local_size, len(ranks)) if algorithm == "hierarchical" else 1
+    rec = ops.recorder()
+    entry = rec.start(f"all_reduce[{algorithm}]", _group_name(group, ranks), ranks,
+                      [list(tensor.shape)], str(tensor.dtype).replace("torch.", ""))
+    try:
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        _RUN[algorithm](flat, ranks, ranks.index(dist.get_rank()), local)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+    except Exception as err:  # noqa: BLE001 - becomes the recorded CollectiveError
+        message = rec.fail(entry, err)
+        raise ops.CollectiveError(message, entry, rec.status == "timeout") from err
+    rec.end(entry)
+
+
+def _group_name(group, ranks) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return f"group [{','.join(map(str, ranks))}]"
+
+
+def _local_size(local_size: int | None, world: int) -> int:
+    local = local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 1 or world % local:
+        raise ValueError(f"all_reduce: local_size ({local}) must divide the group size ({world}): "
+                         "every node must hold the same number of ranks; pass local_size=")
+    return local
+
+
+def _bounds(n: int, parts: int) -> list[int]:
+    """Split n elements into `parts` contiguous chunks; chunk i is [b[i], b[i+1])."""
+    return [i * n // parts for i in range(parts + 1)]
+
+
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+    """Send `send` to `dst` while receiving `recv` from `src` (global ranks); blocks."""
+    works = []
+    if recv.numel():
+        works.append(dist.irecv(recv, src))
+    if send.numel():
+        works.append(dist.isend(send, dst))
+    for w in works:
+        w.wait()
+
+
+def _pieces(n: int, itemsize: int) -> int:
+    return max(1, min(16, (n * itemsize) // _PIECE_BYTES))
+
+
+def _send_recv_add(out: torch.Tensor, send: torch.Tensor, dst: int, src: int) -> None:
+    """out += what `src` sends, while sending `send` to `dst`, in overlapping pieces."""
+    # NOTE: each side splits by its own message's size: my send is my peer's receive
+    tmp = torch.empty_like(out)
+    rb = _bounds(out.numel(), _pieces(out.numel(), out.element_size()))
+    sb = _bounds(send.numel(), _pieces(send.numel(), send.element_size()))
+    recvs = [(dist.irecv(tmp[a:z], src), a, z) for a, z in zip(rb, rb[1:]) if z > a]
+    sends = [dist.isend(send[a:z], dst) for a, z in zip(sb, sb[1:]) if z > a]
+    for w, a, z in recvs:  # NOTE: add piece i while piece i+1 is on the wire
+        w.wait()
+        out[a:z] += tmp[a:z]
+    for w in sends:
+        w.wait()
+
+
+def ring_reduce_scatter(flat: torch.Tensor, peers: list[int], me: int) -> int:
+    """Reduce-scatter `flat` around the ring `peers` (global ranks, this one at index me).
+
+    Returns the chunk index (of len(peers) chunks, `_bounds`) this rank now holds summed.
+    """
+    n = len(peers)
+    b = _bounds(flat.numel(), n)
+    right, left = peers[(me + 1) % n], peers[(me - 1) % n]
+    for step in range(n - 1):
+        s, r = (me - step) % n, (me - step - 1) % n
+        _send_recv_add(flat[b[r]:b[r + 1]], flat[b[s]:b[s + 1]], right, left)
+    return (me + 1) % n
+
+
+def ring_all_gather(flat: torch.Tensor, peers: list[int], me: int) -> None:
+    """The inverse of ring_reduce_scatter: every rank ends with every summed chunk."""
+    n = len(peers)
+    b = _bounds(flat.numel(), n)
+    right, left = peers[(me + 1) % n], peers[(me - 1) % n]
+    for step in range(n - 1):
+        s, r = (me + 1 - step) % n, (me - step) % n
+        _exchange(flat[b[s]:b[s + 1]], right, flat[b[r]:b[r + 1]], left)
+
+
+def _ring(flat: torch.Tensor, peers: list[int], me: int, _local: int = 1) -> None:
+    ring_reduce_scatter(flat, peers, me)
+    ring_all_gather(flat, peers, me)
+
+
+def _hierarchical(flat: torch.Tensor, peers: list[int], me: int, local: int) -> None:
+    node, lr = divmod(me, local)
+    nodes = len(peers) // local
+    in_node = peers[node * local:(node + 1) * local]
+    across = [peers[m * local + lr] for m in range(nodes)]  # same local rank on every node
+    b = _bounds(flat.numel(), local)
+    own = ring_reduce_scatter(flat, in_node, lr) if local > 1 else 0
+    share = flat[b[own]:b[own + 1]]
+    if nodes > 1:
+        # NOTE: every rank of one ring holds the same chunk index (`own` depends on lr only)
+        _ring(share, across, node)
+    if local > 1:
+        ring_all_gather(flat, in_node, lr)
+
+
+def _halving_doubling(flat: torch.Tensor, peers: list[int], me: int, _local: int = 1) -> None:
+    n = len(peers)
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    extra = n - p
+    # NOTE: fold: among the first 2*extra ranks, each even one hands its data to the odd
+    # one after it and sits out; the p survivors are renumbered 0..p-1.
+    if not flat.numel():
+        return
+    if me < 2 * extra:
+        if me % 2 == 0:
+            dist.send(flat, peers[me + 1])
+            dist.recv(flat, peers[me + 1])  # the result, once the survivors are done
+            return
+        tmp = torch.empty_like(flat)
+        dist.recv(tmp, peers[me - 1])
+        flat += tmp
+        virt = me // 2
+    else:
+        virt = me - extra
+
+    def real(v: int) -> int:
+        return peers[2 * v + 1] if v < extra else peers[v + extra]
+
+    b = _bounds(flat.numel(), p)
+    lo, hi, mask = 0, p, p // 2
+    while mask:  # recursive halving: keep the half of [lo, hi) that holds chunk `virt`
+        mid = (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if virt & mask == 0 else ((mid, hi), (lo, mid))
+        _send_recv_add(flat[b[keep[0]]:b[keep[1]]], flat[b[give[0]]:b[give[1]]],
+                       real(virt ^ mask), real(virt ^ mask))
+        lo, hi = keep
+        mask //= 2
+    mask = 1
+    while mask < p:  # recursive doubling: swap ever larger summed blocks
+        mine, theirs = (virt // mask) * mask, ((virt ^ mask) // mask) * mask
+        _exchange(flat[b[mine]:b[mine + mask]], real(virt ^ mask),
+                  flat[b[theirs]:b[theirs + mask]], real(virt ^ mask))
+        mask *= 2
+    if me < 2 * extra:
+        dist.send(flat, peers[me - 1])
+
+
+def _tree(flat: torch.Tensor, peers: list[int], me: int, _local: int = 1) -> None:
+    n = len(peers)
+    if not flat.numel():
+        return
+    tmp = torch.empty_like(flat)
+    mask = 1
+    while mask < n:  # binomial reduce to index 0: children at me + 1, 2, 4, ...
+        if me & mask:
+            dist.send(flat, peers[me - mask])
+            break
+        if me + mask < n:
+            dist.recv(tmp, peers[me + mask])
+            flat += tmp
+        mask *= 2
+    if me:  # binomial broadcast back down the same tree
+        dist.recv(flat, peers[me - (me & -me)])
+    mask = (me & -me) if me else 1 << (n - 1).bit_length()
+    mask //= 2
+    while mask:
+        if me + mask < n:
+            dist.send(flat, peers[me + mask])
+        mask //= 2
+
+
+_RUN = {"ring": _ring, "halving-doubling": _halving_doubling, "tree": _tree,
+        "hierarchical": _hierarchical}
