@@ -46,7 +46,31 @@ def add_cluster_parser(subparsers) -> None:
     show = sub.add_parser("show", help="nodes, addresses, links and rates of a cluster")
     show.add_argument("name")
     show.set_defaults(handler=_show)
+    run = sub.add_parser("run", help="run a script on every node (= disttrain run --cluster NAME)")
+    run.add_argument("name", help="cluster name")
+    run.add_argument("--nproc-per-node", type=int, help="processes per node (default 1)")
+    run.add_argument("--workers", type=int, help="parameter server: workers in the job")
+    run.add_argument("--servers", type=int, help="parameter server: servers in the job")
+    run.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
+    run.add_argument("--timeout", type=float, help="collective timeout in seconds (as disttrain run)")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(handler=_run)
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+
+
+def _run(args: argparse.Namespace) -> int:
+    from disttrain.cluster.run import run_in_cluster
+
+    if args.nproc_per_node is not None and args.workers is not None:
+        return _fail(ValueError("--nproc-per-node and --workers/--servers are mutually exclusive"), 2)
+    try:
+        return run_in_cluster(args.name, args.script, args.script_args,
+                              nproc_per_node=args.nproc_per_node, workers=args.workers,
+                              servers=args.servers, master_port=args.master_port,
+                              run_args=["--timeout", str(args.timeout)] if args.timeout else [])
+    except ValueError as err:
+        return _fail(err, 2)
 
 
 def _fail(err: Exception, code: int) -> int:

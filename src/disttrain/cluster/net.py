@@ -17,6 +17,7 @@ cleans what a crashed `up` or a killed job left.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -24,9 +25,10 @@ import time
 from disttrain.cluster import cgroups
 from disttrain.cluster.spec import PREFIX, Cluster, load, saved_names, state_dir
 
-__all__ = ["up", "down", "check_privileges", "leftover_namespaces", "ClusterError"]
+__all__ = ["up", "down", "alive", "check_privileges", "leftover_namespaces", "ClusterError"]
 
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+ETC_NETNS = "/etc/netns"
 MTU = 9000  # NOTE: jumbo frames, as on a datacenter network; fewer packets per byte for the CPU
 
 
@@ -118,6 +120,20 @@ def _routed(c: Cluster) -> None:
             _sh(*route, ns=c.ns(i))
 
 
+def _name_service(c: Cluster) -> None:
+    """/etc/netns/NS/{hosts,resolv.conf}, which `ip netns exec` mounts over /etc: every node
+    resolves n0.. and its peers' addresses from a file, and never waits on a DNS server
+    it cannot reach (gloo and c10d look up their peers' names)."""
+    hosts = "127.0.0.1 localhost\n" + "".join(
+        f"{c.addr(i)} n{i} {c.ns(i)}\n::ffff:{c.addr(i)} n{i}\n" for i in range(c.nodes))
+    for ns in c.namespaces():
+        folder = os.path.join(ETC_NETNS, ns)
+        os.makedirs(folder, exist_ok=True)
+        for fname, text in (("hosts", hosts), ("resolv.conf", "")):
+            with open(os.path.join(folder, fname), "w") as f:
+                f.write(text)
+
+
 def _free_index() -> int:
     used = set()
     for name in saved_names():
@@ -146,6 +162,7 @@ def up(c: Cluster) -> Cluster:
         if c.cpus_per_node:
             for i in range(c.nodes):
                 cgroups.create(c.ns(i), c.cpus_per_node)
+        _name_service(c)
     except BaseException:
         down(c.name)
         raise
@@ -173,6 +190,11 @@ def down(name: str) -> list[str]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         removed.append(ns)
     removed += cgroups.remove_all(f"{PREFIX}{name}-")
+    if os.path.isdir(ETC_NETNS):
+        for ns in os.listdir(ETC_NETNS):
+            if ns.startswith(f"{PREFIX}{name}-"):
+                shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
+                removed.append(os.path.join(ETC_NETNS, ns))
     path = os.path.join(state_dir(), f"{name}.json")
     if os.path.exists(path):
         os.remove(path)
@@ -186,8 +208,15 @@ def _kill(pid: int) -> None:
     except ProcessLookupError:
         return
     for _ in range(50):  # NOTE: a namespace is only gone once its last process is
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not alive(pid):
             return
         time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped by its parent, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

@@ -1,0 +1,127 @@
+"""Jobs across emulated nodes (`disttrain cluster run` = `disttrain run --cluster`).
+
+Real namespaces, shaped links and CPU quotas; skipped, saying why, without root.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+
+from disttrain.cluster import net
+
+ROOT_CAPS = os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+pytestmark = pytest.mark.skipif(not ROOT_CAPS, reason="needs root and iproute2 to make network namespaces")
+
+DP = """
+import sys, torch, disttrain
+disttrain.init()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+model = disttrain.DataParallel(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+n, r = disttrain.world_size(), disttrain.rank()
+for step in range(5):
+    x = torch.randn(16, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(16, 1, generator=g, dtype=torch.float64)
+    lo, hi = r * 16 // n, (r + 1) * 16 // n      # this rank's rows of the global batch
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+    opt.step()
+if r == 0:
+    torch.save([p.detach() for p in model.parameters()], sys.argv[1])
+print(f"rank {r} of {n} on", __import__("os").environ.get("DISTTRAIN_CLUSTER_NODE"), flush=True)
+disttrain.shutdown()
+"""
+
+PS = """
+import torch, disttrain
+from disttrain import ps
+disttrain.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+conn = ps.connect(model, ps.Sync(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+x, y = torch.randn(8, 4), torch.randn(8, 1)
+for step in range(5):
+    conn.pull().wait()
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    conn.push().wait()
+conn.close()
+print(f"worker {disttrain.rank()} done", flush=True)
+disttrain.shutdown()
+"""
+
+SLEEP = """
+import os, sys, time, disttrain
+disttrain.init()
+with open(sys.argv[1] + f".{disttrain.rank()}", "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "disttrain.cluster", *args], capture_output=True,
+                          text=True, timeout=kw.pop("timeout", 120), **kw)
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """A 2-node switch cluster at 1 Gbit/s, 1 core per node; removed afterwards."""
+    monkeypatch.setenv("DISTTRAIN_CLUSTER_DIR", str(tmp_path / "clusters"))
+    name = "r" + uuid.uuid4().hex[:8]
+    up = cli("up", name, "--nodes", "2", "--link", "1gbit", "--cpus-per-node", "1")
+    assert up.returncode == 0, up.stderr
+    yield name
+    cli("down", name)
+    assert net.leftover_namespaces(name) == []
+
+
+def script(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_data_parallel_across_two_nodes_equals_one_process(cluster, tmp_path):
+    dp = script(tmp_path, "dp.py", DP)
+    alone = subprocess.run([sys.executable, dp, str(tmp_path / "one.pt")], capture_output=True,
+                           text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "RANK"})
+    assert alone.returncode == 0, alone.stderr
+    job = cli("run", cluster, "--nproc-per-node", "2", dp, str(tmp_path / "four.pt"))
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "[n1] [rank3]: rank 3 of 4 on 1" in job.stdout and "[n0] rank 0 of 4 on 0" in job.stdout
+    for a, b in zip(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "four.pt")):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_parameter_servers_on_one_node_serve_workers_on_the_other(cluster, tmp_path):
+    job = cli("run", cluster, "--workers", "2", "--servers", "2", script(tmp_path, "ps.py", PS))
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "[n0] worker 0 done" in job.stdout and "[n0] [rank1]: worker 1 done" in job.stdout
+
+
+def test_down_after_a_sigkilled_job_kills_its_ranks_and_leaves_nothing(cluster, tmp_path):
+    pidfile = str(tmp_path / "pid")
+    job = subprocess.Popen([sys.executable, "-m", "disttrain.cluster", "run", cluster, "--nproc-per-node",
+                            "1", script(tmp_path, "sleep.py", SLEEP), pidfile],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(f"{pidfile}.{r}") for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    pids = [int(open(f"{pidfile}.{r}").read()) for r in (0, 1)]
+    assert all(net.alive(p) for p in pids)  # orphaned in their namespaces
+    assert cli("down", cluster).returncode == 0
+    assert not any(net.alive(p) for p in pids)
+    assert net.leftover_namespaces(cluster) == []
+    assert not any(d.startswith(f"dt-{cluster}-") for d in os.listdir("/sys/fs/cgroup/cpu"))
