@@ -60,10 +60,23 @@ def _sh(*cmd: str, ns: str | None = None) -> str:
 
 
 def _shape(ns: str, dev: str, bps: int) -> None:
-    """tbf on `dev`'s egress: `bps` bits/s with a burst of 2 ms (at least 256 KB for GSO)."""
-    burst = max(256 * 1024, int(bps / 8 * 0.002))
+    """tbf on `dev`'s egress: `bps` bits/s, a bucket of 200 us of traffic (at least 32 KB).
+
+    NOTE: a big bucket lets small messages through at memory speed, which would make
+    64 KB allreduces look free; below 128 KB of bucket the veths' segments are capped
+    at one MTU (_gso) so that every packet still fits (at 10 Gbit/s the bucket is 250 KB
+    and 64 KB segments stay: one-MTU segments would make the CPU, not the link, the limit)."""
+    burst = _burst(bps)
     _sh("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{bps}bit",
         "burst", str(burst), "latency", "50ms", ns=ns)
+
+
+def _burst(bps: int) -> int:
+    return max(32 * 1024, int(bps / 8 * 200e-6))
+
+
+def _gso(bps: int) -> str:
+    return str(MTU) if _burst(bps) < 128 * 1024 else "65536"
 
 
 def _new_ns(ns: str, forward: bool = False) -> None:
@@ -79,7 +92,7 @@ def _veth(a_ns: str, a_dev: str, b_ns: str, b_dev: str, bps: int) -> None:
     _sh("ip", "link", "add", a_dev, "netns", a_ns, "mtu", str(MTU), "type", "veth",
         "peer", "name", b_dev, "netns", b_ns, "mtu", str(MTU))
     for ns, dev in ((a_ns, a_dev), (b_ns, b_dev)):
-        _sh("ip", "link", "set", dev, "up", ns=ns)
+        _sh("ip", "link", "set", dev, "gso_max_size", _gso(bps), "up", ns=ns)
         _shape(ns, dev, bps)
 
 
@@ -91,7 +104,7 @@ def _switch(c: Cluster) -> None:
     _sh("ip", "link", "set", "br0", "up", ns=sw)
     if c.switch_bps:
         _sh("ip", "link", "add", "ifb0", "mtu", str(MTU), "type", "ifb", ns=sw)
-        _sh("ip", "link", "set", "ifb0", "up", ns=sw)
+        _sh("ip", "link", "set", "ifb0", "gso_max_size", _gso(c.switch_bps), "up", ns=sw)
         _shape(sw, "ifb0", c.switch_bps)
     for i in range(c.nodes):
         _veth(c.ns(i), "eth0", sw, f"p{i}", c.link_bps)
