@@ -128,28 +128,69 @@ def _send_recv_add(out: torch.Tensor, send: torch.Tensor, dst: int, src: int) ->
         w.wait()
 
 
+def _post_recvs(views: list[torch.Tensor], src: int) -> list[list]:
+    """irecv every view, in pieces, now; returns [(work, piece)] per view (in order)."""
+    out = []
+    for v in views:
+        b = _bounds(v.numel(), _pieces(v.numel(), v.element_size()))
+        out.append([(dist.irecv(v[a:z], src), v[a:z]) for a, z in zip(b, b[1:]) if z > a])
+    return out
+
+
+def _post_sends(view: torch.Tensor, dst: int) -> list:
+    b = _bounds(view.numel(), _pieces(view.numel(), view.element_size()))
+    return [dist.isend(view[a:z], dst) for a, z in zip(b, b[1:]) if z > a]
+
+
 def ring_reduce_scatter(flat: torch.Tensor, peers: list[int], me: int) -> int:
     """Reduce-scatter `flat` around the ring `peers` (global ranks, this one at index me).
 
     Returns the chunk index (of len(peers) chunks, `_bounds`) this rank now holds summed.
+    NOTE: every step's receive is posted before the first send, so a receive is always
+    waiting when data arrives (gloo's receiver-ready notice never sits behind our own
+    data in the link's queue); step k's send is chunk (me-k), summed at step k-1.
     """
     n = len(peers)
     b = _bounds(flat.numel(), n)
     right, left = peers[(me + 1) % n], peers[(me - 1) % n]
+    chunk = [(me - step - 1) % n for step in range(n - 1)]  # received and summed at each step
+    tmp = [torch.empty(b[c + 1] - b[c], dtype=flat.dtype, device=flat.device) for c in chunk]
+    recvs, sends = _post_recvs(tmp, left), []
     for step in range(n - 1):
-        s, r = (me - step) % n, (me - step - 1) % n
-        _send_recv_add(flat[b[r]:b[r + 1]], flat[b[s]:b[s + 1]], right, left)
+        s, r = (me - step) % n, chunk[step]
+        sends += _post_sends(flat[b[s]:b[s + 1]], right)
+        offset = b[r]
+        for work, piece in recvs[step]:  # add piece i while piece i+1 is on the wire
+            work.wait()
+            out = flat[offset:offset + piece.numel()]
+            out += piece
+            offset += piece.numel()
+    for w in sends:
+        w.wait()
     return (me + 1) % n
 
 
 def ring_all_gather(flat: torch.Tensor, peers: list[int], me: int) -> None:
-    """The inverse of ring_reduce_scatter: every rank ends with every summed chunk."""
+    """The inverse of ring_reduce_scatter: every rank ends with every summed chunk.
+
+    Every receive lands in its final place, so all are posted up front; step k sends
+    the chunk received at step k-1.
+    """
     n = len(peers)
     b = _bounds(flat.numel(), n)
     right, left = peers[(me + 1) % n], peers[(me - 1) % n]
+    recvs = _post_recvs([flat[b[r]:b[r + 1]] for r in ((me - k) % n for k in range(n - 1))], left)
+    sends = []
     for step in range(n - 1):
-        s, r = (me + 1 - step) % n, (me - step) % n
-        _exchange(flat[b[s]:b[s + 1]], right, flat[b[r]:b[r + 1]], left)
+        s = (me + 1 - step) % n
+        if step:
+            for work, _ in recvs[step - 1]:
+                work.wait()
+        sends += _post_sends(flat[b[s]:b[s + 1]], right)
+    for work, _ in recvs[-1] if recvs else []:
+        work.wait()
+    for w in sends:
+        w.wait()
 
 
 def _ring(flat: torch.Tensor, peers: list[int], me: int, _local: int = 1) -> None:
