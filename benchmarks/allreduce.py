@@ -48,7 +48,7 @@ def inner(args) -> None:
     for size in map(parse_size, args.sizes):
         t = torch.ones(size // 4)
         reps = max(3, min(args.max_reps, (16 << 20) // max(size, 1)))
-        for algo in ALGOS:
+        for algo in args.algos:
             if algo == "hierarchical" and local in (1, disttrain.world_size()):
                 continue
             all_reduce(t, algorithm=algo, local_size=local)  # warm-up: connections, buffers
@@ -67,18 +67,21 @@ def inner(args) -> None:
     disttrain.shutdown()
 
 
-def measure(nodes: int, ppn: int, link: str, sizes, max_reps: int, cpus: float | None) -> list[dict]:
+def measure(nodes: int, ppn: int, link: str, sizes, max_reps: int, cpus: float | None,
+            algos=ALGOS, topology: str = "switch", switch: str | None = None) -> list[dict]:
     from disttrain.cluster import net, run, spec
 
     name = f"ab{os.getpid() % 10000}"
     net.down(name)
-    net.up(spec.Cluster(name, nodes, spec.parse_rate(link), "switch", cpus_per_node=cpus))
+    net.up(spec.Cluster(name, nodes, spec.parse_rate(link), topology,
+                        spec.parse_rate(switch) if switch else None, cpus_per_node=cpus))
     out = tempfile.mktemp(suffix=".json")
     try:
         with open(os.devnull, "w") as sink:
             code = run.run_in_cluster(name, os.path.abspath(__file__),
                                       ["--inner", "--out", out, "--max-reps", str(max_reps),
-                                       "--sizes", *sizes], nproc_per_node=ppn, out=sink)
+                                       "--algos", *algos, "--sizes", *sizes],
+                                      nproc_per_node=ppn, out=sink)
         if code:
             raise RuntimeError(f"timing job on {nodes}x{ppn} at {link} exited {code}")
         with open(out) as f:
@@ -89,7 +92,7 @@ def measure(nodes: int, ppn: int, link: str, sizes, max_reps: int, cpus: float |
             os.remove(out)
     for r in rows:
         n = nodes * ppn
-        r.update(nodes=nodes, ppn=ppn, link=link, busbw=2 * (n - 1) / n * r["bytes"] / r["t"] * 8 / 1e9)
+        r.update(nodes=nodes, ppn=ppn, link=link, topology=topology, switch=switch, busbw=2 * (n - 1) / n * r["bytes"] / r["t"] * 8 / 1e9)
     return rows
 
 
@@ -186,6 +189,9 @@ def main() -> None:
     p.add_argument("--link", nargs="+", default=["1gbit"])
     p.add_argument("--sizes", nargs="+", default=["64K", "256K", "1M", "4M", "16M"])
     p.add_argument("--max-reps", type=int, default=5)
+    p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    p.add_argument("--topology", default="switch", choices=("switch", "full", "ring"))
+    p.add_argument("--switch", help="switch capacity (switch topology only)")
     p.add_argument("--cpus-per-node", type=float, help="CPU quota per node (default: none)")
     p.add_argument("--json", help="also write every row here")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -193,14 +199,15 @@ def main() -> None:
     args = p.parse_args()
     if args.inner:
         return inner(args)
-    rows = measure(1, 2, args.link[0], args.sizes, args.max_reps, None)
+    rows = measure(1, 2, args.link[0], args.sizes, args.max_reps, None, ["ring"])
     ring1 = [r for r in rows if r["algo"] == "ring"]
     local = fit([dict(r, nodes=1, ppn=2) for r in ring1])
     for link in args.link:
         for nodes in args.nodes:
             for ppn in args.ppn:
                 t0 = time.time()
-                rows += measure(nodes, ppn, link, args.sizes, args.max_reps, args.cpus_per_node)
+                rows += measure(nodes, ppn, link, args.sizes, args.max_reps, args.cpus_per_node,
+                                args.algos, args.topology, args.switch)
                 print(f"measured {nodes}x{ppn} at {link} in {time.time() - t0:.0f} s", file=sys.stderr)
     summary = report(rows, local)
     if args.json:
