@@ -21,10 +21,7 @@ def _server(policy, init, opt=lambda p: torch.optim.Adam(p, lr=0.1), secret=SECR
 
 
 def _close(server):
-    server.ep.sock.close(linger=0)
-    server._ctx.term()
-    if server._side is not None:
-        server._side.close()
+    server.close()
 
 
 @pytest.mark.timeout(20)
@@ -32,7 +29,9 @@ def test_chunked_shard_steps_like_whole_tensors_and_snapshots(tmp_path):
     torch.manual_seed(0)
     init = {"w": torch.randn(3, 5), "b": torch.randn(5)}
     s = _server(Async(), init)
-    assert s.address.startswith("tcp://127.0.0.1:")
+    assert s.address.startswith("ipc://")  # loopback: a Unix socket in a private folder
+    folder = os.path.dirname(s.address.removeprefix("ipc://"))
+    assert os.stat(folder).st_mode & 0o077 == 0
     assert s.keys[:2] == ["w#0", "w#1"] and len(s.keys) == 4 + 2  # 15 floats -> 4 chunks
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
     ref_opt = torch.optim.Adam(ref.values(), lr=0.1)
@@ -58,6 +57,7 @@ def test_chunked_shard_steps_like_whole_tensors_and_snapshots(tmp_path):
         torch.testing.assert_close(fresh.optimizer.state[q]["exp_avg"], s.optimizer.state[p]["exp_avg"])
     _close(s)
     _close(fresh)
+    assert not os.path.exists(folder)
 
 
 @pytest.mark.timeout(20)

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disttrain.ps.compress import ErrorFeedback, TopK, densify, parse_compression
+from disttrain.ps.frame import FrameError, Message, pack, unpack
 from disttrain.ps.policy import SSP, Async, KBatchSync, KSync, Sync
 from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server
-from disttrain.ps.transport import FrameError, Message, decode, encode
 
 KEY = bytes(range(32))
 F32 = torch.float32
@@ -139,7 +139,7 @@ def test_fuzzed_sparse_frames_are_rejected_or_scatter_into_bounds(items, pair_ke
             tensors.append(torch.randn(len(xs)))
     sizes = {"k": 10, "j": 3}
     try:
-        msg = decode(encode(Message("push", {"sparse": 1}, keys, tensors), KEY), KEY)
+        msg = unpack(*pack(Message("push", {"sparse": 1}, keys, tensors)))
         out = densify(msg.keys, msg.tensors, sizes, dict.fromkeys(sizes, F32))
     except FrameError:
         return
@@ -159,8 +159,7 @@ def _server(init, policy=None):
 
 
 def _close(server):
-    server.ep.sock.close(linger=0)
-    server._ctx.term()
+    server.close()
 
 
 @pytest.mark.timeout(20)
@@ -178,7 +177,7 @@ def test_server_applies_a_sparse_push_as_its_dense_gradient_and_counts_bad_ones(
             tensors += [idx, val]
             want[k] = torch.zeros_like(g).index_put_((idx.long(),), val)
         meta = {"clock": step, "version": step, "sparse": 1}
-        wire = decode(encode(Message("push", meta, keys, tensors), KEY), KEY)
+        wire = unpack(*pack(Message("push", meta, keys, tensors)))
         assert sparse._push(0, wire)
         dense._push(0, Message("push", dict(meta, sparse=0), list(want), list(want.values())))
     assert sparse.policy.version == dense.policy.version == 3 and sparse.sparse_pushes == 3

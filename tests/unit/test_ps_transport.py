@@ -1,26 +1,35 @@
-"""Frames: round trip, HMAC rejection, limits, and a fuzzed parser that never crashes."""
-
-import hashlib
-import hmac
+"""Frames and sessions: round trip, MAC and sequence checks, limits, and a fuzzed parser
+that never crashes. The attacks on a live server (replays, hijacks) are test_ps_session.py."""
 
 import msgpack
 import pytest
 import torch
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disttrain.ps.transport import (
-    Endpoint,
-    FrameError,
-    Limits,
-    Message,
-    _mac,
-    decode,
-    encode,
+from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, group_keys, pack
+from disttrain.ps.session import (
+    ENVELOPE_BYTES,
+    Session,
+    hello_key,
+    new_nonce,
+    open_hello,
+    read_envelope,
+    seal_hello,
+    seal_hello_parts,
 )
 
 KEY = bytes(range(32))
+
+
+def _pair(encrypt=False, secret=KEY, worker=3, server=1):
+    nw, ns = new_nonce(), new_nonce()
+    return (Session(secret, nw, ns, worker, server, "worker", encrypt),
+            Session(secret, nw, ns, worker, server, "server", encrypt))
+
+
+def _open(session, parts, limits=DEFAULT_LIMITS):
+    return session.open(read_envelope(parts, limits), parts)
 
 
 def _msg():
@@ -30,65 +39,101 @@ def _msg():
 
 
 @pytest.mark.timeout(10)
-def test_round_trip_keeps_keys_dtypes_shapes_values():
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_round_trip_keeps_keys_dtypes_shapes_values(encrypt):
+    w, s = _pair(encrypt)
     m = _msg()
-    out = decode(encode(m, KEY), KEY)
+    parts = w.seal(m)
+    assert len(parts[0]) == ENVELOPE_BYTES
+    out = _open(s, parts)
     assert (out.op, out.meta, out.keys) == (m.op, m.meta, m.keys)
     for a, b in zip(m.tensors, out.tensors):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    raw = bytes(parts[2])
+    assert (raw == bytes(pack(m)[1][0])) != encrypt  # encrypted buffers are not the plaintext
+    back = s.seal(Message("ack", {"seq": 0}))  # the other direction has its own numbering
+    assert _open(w, back).op == "ack" and (w.send_seq, w.recv_seq) == (1, 1)
 
 
 @pytest.mark.timeout(10)
-def test_wrong_key_or_tampered_buffer_is_rejected():
-    parts = encode(_msg(), KEY)
-    with pytest.raises(FrameError, match="HMAC"):
-        decode(parts, bytes(32))
-    tampered = list(parts)
-    buf = bytearray(tampered[2])
-    buf[0] ^= 1
-    tampered[2] = bytes(buf)
-    with pytest.raises(FrameError, match="HMAC"):
-        decode(tampered, KEY)
-    moved = [parts[0], parts[1], bytes(parts[2]) + bytes(parts[3]), b"", parts[4]]
-    with pytest.raises(FrameError):
-        decode(moved, KEY)
+def test_a_frame_is_accepted_once_and_in_order_only():
+    w, s = _pair()
+    first, second = w.seal(_msg()), w.seal(_msg())
+    with pytest.raises(FrameError, match="replayed or reordered"):
+        _open(s, second)  # reordered: 1 before 0
+    _open(s, first)
+    with pytest.raises(FrameError, match="replayed or reordered"):
+        _open(s, first)  # duplicated
+    _open(s, second)
+    # the server's own frames do not verify as the worker's (a key per direction)
+    with pytest.raises(FrameError, match="bad MAC"):
+        _open(s, s.seal(_msg()))
+
+
+@pytest.mark.timeout(10)
+def test_other_secret_session_worker_or_server_index_fails_the_mac():
+    w, _ = _pair()
+    parts = w.seal(_msg())
+    for kw in ({"secret": bytes(32)}, {"worker": 4}, {"server": 2}):
+        args = dict(dict(secret=KEY, worker=3, server=1), **kw)
+        other = Session(args["secret"], w.nonce_w, w.nonce_s, args["worker"], args["server"],
+                        "server")
+        with pytest.raises(FrameError, match="bad MAC"):
+            _open(other, parts)
+    _, plain = _pair()
+    enc, _ = _pair(encrypt=True)
+    with pytest.raises(FrameError, match="encryption mismatch"):
+        _open(plain, enc.seal(_msg()))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_one_flipped_bit_anywhere_or_a_truncated_frame_is_rejected(encrypt):
+    w, s = _pair(encrypt)
+    big = torch.arange((1 << 20) // 4 + 1, dtype=torch.float32)  # 1 MB + 4 bytes
+    parts = [bytes(p) for p in w.seal(Message("params", {"version": 1}, ["w", "b"],
+                                              [big, torch.ones(3)]))]
+    spots = [(0, i) for i in range(0, ENVELOPE_BYTES, 3)] + [(1, 0), (1, len(parts[1]) - 1)]
+    spots += [(2, 0), (2, 300_000), (2, len(parts[2]) - 1), (3, 5)]
+    for part, at in spots:
+        bad = list(parts)
+        raw = bytearray(bad[part])
+        raw[at] ^= 0x10
+        bad[part] = bytes(raw)
+        with pytest.raises(FrameError):
+            _open(s, bad)
+    for bad in (parts[:-1], [parts[0][:-1], *parts[1:]], [*parts[:2], parts[2][:-4], parts[3]],
+                [parts[0], parts[1], parts[2] + parts[3], b""]):
+        with pytest.raises(FrameError):
+            _open(s, bad)
+    assert torch.equal(_open(s, parts).tensors[0], big)  # nothing above moved the sequence
+
+
+@pytest.mark.timeout(10)
+def test_hello_is_signed_with_the_job_secret_and_must_be_a_hello():
+    nw = new_nonce()
+    parts = seal_hello(hello_key(KEY), nw, Message("hello", {"worker": 1, "server": 0}))
+    env = read_envelope(parts)
+    assert open_hello(hello_key(KEY), env, parts).meta == {"worker": 1, "server": 0}
+    with pytest.raises(FrameError, match="bad MAC"):
+        open_hello(hello_key(bytes(32)), env, parts)
+    forged = seal_hello(hello_key(KEY), nw, Message("push", {"worker": 1}))
+    with pytest.raises(FrameError, match="signed as a hello"):
+        open_hello(hello_key(KEY), read_envelope(forged), forged)
 
 
 @pytest.mark.timeout(10)
 def test_limits_are_enforced_before_the_mac():
-    parts = encode(Message("push", {}, ["w"], [torch.zeros(1000)]), KEY)
-    with pytest.raises(FrameError, match="limit"):
-        decode(parts, KEY, Limits(max_tensor_bytes=100))
-    with pytest.raises(FrameError, match="limit"):
-        decode(parts, KEY, Limits(max_header_bytes=10))
-    with pytest.raises(FrameError, match="parts"):
-        decode(parts + [b""], KEY, Limits(max_tensors=1))
+    w, s = _pair()
+    parts = w.seal(Message("push", {}, ["w"], [torch.zeros(1000)]))
+    with pytest.raises(FrameError, match="over limit"):
+        _open(s, parts, Limits(max_tensor_bytes=100))
+    with pytest.raises(FrameError, match="over limit"):
+        _open(s, parts, Limits(max_header_bytes=10))
+    with pytest.raises(FrameError, match="part count"):
+        _open(s, parts + [b""], Limits(max_tensors=1))
     with pytest.raises(ValueError, match="max_tensors"):
         Limits(max_tensors=0)
-
-
-@pytest.mark.timeout(20)
-def test_big_frames_hashed_on_several_threads_match_and_catch_one_flipped_byte():
-    # 2 MB + 3 bytes: several 256 KB pieces (parallel path) and a short last piece
-    big = torch.arange((2 << 20) // 4 + 1, dtype=torch.float32)
-    parts = encode(Message("params", {"version": 1}, ["w", "b"], [big, torch.ones(3)]), KEY)
-    assert torch.equal(decode(parts, KEY).tensors[0], big)
-    ref = hmac.new(KEY, digestmod=hashlib.sha256)  # the format, hashed in one thread
-    ref.update(len(parts[1]).to_bytes(8, "little") + bytes(parts[1]))
-    for b in map(bytes, parts[2:]):
-        ref.update(len(b).to_bytes(8, "little"))
-        for i in range(0, len(b), 256 << 10):
-            ref.update(hashlib.sha256(b[i:i + (256 << 10)]).digest())
-    assert parts[0] == ref.digest()
-    for at in (0, 300_000, len(parts[2]) - 1):  # first, a middle and the last piece
-        buf = bytearray(parts[2])
-        buf[at] ^= 0x10
-        with pytest.raises(FrameError, match="HMAC"):
-            decode([parts[0], parts[1], bytes(buf), parts[3]], KEY)
-
-
-def _signed(header: bytes, buffers):
-    return [_mac(KEY, header, buffers), header, *buffers]
 
 
 @pytest.mark.timeout(10)
@@ -96,23 +141,19 @@ def test_signed_but_inconsistent_headers_are_rejected():
     good = {"op": "push", "meta": {}, "keys": ["w"], "dtypes": ["float32"], "shapes": [[2]]}
     bad = [dict(good, shapes=[[3]]), dict(good, dtypes=["object"]), dict(good, op="exec"),
            dict(good, keys=[1]), dict(good, shapes=[[-1]]), {"op": "push"}]
+    w, s = _pair()
     for h in bad:
-        with pytest.raises(FrameError):
-            decode(_signed(msgpack.packb(h), [bytes(8)]), KEY)
-    assert decode(_signed(msgpack.packb(good), [bytes(8)]), KEY).tensors[0].shape == (2,)
+        with pytest.raises(FrameError, match="bad header"):
+            _open(s, w.seal_parts(msgpack.packb(h), [bytes(8)]))
+    assert _open(s, w.seal_parts(msgpack.packb(good), [bytes(8)])).tensors[0].shape == (2,)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.binary(max_size=64), min_size=0, max_size=6), st.booleans())
-def test_fuzzed_frames_never_crash_the_parser(parts, sign):
-    if sign and parts:  # reach the parser behind the MAC too
-        parts = _signed(parts[0], parts[1:])
-    try:
-        decode(parts, KEY, Limits(max_tensors=8))
-    except FrameError:
-        pass
+def test_keys_are_packed_into_chunk_messages_in_order():
+    assert group_keys([4, 4, 4, 9, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert group_keys([], 8) == []
 
 
+_ENVELOPE = st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**64 - 1))
 _LEAF = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8)
 _ANY = st.recursive(_LEAF, lambda c: st.lists(c, max_size=4)
                     | st.dictionaries(st.text(max_size=6), c, max_size=5), max_leaves=20)
@@ -123,41 +164,36 @@ _HEADERISH = st.fixed_dictionaries({
     "shapes": st.lists(st.lists(st.integers(-2, 2**41), max_size=3) | _ANY, max_size=3)})
 
 
-@settings(max_examples=300, deadline=None)
-@given(_ANY | _HEADERISH, st.lists(st.binary(max_size=16), max_size=3))
-def test_fuzzed_signed_msgpack_headers_never_crash(obj, buffers):
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=80), min_size=0, max_size=6), _ENVELOPE, st.booleans())
+def test_fuzzed_frames_never_crash_the_parser(parts, envelope, sign):
+    """Random parts, or random headers behind a correctly signed envelope whose kind,
+    flags and sequence number are drawn too (so the checks after the MAC run)."""
+    w, s = _pair()
+    kind, flags, seq = envelope
+    if sign and parts:
+        w.send_seq, s.recv_seq = seq, seq if kind % 2 else 0
+        w.flags = flags
+        parts = w.seal_parts(parts[0], parts[1:])
+        raw = bytearray(parts[0])
+        raw[0] = kind
+        parts[0] = bytes(raw)
     try:
-        decode(_signed(msgpack.packb(obj), buffers), KEY)
+        _open(s, parts, Limits(max_tensors=8))
     except FrameError:
         pass
 
 
-@pytest.mark.timeout(20)
-def test_endpoint_drops_and_counts_bad_frames_and_keeps_serving():
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    server = Endpoint(router, KEY)
-    good, evil = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for s in (good, evil):
-        s.connect(f"tcp://127.0.0.1:{port}")
+@settings(max_examples=300, deadline=None)
+@given(_ANY | _HEADERISH, st.lists(st.binary(max_size=16), max_size=3))
+def test_fuzzed_signed_msgpack_headers_never_crash(obj, buffers):
+    w, s = _pair()
     try:
-        Endpoint(evil, bytes(32)).send(Message("pull", {"worker": 9}))
-        evil.send_multipart([b"garbage"])
-        Endpoint(good, KEY).send(Message("pull", {"worker": 1}))
-        got = []
-        router.setsockopt(zmq.RCVTIMEO, 5000)
-        while not got or sum(server.rejected.values()) < 2:
-            r = server.recv()
-            if r is not None:
-                got.append(r)
-        ident, msg = got[0]
-        assert msg.meta == {"worker": 1}
-        assert sum(server.rejected.values()) == 2
-        server.send(Message("pong", {"ok": 1}), to=ident)
-        good.setsockopt(zmq.RCVTIMEO, 5000)
-        assert Endpoint(good, KEY).recv()[1].op == "pong"
-    finally:
-        for s in (router, good, evil):
-            s.close(linger=0)
-        ctx.term()
+        _open(s, w.seal_parts(msgpack.packb(obj), buffers))
+    except FrameError:
+        pass
+    try:  # and the same header as a hello
+        parts = seal_hello_parts(hello_key(KEY), new_nonce(), msgpack.packb(obj), buffers)
+        open_hello(hello_key(KEY), read_envelope(parts), parts)
+    except FrameError:
+        pass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disttrain.ps.transport import FrameError
+from disttrain.ps.frame import FrameError
 
 __all__ = ["TopK", "ErrorFeedback", "parse_compression", "densify"]
 

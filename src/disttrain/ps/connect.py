@@ -4,9 +4,10 @@ One script serves both roles, as ps-lite's single binary does: `disttrain run --
 W --servers S script.py` makes ranks 0..W-1 workers and the last S ranks servers
 (`disttrain.role()`). Every rank builds the same model and calls `connect`; the key plan
 (consistent-hash ring, ring.py) follows from the model alone. Servers bind a ZeroMQ
-port, publish `tcp://host:port` in the job's c10d store under `disttrain/ps/<name>/addr<i>`,
-and serve inside `connect` until every worker is done; workers read those addresses
-(blocking until all are there) and get a `Worker` back.
+socket, publish its address (`ipc://...` on loopback, else `tcp://host:port`) in the
+job's c10d store under `disttrain/ps/<name>/addr<i>`, and serve inside `connect` until
+every worker is done; workers read those addresses (blocking until all are there) and
+get a `Worker` back.
 """
 
 from __future__ import annotations
@@ -89,11 +90,12 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     if runtime.role() == "worker":
         addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(servers)]
         return Worker(model, runtime.rank(), addresses, plan, secret, repr(policy),
-                      timeout=timeout, overlap=overlap, compression=compression)
+                      timeout=timeout, overlap=overlap, compression=compression,
+                      chunk_bytes=chunk_bytes)
     index = runtime.rank() - len(workers)
     server = Server(index, plan[index], dict(model.named_parameters()), policy, optimizer,
                     workers, secret, host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
-                    timeout=timeout)
+                    timeout=timeout, chunk_bytes=chunk_bytes)
     path = snapshot.format(server=index) if snapshot else None
     if snapshot_every and not path:
         raise ValueError(f"snapshot_every={snapshot_every} needs a snapshot path, e.g. "

@@ -87,6 +87,12 @@ class Policy:
         self.buffer.append((pid, worker, version))
         return self._maybe_close()
 
+    def applies_alone(self) -> bool:
+        """True when the next push will be applied on its own as soon as it is complete,
+        never averaged or dropped (Async, SSP, K = 1 without cancelling): a server may then
+        step each chunk of it as it arrives."""
+        return not self.cancels and not self.buffer and self._need() == 1
+
     def pull(self, worker: int) -> Decision:
         """Worker asks for parameters; answered now (release) or parked until allowed."""
         self.parked.add(worker)

@@ -8,14 +8,18 @@ here over this shard's keys, drop late gradients, tell cancelled workers, answer
 
 Who talks to whom: each worker's DEALER sends hello, push (gradients of this shard's
 keys), pull, beat and done; the server answers welcome, ack, params, cancel, pong, bye,
-or error. A worker silent for `timeout` seconds is lost: the policy decides whether the
-job goes on (K modes, Async, SSP) or stops with an error naming it (Sync).
+or error, each on the worker's session. A worker silent for `timeout` seconds is lost:
+the policy decides whether the job goes on (K modes, Async, SSP) or stops with an error
+naming it (Sync).
 
 Keys are 1-D chunks of flattened parameters (ring.py), so an element-wise optimizer
-(SGD, momentum, Adam, AdamW) steps exactly as it would on whole tensors. A push may be
-sparse (top-k with error feedback, compress.py): it is checked and scattered into dense
-gradients on arrival, so every policy and optimizer sees the same thing in either case.
-Snapshots and the restart report are snapshot.py.
+(SGD, momentum, Adam, AdamW) steps exactly as it would on whole tensors. Pushes and
+pulls travel as streams of chunk messages (at most `chunk_bytes` each): a push's chunks
+are checked as they arrive and, when the policy applies every push alone (Async, SSP,
+K=1 modes), stepped at once. A push may be sparse (top-k with error feedback,
+compress.py): it is checked and scattered into dense gradients on arrival, so every
+policy and optimizer sees the same thing in either case. Snapshots and the restart
+report are snapshot.py.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import zmq
 
 from disttrain.ps import snapshot as snap
 from disttrain.ps.compress import densify
+from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, group_keys
 from disttrain.ps.policy import Decision, Policy
-from disttrain.ps.ring import Chunk
-from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, FrameError, Limits, Message, encode
+from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
+from disttrain.ps.session import Session
+from disttrain.ps.transport import ServerEndpoint, bind, encrypt_setting, remove_folder
 
 __all__ = ["Server", "PSError"]
 
@@ -45,7 +51,7 @@ class PartialPush(NamedTuple):
     version: int
     """The parameter version the worker computed the gradient on (its staleness)."""
     grads: dict
-    """key -> gradient received so far."""
+    """key -> gradient received so far (None: already stepped on arrival)."""
 
 
 class PSError(RuntimeError):
@@ -57,7 +63,8 @@ class Server:
 
     def __init__(self, index: int, chunks: list[Chunk], init: dict[str, torch.Tensor],
                  policy: Policy, optimizer: Callable, workers: list[int], secret: bytes, *,
-                 host: str = "127.0.0.1", timeout: float = 10.0, limits: Limits = DEFAULT_LIMITS):
+                 host: str = "127.0.0.1", timeout: float = 10.0, limits: Limits = DEFAULT_LIMITS,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, encrypt: bool | None = None):
         self.index, self.chunks, self.policy, self.timeout = index, chunks, policy, timeout
         self.keys = [c.key for c in chunks]
         self.params = {c.key: torch.nn.Parameter(
@@ -65,21 +72,21 @@ class Server:
         self.optimizer = optimizer(list(self.params.values())) if chunks else None
         self.workers = list(workers)
         policy.start(self.workers)
+        self._groups = [[self.keys[i] for i in g] for g in group_keys(
+            [p.numel() * p.element_size() for p in self.params.values()], chunk_bytes)]
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 2000)
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        advertise = host if host not in ("0.0.0.0", "*") else _hostname()
-        self.address = f"tcp://{advertise}:{port}"
-        self.ep = Endpoint(sock, secret, limits)
-        self.idents: dict[int, bytes] = {}
+        self.address, self._folder = bind(sock, host)
+        self.ep = ServerEndpoint(sock, secret, index, self.workers, limits,
+                                 encrypt_setting() if encrypt is None else encrypt)
         self.partial: dict[int, PartialPush] = {}  # worker -> the push still arriving
         self.complete: dict[int, dict[str, torch.Tensor]] = {}  # push id -> grads
         self.parked: dict[int, int] = {}  # worker -> version it already has
         self.finished: set[int] = set()
         self.partial_dropped = 0
         self._pid = 0
-        self._published: tuple[int, list] | None = None  # (version, signed parts)
+        self._sending: dict[str, list] = {}  # key -> trackers of zero-copy sends of it
         self.snapshot_path: str | None = None
         self.snapshot_every = 0
         self.restored_version: int | None = None
@@ -108,29 +115,32 @@ class Server:
                 self._check_liveness()
             return self.stats()
         finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the socket and files (does not block beyond the socket's linger)."""
+        if not self.ep.sock.closed:
             self.ep.sock.close()
             self._ctx.term()
-            if self._side is not None:
-                self._side.close()
+            remove_folder(self._folder)
+        if self._side is not None:
+            self._side.close()
 
-    def _handle(self, ident: bytes, msg: Message) -> None:
-        w = msg.meta.get("worker")
-        if w not in self.last_seen:
-            self.ep.rejected["unknown worker"] += 1
-            return
+    def _handle(self, session: Session, msg: Message) -> None:
+        w = session.worker
         self.last_seen[w] = time.monotonic()
         if w in self.finished and msg.op != "done":
             return
         if msg.op == "hello":
-            self._hello(ident, w, msg)
+            self._hello(session, msg)
         elif msg.op == "push":
-            if self._push(w, msg, ident):
-                self.ep.send(Message("ack", {"seq": msg.meta.get("seq")}), ident)
+            if self._push(w, msg, session) and msg.meta.get("ack"):
+                self.ep.send(session, Message("ack", {"seq": msg.meta.get("seq")}))
         elif msg.op == "pull":
             self.parked[w] = int(msg.meta.get("have", -1))
             self._execute(self.policy.pull(w))
         elif msg.op == "beat":
-            self.ep.send(Message("pong", {}), ident)
+            self.ep.send(session, Message("pong", {}))
         elif msg.op == "done":
             self.partial.pop(w, None)
             if w not in self.finished:
@@ -138,22 +148,21 @@ class Server:
                 self._execute(self.policy.leave(w))
             # NOTE: msgpack maps here have string keys only; the histogram goes as pairs
             stats = dict(self.stats(), staleness=list(self.stats()["staleness"].items()))
-            self.ep.send(Message("bye", {"stats": stats}), ident)
+            self.ep.send(session, Message("bye", {"stats": stats}))
 
-    def _hello(self, ident: bytes, w: int, msg: Message) -> None:
-        self.idents[w] = ident
+    def _hello(self, session: Session, msg: Message) -> None:
         want = {"keys": self.keys, "policy": repr(self.policy)}
         got = {"keys": msg.meta.get("keys"), "policy": msg.meta.get("policy")}
         if got != want:
-            self.ep.send(Message("error", {"message": (
+            self.ep.send(session, Message("error", {"message": (
                 f"server {self.index} holds keys {self.keys[:4]}... under {want['policy']}, "
-                f"worker {w} expects {str(got['keys'])[:80]} under {got['policy']}: build the "
-                "same model and policy on every rank")}), ident)
+                f"worker {session.worker} expects {str(got['keys'])[:80]} under "
+                f"{got['policy']}: build the same model and policy on every rank")}))
             return
-        self.ep.send(Message("welcome", {"version": self.policy.version}), ident)
+        self.ep.send(session, Message("welcome", {"version": self.policy.version}))
 
-    def _push(self, w: int, msg: Message, ident: bytes | None = None) -> bool:
-        """Take one push frame; False (nothing changed, the worker told) if it is malformed."""
+    def _push(self, w: int, msg: Message, session: Session | None = None) -> bool:
+        """Take one push message; False (nothing changed, the worker told) if it is malformed."""
         clock, version = int(msg.meta["clock"]), int(msg.meta["version"])
         if msg.meta.get("sparse"):
             try:
@@ -162,9 +171,9 @@ class Server:
                                 {k: p.dtype for k, p in self.params.items()})
             except FrameError as e:
                 self.ep.rejected["bad sparse push"] += 1
-                if ident is not None:
-                    self.ep.send(Message("error", {"message": (
-                        f"server {self.index} rejected a push from worker {w}: {e}")}), ident)
+                if session is not None:
+                    self.ep.send(session, Message("error", {"message": (
+                        f"server {self.index} rejected a push from worker {w}: {e}")}))
                 return False
             self.sparse_pushes += 1
         else:
@@ -175,19 +184,23 @@ class Server:
             if have is not None:  # NOTE: a newer clock means the old attempt was abandoned
                 self.partial_dropped += 1
             have = self.partial[w] = PartialPush(clock, version, {})
+        grads = {k: g for k, g in grads.items() if k not in have.grads}
+        if self.policy.applies_alone():  # NOTE: step each chunk as soon as it is complete
+            self._apply([grads])
+            grads = dict.fromkeys(grads)
         have.grads.update(grads)
         if len(have.grads) == len(self.keys):
             del self.partial[w]
             pid, self._pid = self._pid, self._pid + 1
-            self.complete[pid] = have.grads
+            self.complete[pid] = {k: g for k, g in have.grads.items() if g is not None}
             self._execute(self.policy.push(pid, w, have.version))
         return True
 
     # ---- decisions ------------------------------------------------------------------
     def _execute(self, d: Decision) -> None:
         if d.error:
-            for ident in self.idents.values():
-                self.ep.send(Message("error", {"message": d.error}), ident)
+            for s in self.ep.active.values():
+                self.ep.send(s, Message("error", {"message": d.error}))
             raise PSError(f"server {self.index}: {d.error}")
         if d.apply:
             self._apply([self.complete.pop(p) for p in d.apply])
@@ -195,16 +208,22 @@ class Server:
         for p in d.drop:
             self.complete.pop(p, None)
         for w in d.cancel:
-            if w in self.idents:
-                self.ep.send(Message("cancel", {"version": self.policy.version}), self.idents[w])
+            if w in self.ep.active:
+                self.ep.send(self.ep.active[w], Message("cancel", {"version": self.policy.version}))
         for w in d.release:
             if w in self.parked:
                 self._send_params(w, self.parked.pop(w))
 
     def _apply(self, grads: list[dict[str, torch.Tensor]]) -> None:
-        if self.optimizer is None:
+        """Average `grads` (dicts over the same keys) and step those keys' parameters."""
+        grads = [g for g in grads if g]
+        if self.optimizer is None or not grads:
             return
-        for k, p in self.params.items():
+        for k in grads[0]:
+            p = self.params[k]
+            # NOTE: copy on write: a zero-copy params frame may still read this memory
+            if any(not t.done for t in self._sending.pop(k, [])):
+                p.data = p.data.clone()
             if len(grads) == 1:  # Async: the received buffer itself, no copy
                 p.grad = grads[0][k].to(p.dtype)
                 continue
@@ -216,18 +235,17 @@ class Server:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _send_params(self, w: int, have: int) -> None:
-        version = self.policy.version
-        if have == version:  # NOTE: KBatch modes pull often; an unchanged shard costs no bytes
-            self.ep.send(Message("params", {"version": version}), self.idents[w])
-            return
-        if self._published is None or self._published[0] != version:
-            # NOTE: a frozen copy per version (zero-copy sends may still read it after later
-            # steps), signed once: every worker pulling this version gets the same frame.
-            frozen = [p.detach().clone() for p in self.params.values()]
-            parts = encode(Message("params", {"version": version}, self.keys, frozen),
-                           self.ep.secret)
-            self._published = (version, parts)
-        self.ep.send_parts(self._published[1], self.idents[w], "params")
+        """Answer worker w's pull: the shard as a stream of chunk messages, the last one
+        marked; an unchanged shard costs one empty message. Does not block."""
+        version, session = self.policy.version, self.ep.active[w]
+        groups = self._groups if have != version and self._groups else [[]]
+        for i, keys in enumerate(groups):
+            meta = {"version": version, "last": int(i == len(groups) - 1)}
+            tensors = [self.params[k].detach() for k in keys]
+            tracker = self.ep.send(session, Message("params", meta, keys, tensors), track=True)
+            if tracker is not None:  # NOTE: sent without a copy: see _apply
+                for k in keys:
+                    self._sending.setdefault(k, []).append(tracker)
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
@@ -244,7 +262,8 @@ class Server:
         if self.restored_version is not None:
             out.update(restored_version=self.restored_version, lost_updates=self.lost_updates)
         out.update(server=self.index, partial_dropped=self.partial_dropped,
-                   rejected_frames=sum(self.ep.rejected.values()), keys=len(self.keys),
+                   rejected_frames=sum(self.ep.rejected.values()),
+                   rejected=dict(self.ep.rejected), keys=len(self.keys),
                    bytes=sum(p.numel() * p.element_size() for p in self.params.values()),
                    push_bytes=self.ep.recv_bytes.get("push", 0),
                    push_frames=self.ep.recv_frames.get("push", 0),
@@ -315,7 +334,3 @@ class Server:
         self.policy.version = int(meta.get("version", 0))
         return meta
 
-
-def _hostname() -> str:
-    import socket
-    return socket.gethostname()

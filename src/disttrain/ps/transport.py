@@ -1,77 +1,47 @@
-"""The parameter-server wire: ZeroMQ multipart frames, authenticated, no pickle.
+"""The parameter-server wire: ZeroMQ sockets that speak authenticated, sequenced sessions.
 
-A message is one ZeroMQ multipart frame:
+Servers own a ROUTER socket (`ServerEndpoint`), bound to 127.0.0.1 unless a host is
+given; a server bound to loopback listens on a Unix socket (ZeroMQ `ipc://`, in a fresh
+0700 folder) instead, which moves big frames faster than TCP loopback here
+(docs/benchmarks.md). Each worker owns one DEALER per server (`WorkerLink`). Frames and
+sessions are session.py (what is authenticated and how keys and nonces are made);
+message layout is frame.py.
 
-    [mac (32 B), header (msgpack), buffer_0, ..., buffer_{n-1}]
-
-header = {"op": str, "meta": {str: int|str|...}, "keys": [str]*n, "dtypes": [str]*n,
-"shapes": [[int]]*n}; buffer_i holds tensor i's raw bytes (C order), sent without a
-copy for big tensors and received as a view of ZeroMQ's buffer (zero-copy both ways).
-mac = HMAC-SHA256(job secret, len|header|len|sha256 of each 256 KB piece of buffer_0|...),
-checked before anything is parsed. Hard limits bound the header, the number of tensors and each tensor's size;
-a frame that breaks a limit, fails the MAC or does not parse raises `FrameError`, which
-`Endpoint.recv` counts and drops, so one bad peer never stops a server.
-
-Servers own a ROUTER socket (bound to 127.0.0.1 unless a host is given); each worker
-owns one DEALER per server. Sockets are used from one thread only (the server loop or
-the worker's communication thread).
+Handshake: the worker sends `hello` (fresh nonce_w, signed under the job secret), the
+server answers `welcome` as frame 0 of a new session. The server keeps that session
+pending and goes on talking to the worker's old session (if any) until the first frame
+that only the holder of the new key can make arrives on it: a replayed hello never
+takes a worker over. A frame that fails any check is dropped and counted by reason
+(`rejected`), so one bad peer never stops a server. Sockets are used from one thread
+only (the server loop or the worker's communication thread).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import math
 import os
-import threading
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+import shutil
+import tempfile
+from collections import Counter, OrderedDict
 
-import msgpack
-import torch
 import zmq
 
-__all__ = ["Message", "FrameError", "Limits", "encode", "decode", "Endpoint", "job_secret"]
+from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message
+from disttrain.ps.session import (
+    HELLO,
+    Session,
+    hello_key,
+    new_nonce,
+    open_hello,
+    read_envelope,
+    seal_hello,
+)
 
-OPS = ("hello", "welcome", "push", "ack", "pull", "params", "cancel", "beat", "done",
-       "bye", "error", "ping", "pong")
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int8, torch.uint8)}
+__all__ = ["ServerEndpoint", "WorkerLink", "job_secret", "encrypt_setting", "bind",
+           "remove_folder"]
+
 _COPY_BELOW = 64 << 10  # smaller buffers are copied: cheaper than zero-copy bookkeeping
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Hard bounds on what a peer may send."""
-
-    max_header_bytes: int = 256 << 10
-    """header (msgpack) size; names and shapes of a few thousand tensors fit."""
-    max_tensors: int = 8192
-    """tensors per message."""
-    max_tensor_bytes: int = 1 << 30
-    """bytes of any one tensor; big parameters are chunked (ring.py) well below this."""
-
-    def __post_init__(self):
-        for name in ("max_header_bytes", "max_tensors", "max_tensor_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
-
-
-DEFAULT_LIMITS = Limits()
-
-
-class FrameError(ValueError):
-    """A received frame is malformed, too big or not authenticated."""
-
-
-@dataclass
-class Message:
-    op: str
-    meta: dict = field(default_factory=dict)
-    keys: list[str] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
+_MAX_PENDING = 64  # sessions greeted but not yet used; older ones are forgotten
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def job_secret() -> bytes:
@@ -91,161 +61,192 @@ def job_secret() -> bytes:
     return key
 
 
-_PIECE = 256 << 10  # hashing unit (fixed: part of the MAC format, not of the machine)
-_PARALLEL_FROM = 1 << 20  # frames at least this big hash on several threads
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()  # a server and a worker thread may sign at the same time
+def encrypt_setting() -> bool:
+    """DISTTRAIN_PS_ENCRYPT=1: AES-GCM over the buffers too (authentication is always on)."""
+    raw = os.environ.get("DISTTRAIN_PS_ENCRYPT", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"DISTTRAIN_PS_ENCRYPT={raw!r} must be 0 or 1")
+    return raw == "1"
 
 
-def _hash_run(pieces) -> list[bytes]:
-    # NOTE: hashlib drops the GIL on big inputs, so runs on pool threads hash in parallel
-    return [hashlib.sha256(p).digest() for p in pieces]
+def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
+    """Bind `sock`; returns (address to publish, folder to remove at close or None).
 
-
-def _digests(pieces: list) -> list[bytes]:
-    """SHA-256 of each piece, in order; big frames are cut into one run of consecutive
-    pieces per core (one task each, the calling thread hashing the last run itself)."""
-    global _pool
-    cores = min(8, os.cpu_count() or 1)
-    total = sum(len(p) for p in pieces)
-    if cores < 2 or total < _PARALLEL_FROM or len(pieces) < 2:
-        return _hash_run(pieces)
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(cores - 1, "ps-hmac")
-    n = min(cores, len(pieces))
-    bounds = [len(pieces) * i // n for i in range(n + 1)]
-    runs = [pieces[a:b] for a, b in zip(bounds, bounds[1:])]
-    futures = [_pool.submit(_hash_run, r) for r in runs[:-1]]
-    last = _hash_run(runs[-1])
-    return [d for f in futures for d in f.result()] + last
-
-
-def _mac(secret: bytes, header, buffers) -> bytes:
-    """HMAC-SHA256(secret, len|header|{len|sha256(piece)...} per buffer).
-
-    Hash-then-MAC over 256 KB pieces: as strong as HMAC over the raw bytes (SHA-256 is
-    collision resistant) but the pieces of a big frame hash on several cores. Each
-    byte is read once, from the memory it lives in (memoryview slices, no copy).
+    Loopback hosts get `ipc://` in a new private folder (unless DISTTRAIN_PS_IPC=0 or
+    ZeroMQ lacks ipc); any other host gets TCP on a random port.
     """
-    pieces = [b[i:i + _PIECE] for b in buffers for i in range(0, len(b), _PIECE)]
-    digests = iter(_digests(pieces))
-    h = hmac.new(secret, digestmod=hashlib.sha256)
-    # NOTE: length prefixes make the split between parts part of what is authenticated.
-    h.update(len(header).to_bytes(8, "little"))
-    h.update(header)
-    for b in buffers:
-        h.update(len(b).to_bytes(8, "little"))
-        for _ in range(0, len(b), _PIECE):
-            h.update(next(digests))
-    return h.digest()
+    if host in _LOOPBACK and os.environ.get("DISTTRAIN_PS_IPC", "1") != "0" and zmq.has("ipc"):
+        folder = tempfile.mkdtemp(prefix="disttrain-ps-")  # NOTE: mode 0700: this user only
+        address = f"ipc://{folder}/server.sock"
+        sock.bind(address)
+        return address, folder
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    if host in ("0.0.0.0", "*"):
+        import socket
+        host = socket.gethostname()
+    return f"tcp://{host}:{port}", None
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+class _Counted:
+    """Per-op byte and frame counters (plain dicts: another thread may copy them)."""
 
-
-def encode(msg: Message, secret: bytes) -> list:
-    """Message -> multipart parts (buffers are views of the tensors' memory)."""
-    if msg.op not in OPS:
-        raise ValueError(f"unknown op {msg.op!r}; one of {OPS}")
-    if len(msg.keys) != len(msg.tensors):
-        raise ValueError(f"{len(msg.keys)} keys but {len(msg.tensors)} tensors")
-    buffers = [_raw(t) for t in msg.tensors]
-    header = msgpack.packb({
-        "op": msg.op, "meta": msg.meta, "keys": list(msg.keys),
-        "dtypes": [str(t.dtype).removeprefix("torch.") for t in msg.tensors],
-        "shapes": [list(t.shape) for t in msg.tensors]}, use_bin_type=True)
-    return [_mac(secret, header, buffers), header, *buffers]
-
-
-def _check_header(h, n_buffers: int) -> None:
-    if not isinstance(h, dict) or set(h) != {"op", "meta", "keys", "dtypes", "shapes"}:
-        raise FrameError("header must be a map with op, meta, keys, dtypes, shapes")
-    if h["op"] not in OPS or not isinstance(h["meta"], dict):
-        raise FrameError(f"bad op {h['op']!r} or meta")
-    keys, dtypes, shapes = h["keys"], h["dtypes"], h["shapes"]
-    if not all(isinstance(x, list) and len(x) == n_buffers for x in (keys, dtypes, shapes)):
-        raise FrameError(f"keys/dtypes/shapes must be lists of {n_buffers} entries")
-    if not all(isinstance(k, str) for k in keys) or not all(d in DTYPES for d in dtypes):
-        raise FrameError("keys must be strings and dtypes one of " + ", ".join(DTYPES))
-    for s in shapes:
-        if not isinstance(s, list) or not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in s):
-            raise FrameError(f"bad shape {s!r}")
-
-
-def decode(parts, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Multipart parts -> Message; raises FrameError on anything wrong (never crashes)."""
-    if not 2 <= len(parts) <= limits.max_tensors + 2:
-        raise FrameError(f"{len(parts)} parts; expected 2..{limits.max_tensors + 2}")
-    views = [p.buffer if isinstance(p, zmq.Frame) else memoryview(p) for p in parts]
-    # NOTE: torch wants writable memory; zmq frames are, plain bytes (tests) get a copy.
-    views = [v if not v.readonly else memoryview(bytearray(v)) for v in views]
-    mac, header, buffers = views[0], views[1], views[2:]
-    if len(header) > limits.max_header_bytes:
-        raise FrameError(f"header of {len(header)} bytes > limit {limits.max_header_bytes}")
-    big = [len(b) for b in buffers if len(b) > limits.max_tensor_bytes]
-    if big:
-        raise FrameError(f"tensor of {big[0]} bytes > limit {limits.max_tensor_bytes}")
-    if len(mac) != 32 or not hmac.compare_digest(bytes(mac), _mac(secret, header, buffers)):
-        raise FrameError("HMAC mismatch: not signed with this job's DISTTRAIN_SECRET")
-    try:
-        h = msgpack.unpackb(header, raw=False, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises many types on garbage
-        raise FrameError(f"header is not msgpack: {type(e).__name__}") from None
-    _check_header(h, len(buffers))
-    tensors = []
-    for buf, dtype, shape in zip(buffers, h["dtypes"], h["shapes"]):
-        dt = DTYPES[dtype]
-        numel = math.prod(shape)
-        if numel * dt.itemsize != len(buf):
-            raise FrameError(f"shape {shape} of {dtype} needs {numel * dt.itemsize} bytes, "
-                             f"got {len(buf)}")
-        t = torch.frombuffer(buf, dtype=dt) if numel else torch.empty(0, dtype=dt)
-        tensors.append(t.view(shape))
-    return Message(h["op"], h["meta"], h["keys"], tensors)
-
-
-class Endpoint:
-    """A ZeroMQ socket that speaks authenticated Messages and counts what it drops."""
-
-    def __init__(self, sock: zmq.Socket, secret: bytes, limits: Limits = DEFAULT_LIMITS):
-        self.sock, self.secret, self.limits = sock, secret, limits
+    def __init__(self, sock: zmq.Socket, secret: bytes, limits: Limits, encrypt: bool):
+        self.sock, self.secret, self.limits, self.encrypt = sock, secret, limits, encrypt
         self.rejected: Counter[str] = Counter()
-        self.router = sock.type == zmq.ROUTER
-        # bytes (mac + header + buffers, without ZeroMQ's own framing) and frames per op;
-        # plain dicts: another thread may copy them with dict() while this one counts
         self.sent_bytes: dict[str, int] = {}
         self.sent_frames: dict[str, int] = {}
         self.recv_bytes: dict[str, int] = {}
         self.recv_frames: dict[str, int] = {}
 
-    def send(self, msg: Message, to: bytes | None = None) -> None:
-        """Queue `msg` (to peer identity `to` on a ROUTER); does not block on the peer."""
-        self.send_parts(encode(msg, self.secret), to, msg.op)
+    def _count(self, what: str, op: str, parts) -> None:
+        nbytes, frames = getattr(self, what + "_bytes"), getattr(self, what + "_frames")
+        nbytes[op] = nbytes.get(op, 0) + sum(len(p) for p in parts)
+        frames[op] = frames.get(op, 0) + 1
 
-    def send_parts(self, parts: list, to: bytes | None = None, op: str = "params") -> None:
-        """Queue parts made by `encode` (e.g. one frame signed once, sent to many peers);
-        big buffers go without a copy, so leave their memory alone afterwards."""
+    def _reject(self, e: FrameError) -> None:
+        self.rejected[str(e).split(":")[0][:40]] += 1
+
+    def _put(self, prefix: list, parts: list, op: str, track: bool = False):
+        """Queue one frame; big ones go without a copy (leave their memory alone until
+        sent: with `track`, the returned tracker's `done` says when)."""
+        self._count("sent", op, parts)
         size = sum(len(p) for p in parts)
-        self.sent_bytes[op] = self.sent_bytes.get(op, 0) + size
-        self.sent_frames[op] = self.sent_frames.get(op, 0) + 1
-        if self.router:
-            parts = [to, *parts]
-        self.sock.send_multipart(parts, copy=size < _COPY_BELOW)
+        if not (track and size >= _COPY_BELOW):
+            return self.sock.send_multipart(prefix + parts, copy=size < _COPY_BELOW)
+        # NOTE: send_multipart would track only the last part; track every part
+        parts = prefix + parts
+        last = len(parts) - 1
+        return zmq.MessageTracker(*[self.sock.send(p, zmq.SNDMORE if i < last else 0,
+                                                   copy=False, track=True)
+                                    for i, p in enumerate(parts)])
 
-    def recv(self) -> tuple[bytes | None, Message] | None:
-        """One message that is ready (blocks until one arrives); None if it was dropped."""
-        parts = self.sock.recv_multipart(copy=False)
-        ident = None
-        if self.router:
-            ident, parts = parts[0].bytes, parts[1:]
+
+class ServerEndpoint(_Counted):
+    """A server's ROUTER: greets workers, keeps one live session per worker."""
+
+    def __init__(self, sock: zmq.Socket, secret: bytes, index: int, workers: list[int],
+                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False):
+        super().__init__(sock, secret, limits, encrypt)
+        self.index, self.workers = index, set(workers)
+        self._hello_key = hello_key(secret)
+        self.active: dict[int, Session] = {}  # worker -> its live session
+        self._by_ident: dict[bytes, Session] = {}
+        self._pending: OrderedDict[bytes, Session] = OrderedDict()
+        self._seen: set[bytes] = set()  # every nonce_w greeted
+
+    def send(self, to: Session, msg: Message, track: bool = False):
+        """Queue `msg` on session `to` (does not block); a tracker if `track` and big."""
+        return self._put([to.ident], to.seal(msg), msg.op, track)
+
+    def recv(self) -> tuple[Session, Message] | None:
+        """One ready frame (blocks until one arrives) -> (its session, message); None when
+        it was dropped (counted in `rejected`)."""
+        frames = self.sock.recv_multipart(copy=False)
+        ident, parts = frames[0].bytes, [f.buffer for f in frames[1:]]
         try:
-            msg = decode(parts, self.secret, self.limits)
+            env = read_envelope(parts, self.limits)
+            if env.kind == HELLO:
+                s, msg = self._greet(ident, env, parts)
+            else:
+                s = self._session(ident, env)
+                msg = s.open(env, parts)
+                if msg.meta.get("worker") != s.worker:
+                    raise FrameError(f"worker of another session: frame says "
+                                     f"{msg.meta.get('worker')!r}, session is {s.worker}")
+                if self._pending.get(ident) is s:
+                    self._promote(s)
         except FrameError as e:
-            self.rejected[str(e).split(":")[0][:40]] += 1
+            self._reject(e)
             return None
-        self.recv_bytes[msg.op] = self.recv_bytes.get(msg.op, 0) + sum(len(p) for p in parts)
-        self.recv_frames[msg.op] = self.recv_frames.get(msg.op, 0) + 1
-        return ident, msg
+        self._count("recv", msg.op, parts)
+        return s, msg
+
+    def _greet(self, ident: bytes, env, parts) -> tuple[Session, Message]:
+        msg = open_hello(self._hello_key, env, parts)
+        w, index = msg.meta.get("worker"), msg.meta.get("server")
+        if index != self.index:
+            raise FrameError(f"hello for another server: {index!r}, this is {self.index}")
+        if w not in self.workers:
+            raise FrameError(f"unknown worker: {w!r}")
+        if env.nonce_w in self._seen:
+            raise FrameError("replayed hello: its nonce was used before")
+        self._seen.add(env.nonce_w)
+        s = Session(self.secret, env.nonce_w, new_nonce(), w, self.index, "server", self.encrypt)
+        s.ident = ident
+        self._pending[ident] = s
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.popitem(last=False)
+        return s, msg
+
+    def _session(self, ident: bytes, env) -> Session:
+        have = [s for s in (self._by_ident.get(ident), self._pending.get(ident)) if s]
+        for s in have:
+            if (s.nonce_w, s.nonce_s) == (env.nonce_w, env.nonce_s):
+                return s
+        if have:
+            raise FrameError("other session: frame's nonces belong to no session of this "
+                             "connection")
+        raise FrameError("no session: no hello on this connection")
+
+    def _promote(self, s: Session) -> None:
+        """`s` proved its key: it becomes its worker's session, the old one is closed."""
+        del self._pending[s.ident]
+        old = self.active.get(s.worker)
+        if old is not None:
+            self._by_ident.pop(old.ident, None)
+        self.active[s.worker] = s
+        self._by_ident[s.ident] = s
+
+
+class WorkerLink(_Counted):
+    """A worker's DEALER to one server and its session (after `hello` got `welcome`)."""
+
+    def __init__(self, sock: zmq.Socket, secret: bytes, worker: int, server: int,
+                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False):
+        super().__init__(sock, secret, limits, encrypt)
+        self.worker, self.server = worker, server
+        self.session: Session | None = None
+        self._nonce_w: bytes | None = None
+
+    def send(self, msg: Message) -> list:
+        """Queue `msg` (does not block); returns the parts sent. A hello starts a new
+        session (a fresh nonce); every other op needs the session its welcome opened."""
+        msg.meta["worker"] = self.worker
+        if msg.op == "hello":
+            self._nonce_w, self.session = new_nonce(), None
+            msg.meta["server"] = self.server
+            parts = seal_hello(hello_key(self.secret), self._nonce_w, msg)
+        elif self.session is None:
+            raise RuntimeError(f"worker {self.worker}: no session with server {self.server} "
+                               "yet; send hello and wait for welcome first")
+        else:
+            parts = self.session.seal(msg)
+        self._put([], parts, msg.op)
+        return parts
+
+    def recv(self) -> Message | None:
+        """One ready message (blocks until one arrives); None if it was dropped."""
+        parts = [f.buffer for f in self.sock.recv_multipart(copy=False)]
+        try:
+            env = read_envelope(parts, self.limits)
+            s = self.session
+            if s is None and self._nonce_w is not None and env.nonce_w == self._nonce_w:
+                s = Session(self.secret, env.nonce_w, env.nonce_s, self.worker, self.server,
+                            "worker", self.encrypt)
+            if s is None or (s.nonce_w, s.nonce_s) != (env.nonce_w, env.nonce_s):
+                raise FrameError("other session: frame's nonces are not this session's")
+            msg = s.open(env, parts)
+            if self.session is None and msg.op != "welcome":
+                raise FrameError(f"bad header: {msg.op!r} before welcome")
+            self.session = s
+        except FrameError as e:
+            self._reject(e)
+            return None
+        self._count("recv", msg.op, parts)
+        return msg
+
+
+def remove_folder(folder: str | None) -> None:
+    """Remove the ipc folder `bind` made (nothing if None)."""
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)

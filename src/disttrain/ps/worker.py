@@ -30,10 +30,11 @@ import torch
 import zmq
 
 from disttrain.ps.compress import ErrorFeedback, TopK
+from disttrain.ps.frame import DEFAULT_LIMITS, Limits, Message, group_keys
 from disttrain.ps.handle import Cancelled, Handle  # re-exported: disttrain.ps.worker.Handle
-from disttrain.ps.ring import Chunk
+from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.server import PSError
-from disttrain.ps.transport import DEFAULT_LIMITS, Endpoint, Limits, Message
+from disttrain.ps.transport import WorkerLink, encrypt_setting
 
 __all__ = ["Worker", "Handle", "Cancelled"]
 
@@ -44,8 +45,11 @@ class Worker:
     def __init__(self, model: torch.nn.Module, rank: int, addresses: list[str],
                  plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
                  timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
-                 compression: TopK | None = None):
+                 compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 encrypt: bool | None = None):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
+        self.chunk_bytes = chunk_bytes
+        self._encrypt = encrypt_setting() if encrypt is None else encrypt
         self.params = dict(model.named_parameters())
         self._chunks: dict[str, list[tuple[int, Chunk]]] = defaultdict(list)
         for s, chunks in enumerate(plan):
@@ -56,7 +60,7 @@ class Worker:
             raise ValueError(f"parameters {bad} are not contiguous; call .contiguous() on them")
         self._secret, self._limits, self._plan = secret, limits, plan
         self.feedback = ErrorFeedback(compression) if compression is not None else None
-        self._eps: list[Endpoint] = []
+        self._eps: list[WorkerLink] = []
         self._version = [-1] * len(addresses)
         self._floor = [-1] * len(addresses)
         self._clock, self._sent = 0, set()
@@ -213,15 +217,25 @@ class Worker:
                     keys += [c.key, c.key]
                     tensors += self.feedback.compress(c.key, g[c.start:c.stop])
             self._sent.add(name)
+        per = 1 if self.feedback is None else 2  # tensors per key
         for s, (keys, tensors) in per_server.items():
-            meta = {"clock": self._clock, "version": self._version[s]}
-            if self.feedback is not None:
-                meta["sparse"] = 1
-            self._send(s, Message("push", meta, keys, tensors), h, "ack")
+            sizes = [sum(t.numel() * t.element_size() for t in tensors[i:i + per])
+                     for i in range(0, len(tensors), per)]
+            groups = group_keys(sizes, self.chunk_bytes)
+            for n, g in enumerate(groups):  # NOTE: a stream of chunk messages, one ack
+                meta = {"clock": self._clock, "version": self._version[s]}
+                if self.feedback is not None:
+                    meta["sparse"] = 1
+                at = slice(g[0] * per, (g[-1] + 1) * per)
+                last = n == len(groups) - 1
+                if last:
+                    meta["ack"] = 1
+                self._send(s, Message("push", meta, keys[at], tensors[at]),
+                           h if last else None, "ack")
 
-    def _send(self, s: int, msg: Message, handle: Handle, reply: str) -> None:
-        msg.meta["worker"] = self.rank
-        handle.add()
+    def _send(self, s: int, msg: Message, handle: Handle | None, reply: str) -> None:
+        if handle is not None:
+            handle.add()
         self._cmds.put((s, msg, handle, reply))
         self._wake()
 
@@ -236,11 +250,11 @@ class Worker:
     # ---- communication thread --------------------------------------------------------
     def _run(self) -> None:
         eps = []
-        for addr in self.addresses:
+        for s, addr in enumerate(self.addresses):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(addr)
-            eps.append(Endpoint(sock, self._secret, self._limits))
+            eps.append(WorkerLink(sock, self._secret, self.rank, s, self._limits, self._encrypt))
         self._eps = eps
         poller = zmq.Poller()
         poller.register(self._wake_in, zmq.POLLIN)
@@ -253,7 +267,8 @@ class Worker:
             while self._loop_once(eps, poller, waiting, heard):
                 if time.monotonic() >= next_beat:
                     for ep in eps:
-                        ep.send(Message("beat", {"worker": self.rank}))
+                        if ep.session is not None:
+                            ep.send(Message("beat", {}))
                     next_beat = time.monotonic() + beat_every
         except Exception as e:  # noqa: BLE001 - surfaced to the compute thread
             self._error = self._error or PSError(f"communication thread failed: {e!r}")
@@ -276,13 +291,14 @@ class Worker:
                 return False
             s, msg, handle, reply = cmd
             eps[s].send(msg)
-            waiting[s][reply].append(handle)
+            if handle is not None:
+                waiting[s][reply].append(handle)
         for s, ep in enumerate(eps):
             while ep.sock in events and ep.sock.poll(0):
                 got = ep.recv()
                 if got is not None:
                     heard[s] = time.monotonic()
-                    self._on_reply(s, got[1], waiting[s])
+                    self._on_reply(s, got, waiting[s])
         now = time.monotonic()
         for s, w in enumerate(waiting):
             if any(w.values()) and now - heard[s] > self.timeout and self._error is None:
@@ -304,6 +320,8 @@ class Worker:
                     name, c = self._key_chunk(s, k)
                     self.params[name].data.view(-1)[c.start:c.stop].copy_(t)
             self._version[s] = int(msg.meta["version"])
+            if not msg.meta.get("last"):
+                return  # NOTE: more chunks of this pull follow
         if msg.op == "welcome":
             self._version[s] = -1
         if msg.op == "bye":

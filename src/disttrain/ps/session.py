@@ -1,0 +1,209 @@
+"""Sessions of the parameter-server wire: handshake, per-session keys, a MAC per frame,
+sequence numbers. The cryptography is OpenSSL's, through the `cryptography` package.
+
+A frame is `[envelope, header, buffer_0, ...]` (header and buffers: frame.py). The
+envelope is 64 bytes: kind (1: 0 hello, 1 session), flags (1: bit 0 encrypted), 6 zero
+bytes, the worker's nonce (16), the server's nonce (16), the sequence number (8, little
+endian), the tag (16). What is authenticated, in this order: the envelope's first 48
+bytes, the part count and every part's length (u32, u64s), the header, the buffers.
+
+- hello (worker -> server, before a session): nonce_s and seq are zero; tag =
+  HMAC-SHA256(K_hello, ...)[:16] with K_hello = HKDF-SHA256(secret, info="disttrain-ps/2
+  hello"). Its meta names the worker and the server index. A fresh random nonce_w per
+  hello: the server refuses a nonce_w it has seen (a replayed hello).
+- every other frame: AES-256-GCM under the session key of its direction, the 12-byte
+  GCM nonce = direction (u32) | seq (u64); all of the above as associated data (GMAC),
+  or with DISTTRAIN_PS_ENCRYPT=1 the buffers as the encrypted text. Session keys:
+  HKDF-SHA256(secret, salt=nonce_w|nonce_s, info="disttrain-ps/2 session"|worker|server)
+  -> 64 bytes, the worker->server key then the server->worker key. The welcome is the
+  server's frame 0 of the new session, so it proves the server derived the key from this
+  worker's nonce.
+
+Why a GCM nonce never repeats under one key: a key belongs to one session and one
+direction (fresh nonces from both ends go into it), and in it the sender numbers its
+frames 0, 1, 2, ... once each (seq is never reset or reused; a session ends long before
+2^64 frames). A receiver accepts frame n only after n-1: a replayed, dropped-then-resent,
+reordered or duplicated frame is refused, and so is a frame of another session (other
+nonces, other key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from disttrain.ps.frame import (
+    DEFAULT_LIMITS,
+    FrameError,
+    Limits,
+    Message,
+    check_sizes,
+    pack,
+    unpack,
+)
+
+__all__ = ["Session", "Envelope", "read_envelope", "seal_hello", "seal_hello_parts",
+           "open_hello", "hello_key", "new_nonce", "ENVELOPE_BYTES"]
+
+_HEAD = struct.Struct("<BB6x16s16sQ")  # kind, flags, nonce_w, nonce_s, seq: 48 bytes
+TAG_BYTES = 16
+ENVELOPE_BYTES = _HEAD.size + TAG_BYTES
+HELLO, SESSION = 0, 1
+ENCRYPTED = 1
+W2S, S2W = 0, 1
+_ZERO_NONCE = bytes(16)
+
+
+def new_nonce() -> bytes:
+    """16 random bytes from the OS (never a counter, never reused)."""
+    return os.urandom(16)
+
+
+def hello_key(secret: bytes) -> bytes:
+    """The key that signs hello frames, derived from the job secret."""
+    return HKDF(hashes.SHA256(), 32, None, b"disttrain-ps/2 hello").derive(secret)
+
+
+class Envelope:
+    """The parsed first part of a frame (not yet authenticated)."""
+
+    __slots__ = ("kind", "flags", "nonce_w", "nonce_s", "seq", "tag")
+
+    def __init__(self, kind, flags, nonce_w, nonce_s, seq, tag=b""):
+        self.kind, self.flags, self.nonce_w, self.nonce_s = kind, flags, nonce_w, nonce_s
+        self.seq, self.tag = seq, tag
+
+
+def read_envelope(parts: list, limits: Limits = DEFAULT_LIMITS) -> Envelope:
+    """Size checks (frame.check_sizes) and the envelope's fields; raises FrameError."""
+    check_sizes(parts, limits, ENVELOPE_BYTES)
+    raw = bytes(parts[0])
+    kind, flags, nw, ns, seq = _HEAD.unpack_from(raw)
+    if kind not in (HELLO, SESSION) or flags & ~ENCRYPTED:
+        raise FrameError(f"bad envelope: kind {kind}, flags {flags}")
+    return Envelope(kind, flags, nw, ns, seq, raw[_HEAD.size:])
+
+
+def _lengths(parts: list) -> bytes:
+    return struct.pack(f"<I{len(parts)}Q", len(parts), *(len(p) for p in parts))
+
+
+def seal_hello(key: bytes, nonce_w: bytes, msg: Message) -> list:
+    """A hello frame signed with hello_key(secret)."""
+    return seal_hello_parts(key, nonce_w, *pack(msg))
+
+
+def seal_hello_parts(key: bytes, nonce_w: bytes, header: bytes, buffers: list) -> list:
+    """A hello frame of a packed header and buffers, signed with hello_key(secret)."""
+    head = _HEAD.pack(HELLO, 0, nonce_w, _ZERO_NONCE, 0)
+    return [head + _hello_tag(key, head, header, buffers), header, *buffers]
+
+
+def _hello_tag(key: bytes, head: bytes, header, buffers) -> bytes:
+    h = hmac.new(key, head, hashlib.sha256)
+    h.update(_lengths([header, *buffers]))
+    h.update(header)
+    for b in buffers:
+        h.update(b)
+    return h.digest()[:TAG_BYTES]
+
+
+def open_hello(key: bytes, env: Envelope, parts: list) -> Message:
+    """Check a hello's tag and parse it; raises FrameError."""
+    if env.kind != HELLO or env.nonce_s != _ZERO_NONCE or env.seq != 0 or env.flags:
+        raise FrameError("bad envelope: not a hello")
+    head = bytes(parts[0])[:_HEAD.size]
+    if not hmac.compare_digest(env.tag, _hello_tag(key, head, parts[1], parts[2:])):
+        raise FrameError("bad MAC: hello not signed with this job's DISTTRAIN_SECRET")
+    msg = unpack(parts[1], parts[2:])
+    if msg.op != "hello":
+        raise FrameError(f"bad header: {msg.op!r} frame signed as a hello")
+    return msg
+
+
+class Session:
+    """One worker<->server session: its keys and both directions' sequence numbers.
+
+    `side` is "worker" or "server"; `seal` numbers and authenticates outgoing frames,
+    `open` accepts only the next frame of the other direction. Not thread-safe: one
+    session is used from one thread (the server loop, the worker's comm thread).
+    """
+
+    def __init__(self, secret: bytes, nonce_w: bytes, nonce_s: bytes, worker: int,
+                 server: int, side: str, encrypt: bool = False):
+        info = b"disttrain-ps/2 session" + struct.pack("<QQ", worker, server)
+        keys = HKDF(hashes.SHA256(), 64, nonce_w + nonce_s, info).derive(secret)
+        mine, theirs = (W2S, S2W) if side == "worker" else (S2W, W2S)
+        self._key = {W2S: keys[:32], S2W: keys[32:]}
+        self._out, self._in = mine, theirs
+        self.nonce_w, self.nonce_s, self.worker, self.server = nonce_w, nonce_s, worker, server
+        self.flags = ENCRYPTED if encrypt else 0
+        self.send_seq = self.recv_seq = 0
+        self.ident: bytes | None = None  # the server's ROUTER identity of this connection
+
+    def _cipher(self, direction: int, seq: int, tag: bytes | None = None):
+        iv = struct.pack("<IQ", direction, seq)
+        mode = modes.GCM(iv) if tag is None else modes.GCM(iv, tag)
+        c = Cipher(algorithms.AES(self._key[direction]), mode)
+        return c.encryptor() if tag is None else c.decryptor()
+
+    def seal(self, msg: Message) -> list:
+        """Message -> parts of this session's next outgoing frame (seq advances)."""
+        return self.seal_parts(*pack(msg))
+
+    def seal_parts(self, header: bytes, buffers: list) -> list:
+        """Authenticate (and maybe encrypt) a packed header and buffers as the next frame."""
+        seq, self.send_seq = self.send_seq, self.send_seq + 1
+        head = _HEAD.pack(SESSION, self.flags, self.nonce_w, self.nonce_s, seq)
+        enc = self._cipher(self._out, seq)
+        enc.authenticate_additional_data(head + _lengths([header, *buffers]))
+        enc.authenticate_additional_data(header)
+        if self.flags & ENCRYPTED:
+            out = [bytearray(len(b)) for b in buffers]
+            for b, o in zip(buffers, out):
+                enc.update_into(b, o)
+            buffers = out
+        else:
+            for b in buffers:
+                enc.authenticate_additional_data(b)
+        enc.finalize()
+        return [head + enc.tag, header, *buffers]
+
+    def open(self, env: Envelope, parts: list) -> Message:
+        """Authenticate the next incoming frame and parse it; raises FrameError.
+
+        The caller has matched env's nonces to this session. The tag is checked before
+        the sequence number and before anything is parsed; plaintext (encrypted mode)
+        is used only after the tag verified.
+        """
+        if env.kind != SESSION or env.flags != self.flags:
+            raise FrameError(f"encryption mismatch: frame flags {env.flags}, this job's "
+                             f"{self.flags} (set DISTTRAIN_PS_ENCRYPT alike on every rank)")
+        header, buffers = parts[1], parts[2:]
+        dec = self._cipher(self._in, env.seq, env.tag)
+        dec.authenticate_additional_data(bytes(parts[0])[:_HEAD.size] + _lengths(parts[1:]))
+        dec.authenticate_additional_data(header)
+        if self.flags & ENCRYPTED:
+            out = [bytearray(len(b)) for b in buffers]
+            for b, o in zip(buffers, out):
+                dec.update_into(b, o)
+            buffers = out
+        else:
+            for b in buffers:
+                dec.authenticate_additional_data(b)
+        try:
+            dec.finalize()
+        except InvalidTag:
+            raise FrameError("bad MAC: frame not signed with this session's key") from None
+        if env.seq != self.recv_seq:
+            raise FrameError(f"replayed or reordered: frame {env.seq}, expected "
+                             f"{self.recv_seq}")
+        self.recv_seq += 1
+        return unpack(header, buffers)

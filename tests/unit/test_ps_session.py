@@ -1,0 +1,185 @@
+"""Attacks on a live server: a real `Server.serve()` on a thread, real ZeroMQ sockets, the
+worker side a `WorkerLink`, and an attacker that resends frames it captured (the exact
+parts the worker sent). Replays change nothing and are counted; a replayed hello takes
+no worker over; frames of another session or another worker id are refused; the server
+keeps serving and the job finishes."""
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from disttrain.ps.frame import Message
+from disttrain.ps.policy import Async
+from disttrain.ps.ring import plan_keys
+from disttrain.ps.server import Server
+from disttrain.ps.transport import WorkerLink
+
+KEY = bytes(range(32))
+KEYS = ["w#0", "w#1"]
+
+
+class Job:
+    """A server (SGD lr=1 on w = zeros(8), keys w#0 and w#1) serving on a thread."""
+
+    def __init__(self, workers=(0,)):
+        plan = plan_keys([("w", 8, 4)], 1, chunk_bytes=16)
+        self.server = Server(0, plan[0], {"w": torch.zeros(8)}, Async(),
+                             lambda p: torch.optim.SGD(p, lr=1.0), list(workers), KEY, timeout=30)
+        assert self.server.keys == KEYS
+        self.ctx = zmq.Context()
+        self.out: dict = {}
+        self.thread = threading.Thread(target=lambda: self.out.update(stats=self.server.serve()))
+        self.thread.start()
+
+    def socket(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.server.address)
+        return sock
+
+    def link(self, worker: int, secret: bytes = KEY) -> WorkerLink:
+        return WorkerLink(self.socket(), secret, worker, 0)
+
+    def rejected(self, reason: str, n: int) -> None:
+        """Wait until `n` frames were dropped for `reason`."""
+        deadline = time.monotonic() + 10
+        while self.server.ep.rejected[reason] < n:
+            assert time.monotonic() < deadline, dict(self.server.ep.rejected)
+            time.sleep(0.01)
+        assert self.server.ep.rejected[reason] == n, dict(self.server.ep.rejected)
+
+    def finish(self, *links) -> dict:
+        for link in links:
+            assert call(link, Message("done"), "bye")
+        self.thread.join(20)
+        assert not self.thread.is_alive()
+        self.ctx.destroy(linger=0)
+        return self.out["stats"]
+
+
+def reply(link: WorkerLink, wait: float = 5.0) -> Message | None:
+    """The next message the link accepts, or None after `wait` seconds."""
+    end = time.monotonic() + wait
+    while link.sock.poll(max(1, int((end - time.monotonic()) * 1000))):
+        got = link.recv()
+        if got is not None:
+            return got
+        if time.monotonic() >= end:
+            break
+    return None
+
+
+def call(link: WorkerLink, msg: Message, want: str):
+    """Send `msg`, return (captured parts, the reply) once a `want` reply arrives."""
+    parts = [bytes(p) for p in link.send(msg)]
+    got = reply(link)
+    while got is not None and got.op != want:
+        got = reply(link)
+    assert got is not None, f"no {want} reply to {msg.op}"
+    return parts, got
+
+
+def hello(link: WorkerLink):
+    return call(link, Message("hello", {"keys": KEYS, "policy": "Async()"}), "welcome")
+
+
+def push(clock: int, value: float, worker: int = 0) -> Message:
+    return Message("push", {"clock": clock, "version": 0, "ack": 1, "worker": worker}, KEYS,
+                   [torch.full((4,), value), torch.full((4,), value)])
+
+
+def params(link: WorkerLink) -> torch.Tensor:
+    _, got = call(link, Message("pull", {"have": -1}), "params")
+    return torch.cat(got.tensors)
+
+
+@pytest.mark.timeout(60)
+def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted():
+    job = Job()
+    worker = job.link(0)
+    hello(worker)
+    captured, _ = call(worker, push(0, 1.0), "ack")
+    assert torch.equal(params(worker), torch.full((8,), -1.0))
+    worker.sock.send_multipart(captured)  # same connection
+    job.rejected("replayed or reordered", 1)
+    attacker = job.socket()  # a new connection, no hello
+    attacker.send_multipart(captured)
+    job.rejected("no session", 1)
+    for part in range(4):  # one flipped bit in any part of a fresh, unsent push
+        fresh = [bytes(p) for p in worker.session.seal(push(1, 5.0))]
+        worker.session.send_seq -= 1  # NOTE: never sent: the real push below takes its number
+        flipped = bytearray(fresh[part])
+        flipped[len(flipped) // 2] ^= 1
+        attacker.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
+        worker.sock.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
+    worker.sock.send_multipart([b"garbage"])
+    time.sleep(0.3)
+    assert torch.equal(params(worker), torch.full((8,), -1.0))  # still one update
+    stats = job.finish(worker)
+    assert stats["version"] == 1 and stats["applied"] == 1
+    assert stats["rejected_frames"] == sum(stats["rejected"].values()) >= 11, stats["rejected"]
+
+
+@pytest.mark.timeout(60)
+def test_replayed_hello_takes_no_worker_over():
+    job = Job()
+    worker = job.link(0)
+    captured, _ = hello(worker)
+    assert torch.equal(params(worker), torch.zeros(8))
+    attacker = job.socket()
+    attacker.send_multipart(captured)
+    job.rejected("replayed hello", 1)
+    assert not attacker.poll(300)  # no welcome for the replay
+    call(worker, push(0, 1.0), "ack")  # the real worker is still served
+    # a hello with a fresh nonce (what a restarted server cannot tell from a replay) opens
+    # a session that takes over only once its first frame proves it holds the key
+    again = job.link(0)
+    hello(again)
+    assert torch.equal(params(worker), torch.full((8,), -1.0))
+    assert torch.equal(params(again), torch.full((8,), -1.0))
+    worker.send(Message("pull", {"have": -1}))
+    job.rejected("no session", 1)  # the old session is closed
+    stats = job.finish(again)
+    assert stats["rejected"] == {"replayed hello": 1, "no session": 1}
+
+
+@pytest.mark.timeout(60)
+def test_reordered_and_duplicated_chunks_are_rejected():
+    job = Job()
+    worker = job.link(0)
+    hello(worker)
+    meta = {"clock": 0, "version": 0, "worker": 0}
+    first = worker.session.seal(Message("push", meta, KEYS[:1], [torch.ones(4)]))
+    second = worker.session.seal(Message("push", dict(meta, ack=1), KEYS[1:], [torch.ones(4)]))
+    worker.sock.send_multipart(second)
+    job.rejected("replayed or reordered", 1)
+    worker.sock.send_multipart(first)
+    worker.sock.send_multipart(first)
+    job.rejected("replayed or reordered", 2)
+    worker.sock.send_multipart(second)
+    assert reply(worker).op == "ack"
+    assert torch.equal(params(worker), torch.full((8,), -1.0))
+    assert job.finish(worker)["applied"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_frames_of_another_session_worker_id_or_secret_are_rejected():
+    job = Job(workers=(0, 1))
+    w0, w1 = job.link(0), job.link(1)
+    hello(w0)
+    hello(w1)
+    params(w0)
+    w1.sock.send_multipart(w0.session.seal(push(0, 1.0)))  # session A's frame on B
+    job.rejected("other session", 1)
+    w0.session.send_seq -= 1  # NOTE: that frame never reached session A: reuse its number
+    w1.sock.send_multipart(w1.session.seal(push(0, 1.0, worker=0)))
+    job.rejected("worker of another session", 1)
+    stranger = job.link(0, secret=bytes(32))
+    stranger.send(Message("hello", {"keys": KEYS, "policy": "Async()"}))
+    job.rejected("bad MAC", 1)
+    assert torch.equal(params(w1), torch.zeros(8))
+    stats = job.finish(w0, w1)
+    assert stats["applied"] == 0 and sum(stats["rejected"].values()) == 3
