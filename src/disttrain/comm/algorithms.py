@@ -29,13 +29,14 @@ torchrun and `disttrain run` number them.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
 
-__all__ = ["ALGORITHMS", "all_reduce"]
+__all__ = ["ALGORITHMS", "all_reduce", "AsyncAllReduce"]
 
 ALGORITHMS = ("native", "ring", "halving-doubling", "tree", "hierarchical", "auto")
 _PIECE_BYTES = 1 << 20  # NOTE: ring steps move 1 MB pieces so adding one overlaps the next's transfer
@@ -77,6 +78,35 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
         message = rec.fail(entry, err)
         raise ops.CollectiveError(message, entry, rec.status == "timeout") from err
     rec.end(entry)
+
+
+class AsyncAllReduce:
+    """Runs `all_reduce(t, algorithm, group)` calls one after another on its own thread.
+
+    For callers that overlap communication with compute (DataParallel's buckets):
+    `submit(t)` never blocks and returns a handle whose `wait()` blocks until `t` holds
+    the sum (and re-raises the call's error). Calls run in submission order, so ranks
+    that submit in the same order run the same algorithms in the same order. The
+    algorithms use point-to-point messages only, which gloo matches by peer and tag,
+    apart from the collectives the main thread issues meanwhile.
+    """
+
+    def __init__(self, algorithm: str, group=None, local_size: int | None = None):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; pick one of {', '.join(ALGORITHMS)}")
+        self.algorithm, self.group, self.local_size = algorithm, group, local_size
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"allreduce-{algorithm}")
+
+    def submit(self, tensor: torch.Tensor) -> Future:
+        """Start summing `tensor` in place; returns a Future (`.wait()` is `.result()`)."""
+        fut = self._pool.submit(all_reduce, tensor, self.algorithm, self.group,
+                                local_size=self.local_size)
+        fut.wait = fut.result  # NOTE: the handle shape DataParallel waits on (torch Work.wait)
+        return fut
+
+    def close(self) -> None:
+        """Wait for what was submitted, then stop the thread (blocks)."""
+        self._pool.shutdown(wait=True)
 
 
 def _group_name(group, ranks) -> str:
