@@ -117,7 +117,9 @@ def main() -> None:
     rows = [one(n, k, args) for n, k in layouts]
     base = rows[0]
     compute = base["step_s"] if base["world"] == 1 else None
-    print(f"\n{args.experiment}: link {args.link}, {args.cpus_per_node or 'no'} cores per node quota, "
+    quota = (f"{args.cpus_per_proc:g} cores per process" if args.cpus_per_proc else
+             f"{args.cpus_per_node:g} cores per node" if args.cpus_per_node else "no CPU quota")
+    print(f"\n{args.experiment}: link {args.link}, {quota}, "
           f"MLP hidden {args.hidden} ({base['grad_bytes'] / 1e6:.2f} MB of gradients), batch {args.batch}/rank")
     print("| nodes x procs | step ms | samples/s | efficiency vs first row | model step ms |")
     print("|---|---|---|---|---|")
