@@ -110,6 +110,8 @@ def fit(rows: list[dict]) -> tuple[float, float]:
     b1 = sum(x[0] / y for x, y in zip(xs, ys))
     b2 = sum(x[1] / y for x, y in zip(xs, ys))
     det = a11 * a22 - a12 * a12
+    if len({x[1] for x in xs}) < 2 or det <= 0:
+        raise ValueError("the alpha-beta fit needs ring rows at two sizes or more: pass --sizes A B")
     alpha, inv_b = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
     return max(alpha, 1e-6), 1 / max(inv_b, 1e-15)
 
