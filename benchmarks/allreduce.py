@@ -150,6 +150,10 @@ def targets(rows, links, choose) -> dict:
         ours = {a: r for a, r in by.items() if a != "native"}
         best = min(ours.values(), key=lambda r: r["t"])
         pick = choose(size, nodes * ppn, ppn, links[link])
+        if pick not in by:  # --algos left out what auto would pick
+            print(f"| {link} | {nodes}x{ppn} | {_fmt(size)} | {best['algo']} | {best['t'] * 1e3:.2f} | "
+                  f"{by['native']['t'] * 1e3:.2f} | {pick} (not measured) | - |")
+            continue
         auto = by[pick]["t"] / best["t"]
         print(f"| {link} | {nodes}x{ppn} | {_fmt(size)} | {best['algo']} | {best['t'] * 1e3:.2f} | "
               f"{by['native']['t'] * 1e3:.2f} | {pick} | {auto:.2f} |")
