@@ -20,6 +20,7 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
                           'Checkpointer', 'CorruptCheckpointError', 'LoadsShardedState',
                           'ShardedState', 'ShardedTensor', 'StageModel', 'even_slice',
                           'shard_of'],
+ 'disttrain.cluster': [],
  'disttrain.comm': ['BF16Compression', 'CollectiveError', 'Compression', 'FP16Compression',
                     'NoCompression', 'all_gather', 'all_gather_into_tensor', 'all_reduce',
                     'barrier', 'broadcast', 'irecv', 'isend', 'recorder', 'recv',
