@@ -75,10 +75,10 @@ def cli(*args, **kw):
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
-    """A 2-node switch cluster at 1 Gbit/s, 1 core per node; removed afterwards."""
+    """A 2-node switch cluster at 1 Gbit/s; removed afterwards (quotas: test_cluster.py)."""
     monkeypatch.setenv("DISTTRAIN_CLUSTER_DIR", str(tmp_path / "clusters"))
     name = "r" + uuid.uuid4().hex[:8]
-    up = cli("up", name, "--nodes", "2", "--link", "1gbit", "--cpus-per-node", "1")
+    up = cli("up", name, "--nodes", "2", "--link", "1gbit")
     assert up.returncode == 0, up.stderr
     yield name
     cli("down", name)
@@ -96,10 +96,10 @@ def test_data_parallel_across_two_nodes_equals_one_process(cluster, tmp_path):
     alone = subprocess.run([sys.executable, dp, str(tmp_path / "one.pt")], capture_output=True,
                            text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "RANK"})
     assert alone.returncode == 0, alone.stderr
-    job = cli("run", cluster, "--nproc-per-node", "2", dp, str(tmp_path / "four.pt"))
+    job = cli("run", cluster, "--nproc-per-node", "1", dp, str(tmp_path / "two.pt"))
     assert job.returncode == 0, job.stdout + job.stderr
-    assert "[n1] [rank3]: rank 3 of 4 on 1" in job.stdout and "[n0] rank 0 of 4 on 0" in job.stdout
-    for a, b in zip(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "four.pt")):
+    assert "[n1] [rank1]: rank 1 of 2 on 1" in job.stdout and "[n0] rank 0 of 2 on 0" in job.stdout
+    for a, b in zip(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
