@@ -1,41 +1,51 @@
 """Push+pull round trip: disttrain.ps vs a torch.distributed.rpc parameter server vs raw ZeroMQ.
 
     python benchmarks/ps_transport.py [--sizes 1K,64K,1M,4M,16M,64M] [--reps 5] [--rpc-tcp]
+        [--chunk 4M] [--tcp] [--before REV]
 
-Two processes (one trainer/worker, one server), the same layout for all three; one
+Two processes (one trainer/worker, one server), the same layout for all sides; one
 iteration sends a gradient of the given size to the server and brings the updated
 parameters (same size) back:
 
 - disttrain: `ps.connect` with one float32 parameter of the given size, `Async()` policy,
   server-side SGD; one iteration = `push()` then `pull()`, both queued at once (ps-lite
-  style), then `wait()` on both. HMAC-SHA256 on every frame both ways; the server
-  steps its optimizer and answers the pull with the new version's parameters.
+  style), then `wait()` on both. Every frame authenticated (session MAC) both ways; the
+  server steps its optimizer and answers the pull with the new version's parameters.
+  `--chunk` sets `chunk_bytes` (keys and chunk messages); `--tcp` sets DISTTRAIN_PS_IPC=0
+  (TCP loopback instead of the ipc:// Unix socket a loopback server uses).
+- before: the same disttrain side with the library of git revision REV (`--before`),
+  run from an export of that revision's src/ in a subprocess: the wire before this one.
 - torch rpc: the PyTorch "batch-updating parameter server" tutorial's pattern: the
   trainer calls `rpc_sync(ps, update_and_fetch, (rref, grad))`, the server adds the
   gradient (SGD) and returns the parameters. TensorPipe with its defaults (on one host:
   shared-memory transport, cross-memory-attach channel); `--rpc-tcp` restricts it to
-  TCP (uv transport, basic channel), the wire disttrain uses. No authentication.
-- raw ZeroMQ: DEALER->ROUTER echo of the same bytes in the same <= 4 MB parts, nothing
-  else: the transport's limit.
+  TCP (uv transport, basic channel). No authentication.
+- raw ZeroMQ: DEALER->ROUTER echo of the same bytes in the same chunk-sized parts over
+  the same ZeroMQ transport as disttrain (ipc://, or TCP with --tcp), nothing else.
 
-"4xMAC ms" is what authenticating one iteration costs at least: the MAC of the bytes
-computed 4 times (worker signs the push, server checks it, server signs the new
+"4xMAC ms" is what authenticating one iteration costs at least: the session MAC of the
+bytes computed 4 times (worker signs the push, server checks it, server signs the new
 parameters, worker checks them), timed in the trainer process during the run.
 
-Each repetition runs an rpc block and a disttrain+zmq block, each in a fresh pair of
-processes (see `run` for why), alternating which goes first; each measurement comes
-after 2 warm-up iterations that are not timed; the medians over repetitions are printed with
-bytes moved per second (both directions) and the ratios rpc/disttrain and zmq/disttrain
-of the times (> 1: disttrain is faster).
+Each repetition runs an rpc block, a disttrain+zmq block and (with --before) a before
+block, each in a fresh pair of processes (see `run` for why), rotating which goes first;
+each measurement comes after 2 warm-up iterations that are not timed; the medians over
+repetitions are printed with bytes moved per second (both directions) and the ratios
+rpc/disttrain, zmq/disttrain and before/disttrain of the times (> 1: disttrain is faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -46,9 +56,9 @@ import zmq
 
 import disttrain
 from disttrain import ps
-from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
-from disttrain.ps.transport import _mac
 from disttrain.testing import spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class RpcParameterServer:
@@ -68,11 +78,11 @@ def _iters(nbytes: int) -> int:
     return max(5, min(200, (256 << 20) // max(nbytes, 1) // 4))
 
 
-def _bench_ps(numel: int, tag: str) -> float | None:
+def _bench_ps(numel: int, tag: str, chunk: int) -> float | None:
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(numel))
     conn = ps.connect(model, ps.Async(), lambda p: torch.optim.SGD(p, lr=0.01),
-                      exit=False, timeout=60, name=tag, overlap=False)
+                      exit=False, timeout=60, name=tag, overlap=False, chunk_bytes=chunk)
     if disttrain.role() == "server":
         return None
     model.w.grad = torch.randn(numel)
@@ -102,24 +112,29 @@ def _bench_rpc(numel: int, rref) -> float | None:
     return (time.perf_counter() - t0) / n
 
 
-def _bench_zmq(numel: int, tag: str) -> float | None:
+def _bench_zmq(numel: int, tag: str, chunk: int) -> float | None:
     store = dist.distributed_c10d._get_default_store()
     n = _iters(numel * 4)
     ctx = zmq.Context()
+    folder = tempfile.mkdtemp(prefix="ps-bench-")
     try:
         if disttrain.rank() == 1:
             sock = ctx.socket(zmq.ROUTER)
-            port = sock.bind_to_random_port("tcp://127.0.0.1")
-            store.set(f"zmq/{tag}", str(port))
+            if os.environ.get("DISTTRAIN_PS_IPC", "1") == "0":
+                addr = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+            else:
+                addr = f"ipc://{folder}/echo.sock"
+                sock.bind(addr)
+            store.set(f"zmq/{tag}", addr)
             for _ in range(n + 2):
                 parts = sock.recv_multipart(copy=False)
                 sock.send_multipart(parts, copy=False)
             sock.close(linger=1000)
             return None
         sock = ctx.socket(zmq.DEALER)
-        sock.connect(f"tcp://127.0.0.1:{store.get(f'zmq/{tag}').decode()}")
+        sock.connect(store.get(f"zmq/{tag}").decode())
         flat = memoryview(torch.randn(numel).numpy()).cast("B")
-        step = DEFAULT_CHUNK_BYTES  # the parts a ps frame of this size has
+        step = chunk  # the parts a ps push of this size has
         parts = [flat[i:i + step] for i in range(0, len(flat), step)] or [flat]
         for i in range(n + 2):
             if i == 2:
@@ -130,26 +145,30 @@ def _bench_zmq(numel: int, tag: str) -> float | None:
         return (time.perf_counter() - t0) / n
     finally:
         ctx.term()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def _mac_floor(numel: int, tag: str) -> float | None:
+def _mac_floor(numel: int, tag: str, chunk: int) -> float | None:
     """Seconds to MAC `numel` float32s 4 times, as one push+pull does (median of 5).
 
-    The trainer hashes while the server waits on the store (asleep, not in a collective
+    The trainer signs while the server waits on the store (asleep, not in a collective
     that may spin), so the MAC gets the cores it gets in a real push+pull.
     """
+    from disttrain.ps.session import Session  # NOTE: not in --before revisions
+
     store = dist.distributed_c10d._get_default_store()
     if disttrain.rank() != 0:
         store.wait([f"mac/{tag}"], timedelta(seconds=600))
         return None
     buf = memoryview(torch.randn(numel).numpy()).cast("B")
-    step = DEFAULT_CHUNK_BYTES
-    parts = [buf[i:i + step] for i in range(0, len(buf), step)] or [buf]
+    parts = [buf[i:i + chunk] for i in range(0, len(buf), chunk)] or [buf]
+    session = Session(b"k" * 32, bytes(16), bytes(16), 0, 0, "worker")
     times = []
     for _ in range(6):
         t0 = time.perf_counter()
         for _ in range(4):
-            _mac(b"k" * 32, b"header", parts)
+            for p in parts:
+                session.seal_parts(b"header", [p])
         times.append(time.perf_counter() - t0)
     store.set(f"mac/{tag}", "done")
     return statistics.median(times[1:])
@@ -173,41 +192,87 @@ def _rpc_block(sizes: list[int], port: int, rpc_tcp: bool) -> dict:
     return out
 
 
-def _ours_block(sizes: list[int], rep: int) -> dict:
+def _ours_block(sizes: list[int], rep: int, chunk: int) -> dict:
     """One repetition of disttrain, raw ZeroMQ and the MAC floor over all sizes."""
     out = {}
     for nbytes in sizes:
-        numel = nbytes // 4
-        out[str(nbytes)] = {"disttrain": _bench_ps(numel, f"{nbytes}-{rep}")}
+        numel, tag = nbytes // 4, f"{nbytes}-{rep}"
+        out[str(nbytes)] = {"disttrain": _bench_ps(numel, tag, chunk)}
         dist.barrier()
-        out[str(nbytes)]["zmq"] = _bench_zmq(numel, f"{nbytes}-{rep}")
+        out[str(nbytes)]["zmq"] = _bench_zmq(numel, tag, chunk)
         dist.barrier()
-        out[str(nbytes)]["mac"] = _mac_floor(numel, f"{nbytes}-{rep}")
+        out[str(nbytes)]["mac"] = _mac_floor(numel, tag, chunk)
         dist.barrier()
     return out
 
 
-def run(sizes: list[int], reps: int, rpc_tcp: bool) -> dict:
-    """All blocks, alternating which side goes first; {size: {side: [seconds per rep]}}.
+def _before_block(sizes: list[int], rep: int, chunk: int) -> dict:
+    """One repetition of the disttrain side alone (run under an older library)."""
+    out = {}
+    for nbytes in sizes:
+        out[str(nbytes)] = {"before": _bench_ps(nbytes // 4, f"b{nbytes}-{rep}", chunk)}
+        dist.barrier()
+    return out
+
+
+def _run_before(src: str, sizes: list[int], rep: int, chunk: int) -> dict:
+    """_before_block in a subprocess whose `disttrain` is the export at `src`."""
+    env = dict(os.environ, PYTHONPATH=src)
+    cmd = [sys.executable, __file__, "--block-before", json.dumps([sizes, rep, chunk])]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    if res.returncode != 0:
+        raise RuntimeError(f"before block failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _export(rev: str) -> str:
+    """src/ of git revision `rev`, exported to a temporary folder; returns its path."""
+    folder = tempfile.mkdtemp(prefix="ps-before-")
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "src"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return os.path.join(folder, "src")
+
+
+def _env() -> dict:
+    return {"DISTTRAIN_SERVERS": "1", "DISTTRAIN_SECRET": secrets.token_hex(32),
+            "OMP_NUM_THREADS": "1"}
+
+
+def run(sizes: list[int], reps: int, rpc_tcp: bool, chunks: list[int],
+        before: str | None) -> dict:
+    """All blocks, rotating which side goes first; {size: {side: [seconds per rep]}}.
+
+    With several `chunks`, disttrain (and its echo and MAC floor) runs once per chunk
+    size, as separate blocks in the rotation, its results keyed "disttrain@<chunk>"; the
+    first chunk size's are also plain "disttrain", "zmq", "mac". `before` runs with the
+    first chunk size.
 
     NOTE: each block runs in a fresh pair of processes (same layout: rank 0 trainer,
     rank 1 server): TensorPipe's default shared-memory transport busy-polls a core per
     process while its agent lives (even idle), so it must not run beside the others on
     a small machine, and RRefs do not survive an rpc re-init in one process.
     """
-    env = {"DISTTRAIN_SERVERS": "1", "DISTTRAIN_SECRET": secrets.token_hex(32),
-           "OMP_NUM_THREADS": "1"}
-    out = {str(n): {"disttrain": [], "rpc": [], "zmq": [], "mac": []} for n in sizes}
+    src = _export(before) if before else None
+    sides = ["rpc", *chunks] + (["before"] if before else [])
+    out = {str(n): {k: [] for k in ("disttrain", "rpc", "zmq", "mac", "before")}
+           for n in sizes}
     for rep in range(reps):
-        order = ("rpc", "ours") if rep % 2 == 0 else ("ours", "rpc")
-        for side in order:
+        for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
             if side == "rpc":
-                got = spawn(_rpc_block, 2, sizes, _free_port(), rpc_tcp, env=env, timeout=1500)
+                got = spawn(_rpc_block, 2, sizes, _free_port(), rpc_tcp, env=_env(),
+                            timeout=1500)[0]
+            elif side == "before":
+                got = _run_before(src, sizes, rep, chunks[0])
             else:
-                got = spawn(_ours_block, 2, sizes, rep, env=env, timeout=1500)
-            for size, times in got[0].items():
+                got = spawn(_ours_block, 2, sizes, rep, side, env=_env(), timeout=1500)[0]
+                got = {n: {**(t if side == chunks[0] else {}),
+                           **{f"{k}@{side}": v for k, v in t.items()}} for n, t in got.items()}
+            for size, times in got.items():
                 for k, v in times.items():
-                    out[size][k].append(v)
+                    out[size].setdefault(k, []).append(v)
+    if src:
+        shutil.rmtree(os.path.dirname(src), ignore_errors=True)
     return out
 
 
@@ -229,19 +294,49 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rpc-tcp", action="store_true",
                         help="restrict TensorPipe to TCP (uv transport, basic channel)")
+    parser.add_argument("--chunk", default="4M",
+                        help="disttrain's chunk_bytes; a list (1M,4M) adds a table per chunk")
+    parser.add_argument("--tcp", action="store_true",
+                        help="disttrain and the echo over TCP loopback (DISTTRAIN_PS_IPC=0)")
+    parser.add_argument("--before", default=None, metavar="REV",
+                        help="also time the disttrain side of git revision REV")
+    parser.add_argument("--block-before", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.block_before:  # NOTE: the subprocess of _run_before
+        sizes, rep, chunk = json.loads(args.block_before)
+        print(json.dumps(spawn(_before_block, 2, sizes, rep, chunk, env=_env(),
+                               timeout=1500)[0]))
+        return
+    if args.tcp:
+        os.environ["DISTTRAIN_PS_IPC"] = "0"
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    results = run(sizes, args.reps, args.rpc_tcp)
+    chunks = [_parse_size(c) for c in args.chunk.split(",")]
+    results = run(sizes, args.reps, args.rpc_tcp, chunks, args.before)
     print(f"{'size':>8} {'disttrain ms':>13} {'rpc ms':>9} {'zmq ms':>9} {'4xMAC ms':>9} "
-          f"{'disttrain MB/s':>15} {'rpc MB/s':>9} {'zmq MB/s':>9} {'dt/rpc':>7} {'dt/zmq':>7}")
+          f"{'before ms':>10} {'disttrain MB/s':>15} {'rpc MB/s':>9} {'zmq MB/s':>9} "
+          f"{'dt/rpc':>7} {'dt/zmq':>7} {'dt/before':>9}")
     for nbytes in sizes:
-        med = {k: statistics.median(v) for k, v in results[str(nbytes)].items()}
+        med = {k: statistics.median(v) if v else float("nan")
+               for k, v in results[str(nbytes)].items()}
         mbps = {k: 2 * nbytes / v / 1e6 for k, v in med.items()}  # both directions
-        label = f"{nbytes >> 20}M" if nbytes >= 1 << 20 else f"{nbytes >> 10}K"
-        print(f"{label:>8} {med['disttrain'] * 1e3:13.3f} {med['rpc'] * 1e3:9.3f} "
-              f"{med['zmq'] * 1e3:9.3f} {med['mac'] * 1e3:9.3f} {mbps['disttrain']:15.1f} "
-              f"{mbps['rpc']:9.1f} {mbps['zmq']:9.1f} {med['rpc'] / med['disttrain']:7.2f}x "
-              f"{med['zmq'] / med['disttrain']:7.2f}x", flush=True)
+        print(f"{_label(nbytes):>8} {med['disttrain'] * 1e3:13.3f} {med['rpc'] * 1e3:9.3f} "
+              f"{med['zmq'] * 1e3:9.3f} {med['mac'] * 1e3:9.3f} {med['before'] * 1e3:10.3f} "
+              f"{mbps['disttrain']:15.1f} {mbps['rpc']:9.1f} {mbps['zmq']:9.1f} "
+              f"{med['rpc'] / med['disttrain']:7.2f}x {med['zmq'] / med['disttrain']:7.2f}x "
+              f"{med['before'] / med['disttrain']:8.2f}x", flush=True)
+    if len(chunks) > 1:
+        print("\ndisttrain ms (dt/rpc) per chunk_bytes:")
+        print(f"{'size':>8} " + " ".join(f"{_label(c):>16}" for c in chunks))
+        for nbytes in sizes:
+            res = results[str(nbytes)]
+            rpc_ms = statistics.median(res["rpc"]) * 1e3
+            cells = [statistics.median(res[f"disttrain@{c}"]) * 1e3 for c in chunks]
+            print(f"{_label(nbytes):>8} " + " ".join(
+                f"{ms:8.3f} ({rpc_ms / ms:4.2f}x)" for ms in cells), flush=True)
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes >> 20}M" if nbytes >= 1 << 20 else f"{nbytes >> 10}K"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Parameter server vs a single-process reference, on real processes and sockets.
 
 Sync with server-side SGD (momentum) must equal single-process SGD on the same global
-batches; KSync(P) must equal Sync; parameters are chunked over two servers.
+batches; KSync(P) must equal Sync; parameters are chunked over two servers. The wire is
+encrypted here (DISTTRAIN_PS_ENCRYPT=1; the other dist tests use the default, MAC only).
 """
 
 import secrets
@@ -14,7 +15,8 @@ from disttrain import ps
 from disttrain.testing import spawn
 
 W, B, STEPS = 2, 4, 4
-ENV = {"DISTTRAIN_SERVERS": "2", "DISTTRAIN_SECRET": secrets.token_hex(32)}
+ENV = {"DISTTRAIN_SERVERS": "2", "DISTTRAIN_SECRET": secrets.token_hex(32),
+       "DISTTRAIN_PS_ENCRYPT": "1"}
 
 
 def _model():
@@ -53,9 +55,10 @@ def _train(policy_name):
         torch.nn.functional.mse_loss(model(x), y).backward()
         conn.push().wait()
     conn.pull().wait()
+    encrypted = all(link.session.flags == 1 for link in conn._eps)
     stats = conn.close()
     return {"role": "worker", "params": [p.detach().clone() for p in model.parameters()],
-            "stats": stats}
+            "stats": stats, "encrypted": encrypted}
 
 
 def _reference():
@@ -79,7 +82,7 @@ def test_sync_and_ksync_all_equal_single_process_sgd(results, policy_name):
     out = [r[policy_name] for r in results]
     ref = _reference()
     for r in range(W):
-        assert out[r]["role"] == "worker"
+        assert out[r]["role"] == "worker" and out[r]["encrypted"]
         for got, want in zip(out[r]["params"], ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     servers = [o["stats"] for o in out[W:]]
@@ -87,3 +90,4 @@ def test_sync_and_ksync_all_equal_single_process_sgd(results, policy_name):
     assert all(s["staleness"] == {0: W * STEPS} for s in servers)
     # the parameters really were spread: both servers applied updates to their keys
     assert {s["server"] for s in servers} == {0, 1}
+    assert all(s["rejected_frames"] == 0 for s in servers)

@@ -24,10 +24,11 @@ KEYS = ["w#0", "w#1"]
 class Job:
     """A server (SGD lr=1 on w = zeros(8), keys w#0 and w#1) serving on a thread."""
 
-    def __init__(self, workers=(0,)):
+    def __init__(self, workers=(0,), encrypt=False):
         plan = plan_keys([("w", 8, 4)], 1, chunk_bytes=16)
         self.server = Server(0, plan[0], {"w": torch.zeros(8)}, Async(),
-                             lambda p: torch.optim.SGD(p, lr=1.0), list(workers), KEY, timeout=30)
+                             lambda p: torch.optim.SGD(p, lr=1.0), list(workers), KEY,
+                             timeout=30, encrypt=encrypt)
         assert self.server.keys == KEYS
         self.ctx = zmq.Context()
         self.out: dict = {}
@@ -40,8 +41,8 @@ class Job:
         sock.connect(self.server.address)
         return sock
 
-    def link(self, worker: int, secret: bytes = KEY) -> WorkerLink:
-        return WorkerLink(self.socket(), secret, worker, 0)
+    def link(self, worker: int, secret: bytes = KEY, encrypt: bool = False) -> WorkerLink:
+        return WorkerLink(self.socket(), secret, worker, 0, encrypt=encrypt)
 
     def rejected(self, reason: str, n: int) -> None:
         """Wait until `n` frames were dropped for `reason`."""
@@ -115,12 +116,16 @@ def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted(
         flipped[len(flipped) // 2] ^= 1
         attacker.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
         worker.sock.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
-    worker.sock.send_multipart([b"garbage"])
+    fresh = [bytes(p) for p in worker.session.seal(push(1, 5.0))]
+    worker.session.send_seq -= 1
+    for cut in (fresh[:-1], [*fresh[:2], fresh[2][:-4], fresh[3]], [fresh[0][:40], *fresh[1:]],
+                [b"garbage"]):  # truncated frames
+        worker.sock.send_multipart(cut)
     time.sleep(0.3)
     assert torch.equal(params(worker), torch.full((8,), -1.0))  # still one update
     stats = job.finish(worker)
     assert stats["version"] == 1 and stats["applied"] == 1
-    assert stats["rejected_frames"] == sum(stats["rejected"].values()) >= 11, stats["rejected"]
+    assert stats["rejected_frames"] == sum(stats["rejected"].values()) == 14, stats["rejected"]
 
 
 @pytest.mark.timeout(60)
@@ -183,3 +188,17 @@ def test_frames_of_another_session_worker_id_or_secret_are_rejected():
     assert torch.equal(params(w1), torch.zeros(8))
     stats = job.finish(w0, w1)
     assert stats["applied"] == 0 and sum(stats["rejected"].values()) == 3
+
+
+@pytest.mark.timeout(60)
+def test_encrypted_job_round_trips_and_refuses_a_plaintext_session():
+    job = Job(encrypt=True)
+    plain = job.link(0)
+    plain.send(Message("hello", {"keys": KEYS, "policy": "Async()"}))
+    assert reply(plain, wait=1.0) is None and plain.rejected["encryption mismatch"] == 1
+    worker = job.link(0, encrypt=True)
+    hello(worker)
+    captured, _ = call(worker, push(0, 2.0), "ack")
+    assert bytes(torch.full((4,), 2.0).numpy()) not in b"".join(captured)  # not in clear
+    assert torch.equal(params(worker), torch.full((8,), -2.0))
+    assert job.finish(worker)["applied"] == 1
