@@ -44,7 +44,8 @@ def node_command(c: spec.Cluster, node: int, script: str, script_args, *, nproc_
     return cmd
 
 
-def node_env(c: spec.Cluster, node: int, environ: dict[str, str], secret: str) -> dict[str, str]:
+def node_env(c: spec.Cluster, node: int, environ: dict[str, str], secret: str,
+             procs_per_node: int = 1) -> dict[str, str]:
     gbps = c.link_bps / 1e9
     if c.switch_bps:  # NOTE: the model has one rate per node link; a capped switch shares its own
         gbps = min(gbps, c.switch_bps / 1e9 / max(1, c.nodes))
@@ -52,8 +53,13 @@ def node_env(c: spec.Cluster, node: int, environ: dict[str, str], secret: str) -
            "DISTTRAIN_PS_HOST": c.addr(node), "DISTTRAIN_CLUSTER": c.name,
            "DISTTRAIN_CLUSTER_NODE": str(node), "DISTTRAIN_LINK_GBPS": environ.get(
                "DISTTRAIN_LINK_GBPS", repr(gbps))}
-    if c.cpus_per_node and "OMP_NUM_THREADS" not in environ:
-        env["OMP_NUM_THREADS"] = "1"  # NOTE: the quota, not the machine, is this node's CPU
+    if "OMP_NUM_THREADS" not in environ:
+        # NOTE: the node's share of the cores (its quota, or the machine split over the
+        # nodes), not the machine: each node's `disttrain run` would otherwise give every
+        # rank cores // local ranks threads, and N nodes' OpenMP threads spinning on the
+        # same cores made a 4-node ring allreduce of 1 MB 15x slower (82 vs 5.6 ms).
+        share = c.cpus_per_node or (os.cpu_count() or 1) / c.nodes
+        env["OMP_NUM_THREADS"] = str(max(1, int(share / procs_per_node)))
     return env
 
 
@@ -86,7 +92,8 @@ def run_in_cluster(name: str, script: str, script_args=(), *, nproc_per_node: in
             cmd = node_command(c, i, script, list(script_args), nproc_per_node=nproc_per_node,
                                workers=workers, servers=servers, master_port=master_port,
                                run_args=list(run_args))
-            p = subprocess.Popen(cmd, env=node_env(c, i, dict(os.environ), secret), text=True,
+            per_node = (workers + servers) // c.nodes if workers is not None else nproc_per_node or 1
+            p = subprocess.Popen(cmd, env=node_env(c, i, dict(os.environ), secret, per_node), text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True)
             procs.append(p)
