@@ -49,11 +49,14 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 conn = ps.connect(model, ps.Sync(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 x, y = torch.randn(8, 4), torch.randn(8, 1)
-for step in range(5):
+for step in range(5):                  # the README's loop
     conn.pull().wait()
     model.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    conn.push().wait()
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        conn.push().wait()
+    except ps.Cancelled:
+        continue
 conn.close()
 print(f"worker {disttrain.rank()} done", flush=True)
 disttrain.shutdown()
