@@ -11,8 +11,9 @@ parameters (same size) back:
   server-side SGD; one iteration = `push()` then `pull()`, both queued at once (ps-lite
   style), then `wait()` on both. Every frame authenticated (session MAC) both ways; the
   server steps its optimizer and answers the pull with the new version's parameters.
-  `--chunk` sets `chunk_bytes` (keys and chunk messages); `--tcp` sets DISTTRAIN_PS_IPC=0
-  (TCP loopback instead of the ipc:// Unix socket a loopback server uses).
+  `--chunk` sets `chunk_bytes` (keys and chunk messages; a list runs each, interleaved);
+  `--tcp` sets DISTTRAIN_PS_IPC=0 (TCP loopback instead of the ipc:// Unix socket a
+  loopback server uses); `--compare-tcp` adds a TCP run of the first chunk size.
 - before: the same disttrain side with the library of git revision REV (`--before`),
   run from an export of that revision's src/ in a subprocess: the wire before this one.
 - torch rpc: the PyTorch "batch-updating parameter server" tutorial's pattern: the
@@ -239,14 +240,14 @@ def _env() -> dict:
             "OMP_NUM_THREADS": "1"}
 
 
-def run(sizes: list[int], reps: int, rpc_tcp: bool, chunks: list[int],
+def run(sizes: list[int], reps: int, rpc_tcp: bool, variants: list[tuple[str, int, dict]],
         before: str | None) -> dict:
     """All blocks, rotating which side goes first; {size: {side: [seconds per rep]}}.
 
-    With several `chunks`, disttrain (and its echo and MAC floor) runs once per chunk
-    size, as separate blocks in the rotation, its results keyed "disttrain@<chunk>"; the
-    first chunk size's are also plain "disttrain", "zmq", "mac". `before` runs with the
-    first chunk size.
+    `variants` are (label, chunk_bytes, extra env) of the disttrain side: each runs as its
+    own block in the rotation (disttrain, its echo and MAC floor), its results keyed
+    "disttrain@<label>"; the first variant's are also plain "disttrain", "zmq", "mac".
+    `before` runs with the first variant's chunk size.
 
     NOTE: each block runs in a fresh pair of processes (same layout: rank 0 trainer,
     rank 1 server): TensorPipe's default shared-memory transport busy-polls a core per
@@ -254,7 +255,7 @@ def run(sizes: list[int], reps: int, rpc_tcp: bool, chunks: list[int],
     a small machine, and RRefs do not survive an rpc re-init in one process.
     """
     src = _export(before) if before else None
-    sides = ["rpc", *chunks] + (["before"] if before else [])
+    sides = ["rpc", *range(len(variants))] + (["before"] if before else [])
     out = {str(n): {k: [] for k in ("disttrain", "rpc", "zmq", "mac", "before")}
            for n in sizes}
     for rep in range(reps):
@@ -263,11 +264,13 @@ def run(sizes: list[int], reps: int, rpc_tcp: bool, chunks: list[int],
                 got = spawn(_rpc_block, 2, sizes, _free_port(), rpc_tcp, env=_env(),
                             timeout=1500)[0]
             elif side == "before":
-                got = _run_before(src, sizes, rep, chunks[0])
+                got = _run_before(src, sizes, rep, variants[0][1])
             else:
-                got = spawn(_ours_block, 2, sizes, rep, side, env=_env(), timeout=1500)[0]
-                got = {n: {**(t if side == chunks[0] else {}),
-                           **{f"{k}@{side}": v for k, v in t.items()}} for n, t in got.items()}
+                label, chunk, extra = variants[side]
+                got = spawn(_ours_block, 2, sizes, rep, chunk, env={**_env(), **extra},
+                            timeout=1500)[0]
+                got = {n: {**(t if side == 0 else {}),
+                           **{f"{k}@{label}": v for k, v in t.items()}} for n, t in got.items()}
             for size, times in got.items():
                 for k, v in times.items():
                     out[size].setdefault(k, []).append(v)
@@ -298,6 +301,8 @@ def main() -> None:
                         help="disttrain's chunk_bytes; a list (1M,4M) adds a table per chunk")
     parser.add_argument("--tcp", action="store_true",
                         help="disttrain and the echo over TCP loopback (DISTTRAIN_PS_IPC=0)")
+    parser.add_argument("--compare-tcp", action="store_true",
+                        help="also run disttrain and the echo over TCP, interleaved")
     parser.add_argument("--before", default=None, metavar="REV",
                         help="also time the disttrain side of git revision REV")
     parser.add_argument("--block-before", default=None, help=argparse.SUPPRESS)
@@ -307,11 +312,13 @@ def main() -> None:
         print(json.dumps(spawn(_before_block, 2, sizes, rep, chunk, env=_env(),
                                timeout=1500)[0]))
         return
-    if args.tcp:
-        os.environ["DISTTRAIN_PS_IPC"] = "0"
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     chunks = [_parse_size(c) for c in args.chunk.split(",")]
-    results = run(sizes, args.reps, args.rpc_tcp, chunks, args.before)
+    ipc = {"DISTTRAIN_PS_IPC": "0" if args.tcp else "1"}
+    variants = [(_label(c), c, ipc) for c in chunks]
+    if args.compare_tcp:
+        variants.append(("tcp", chunks[0], {"DISTTRAIN_PS_IPC": "0"}))
+    results = run(sizes, args.reps, args.rpc_tcp, variants, args.before)
     print(f"{'size':>8} {'disttrain ms':>13} {'rpc ms':>9} {'zmq ms':>9} {'4xMAC ms':>9} "
           f"{'before ms':>10} {'disttrain MB/s':>15} {'rpc MB/s':>9} {'zmq MB/s':>9} "
           f"{'dt/rpc':>7} {'dt/zmq':>7} {'dt/before':>9}")
@@ -324,15 +331,16 @@ def main() -> None:
               f"{mbps['disttrain']:15.1f} {mbps['rpc']:9.1f} {mbps['zmq']:9.1f} "
               f"{med['rpc'] / med['disttrain']:7.2f}x {med['zmq'] / med['disttrain']:7.2f}x "
               f"{med['before'] / med['disttrain']:8.2f}x", flush=True)
-    if len(chunks) > 1:
-        print("\ndisttrain ms (dt/rpc) per chunk_bytes:")
-        print(f"{'size':>8} " + " ".join(f"{_label(c):>16}" for c in chunks))
+    if len(variants) > 1:
+        print("\ndisttrain ms (dt/rpc) and its echo's ms per variant (chunk_bytes or tcp):")
+        print(f"{'size':>8} " + " ".join(f"{v[0]:>27}" for v in variants))
         for nbytes in sizes:
             res = results[str(nbytes)]
             rpc_ms = statistics.median(res["rpc"]) * 1e3
-            cells = [statistics.median(res[f"disttrain@{c}"]) * 1e3 for c in chunks]
+            cells = [(statistics.median(res[f"disttrain@{v[0]}"]) * 1e3,
+                      statistics.median(res[f"zmq@{v[0]}"]) * 1e3) for v in variants]
             print(f"{_label(nbytes):>8} " + " ".join(
-                f"{ms:8.3f} ({rpc_ms / ms:4.2f}x)" for ms in cells), flush=True)
+                f"{ms:8.3f} ({rpc_ms / ms:4.2f}x) zmq {z:7.3f}" for ms, z in cells), flush=True)
 
 
 def _label(nbytes: int) -> str:
