@@ -4,7 +4,8 @@
 a server rank it serves, on a worker it returns a `Worker` whose `push()`/`pull()`
 return `Handle`s. Consistency is a policy object the servers apply (policy.py; write
 your own from `Policy` and `Decision`); placement is the consistent-hash `HashRing`
-(ring.py); the wire is transport.py; top-k pushes with error feedback are compress.py;
+(ring.py); the wire is transport.py (sockets), session.py (authenticated, sequenced
+sessions) and frame.py (message layout); top-k pushes with error feedback are compress.py;
 `Straggler` delays make stragglers reproducible on one machine.
 """
 
