@@ -202,3 +202,39 @@ def test_encrypted_job_round_trips_and_refuses_a_plaintext_session():
     assert bytes(torch.full((4,), 2.0).numpy()) not in b"".join(captured)  # not in clear
     assert torch.equal(params(worker), torch.full((8,), -2.0))
     assert job.finish(worker)["applied"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_hello_gets_the_servers_reason_not_silence():
+    job = Job()
+    worker = job.link(0)
+    worker.send(Message("hello", {"keys": ["other#0"], "policy": "Async()"}))
+    got = reply(worker)
+    assert got is not None and got.op == "error", worker.rejected
+    assert "build the same model and policy on every rank" in got.meta["message"]
+    hello(worker)  # the same worker, now with the right keys, is served
+    assert torch.equal(params(worker), torch.zeros(8))
+    assert job.finish(worker)["rejected_frames"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_after_a_server_restart_old_frames_are_refused_and_a_reconnect_opens_a_new_session():
+    first = Job()
+    worker = first.link(0)
+    old_hello, _ = hello(worker)
+    old_push, _ = call(worker, push(0, 1.0), "ack")
+    first.finish(worker)
+    second = Job()  # the restarted server: same job secret, nonces it saw forgotten
+    attacker = second.socket()
+    attacker.send_multipart(old_hello)  # accepted as a hello (a fresh server cannot tell)...
+    assert attacker.poll(5000)  # ...and answered on a session only the real worker could use
+    attacker.recv_multipart()
+    attacker.send_multipart(old_push)  # the old session's push: its nonces are not the new one's
+    second.rejected("other session", 1)
+    again = second.link(0)
+    hello(again)
+    assert (again.session.nonce_w, again.session.nonce_s) != (
+        worker.session.nonce_w, worker.session.nonce_s)
+    assert torch.equal(params(again), torch.zeros(8))  # the replayed push changed nothing
+    stats = second.finish(again)
+    assert stats["applied"] == 0 and stats["rejected"] == {"other session": 1}

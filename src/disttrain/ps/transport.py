@@ -236,7 +236,9 @@ class WorkerLink(_Counted):
             if s is None or (s.nonce_w, s.nonce_s) != (env.nonce_w, env.nonce_s):
                 raise FrameError("other session: frame's nonces are not this session's")
             msg = s.open(env, parts)
-            if self.session is None and msg.op != "welcome":
+            # NOTE: a refused hello is answered with an error on the new session: the
+            # server's explanation (e.g. other keys) must reach the user, not a timeout
+            if self.session is None and msg.op not in ("welcome", "error"):
                 raise FrameError(f"bad header: {msg.op!r} before welcome")
             self.session = s
         except FrameError as e:

@@ -129,9 +129,10 @@ class Worker:
     def wire_stats(self) -> dict:
         """Bytes and frames this worker sent and received, per op, summed over servers:
         {"sent_bytes": {op: n}, "sent_frames": ..., "recv_bytes": ..., "recv_frames": ...}.
-        Bytes are mac + header + buffers (not ZeroMQ's own framing). Does not block."""
+        Bytes are mac + header + buffers (not ZeroMQ's own framing); "rejected" counts the
+        servers' frames this worker dropped, by reason. Does not block."""
         out: dict[str, dict[str, int]] = {}
-        for what in ("sent_bytes", "sent_frames", "recv_bytes", "recv_frames"):
+        for what in ("sent_bytes", "sent_frames", "recv_bytes", "recv_frames", "rejected"):
             total: dict[str, int] = {}
             for ep in list(self._eps):
                 for op, n in dict(getattr(ep, what)).items():  # NOTE: dict() copies atomically
