@@ -3,7 +3,7 @@
 This module only re-exports the public API; see docs/design/index.md for the layers.
 """
 
-from disttrain import comm, data, memory, ps, testing
+from disttrain import comm, data, memory, ps, testing, trace
 from disttrain.checkpoint import Checkpointer
 from disttrain.finite import FiniteGradCheck, NonFiniteGradError
 from disttrain.mesh import Mesh
@@ -24,6 +24,7 @@ from disttrain.runtime import (
     shutdown,
     world_size,
 )
+from disttrain.trace import log
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "device",
     "init",
     "is_initialized",
+    "log",
     "local_rank",
     "local_world_size",
     "memory",
@@ -54,5 +56,6 @@ __all__ = [
     "shutdown",
     "testing",
     "token_loss",
+    "trace",
     "world_size",
 ]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from disttrain import runtime
+from disttrain import runtime, trace
 
 __all__ = ["DistributedSampler", "ShardLoader", "shard_loader"]
 
@@ -270,7 +270,7 @@ class ShardLoader:
         if self._generator is not None:
             mixed = (self.sampler.seed + self._epoch) * 1_000_003 + self.sampler.rank
             self._generator.manual_seed(mixed % 2**63)
-        return self._deliver(self._pass, iter(self._loader))
+        return self._deliver(self._pass, trace.data(self._loader))
 
     def _deliver(self, state: list[int], batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:

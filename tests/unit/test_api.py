@@ -14,8 +14,8 @@ import disttrain
 API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossScaler', 'Mesh',
                'NonFiniteGradError', 'ParallelModel', 'Parallelism', 'Zero', 'backend',
                'comm', 'data', 'device', 'init', 'is_initialized', 'local_rank',
-               'local_world_size', 'memory', 'parallelize', 'print0', 'ps', 'rank', 'role',
-               'shutdown', 'testing', 'token_loss', 'world_size'],
+               'local_world_size', 'log', 'memory', 'parallelize', 'print0', 'ps', 'rank',
+               'role', 'shutdown', 'testing', 'token_loss', 'trace', 'world_size'],
  'disttrain.checkpoint': ['CheckpointError', 'CheckpointMismatchError', 'CheckpointWarning',
                           'Checkpointer', 'CorruptCheckpointError', 'LoadsShardedState',
                           'ShardedState', 'ShardedTensor', 'StageModel', 'even_slice',
@@ -40,7 +40,9 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
  'disttrain.ps': ['Async', 'Cancelled', 'Decision', 'Handle', 'HashRing', 'KAsync',
                   'KBatchAsync', 'KBatchSync', 'KSync', 'PSError', 'Policy', 'SSP',
                   'Straggler', 'Sync', 'TopK', 'Worker', 'backup_workers', 'connect',
-                  'parse_straggler']}
+                  'parse_straggler'],
+ 'disttrain.trace': ['clear', 'data', 'end_step', 'is_active', 'log', 'merge', 'on_init',
+                     'parse_steps', 'problems', 'start', 'stop']}
 
 
 def packages() -> list[str]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm.flight import EXIT_HANG, Entry, FlightRecorder, format_ranks
+from disttrain.trace import hooks as trace_hooks
 
 __all__ = [
     "CollectiveError", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
@@ -116,8 +117,8 @@ def _check_rank(op: str, name: str, rank, ranks, group_name: str) -> None:
 class RecordedWork:
     """Handle of an async recorded collective; `wait()` blocks until it completes."""
 
-    def __init__(self, work, rec: FlightRecorder, entry: Entry):
-        self._work, self._rec, self._entry = work, rec, entry
+    def __init__(self, work, rec: FlightRecorder, entry: Entry, tracer=None):
+        self._work, self._rec, self._entry, self._tracer = work, rec, entry, tracer
         try:  # NOTE: completes the record even if nobody calls wait() (DDP-style futures)
             work.get_future().add_done_callback(self._done)
         except (RuntimeError, AttributeError):
@@ -129,13 +130,19 @@ class RecordedWork:
         except Exception:  # noqa: BLE001 - wait() reports it
             return
         self._rec.end(self._entry)
+        if self._tracer is not None:
+            self._tracer.finished(self._entry, exposed=False)
 
     def wait(self, timeout=None) -> bool:
+        t0 = trace_hooks.now_us() if self._tracer is not None else 0.0
         try:
             ok = self._work.wait() if timeout is None else self._work.wait(timeout)
         except Exception as err:  # noqa: BLE001 - backend errors become CollectiveError
             raise _failed(self._rec, self._entry, err) from err
         self._rec.end(self._entry)
+        if self._tracer is not None:  # the span (if the callback did not) and the exposed wait
+            self._tracer.finished(self._entry, exposed=False)
+            self._tracer.waited(self._entry, t0)
         return ok
 
     def __getattr__(self, name):
@@ -150,13 +157,18 @@ def _failed(rec: FlightRecorder, entry: Entry, err: BaseException) -> Collective
 def _run(op: str, call, group_name: str, ranks, shapes, dtype, async_op: bool):
     rec = recorder()
     entry = rec.start(op, group_name, ranks, shapes, str(dtype).replace("torch.", ""))
+    tracer = trace_hooks.active  # NOTE: None unless tracing is on (disttrain.trace)
+    if tracer is not None:
+        tracer.issued(entry)
     try:
         work = call()
     except Exception as err:  # noqa: BLE001 - backend errors become CollectiveError
         raise _failed(rec, entry, err) from err
     if async_op:
-        return RecordedWork(work, rec, entry)
+        return RecordedWork(work, rec, entry, tracer)
     rec.end(entry)
+    if tracer is not None:
+        tracer.finished(entry, exposed=True)
     return work
 
 

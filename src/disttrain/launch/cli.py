@@ -50,6 +50,9 @@ def add_run_parser(subparsers) -> None:
     p.add_argument("--timeout", type=float, help="seconds a collective may wait before the job is stopped with a report naming the "
                         "missing ranks (DISTTRAIN_TIMEOUT; default 60)")
     p.add_argument("--log-dir", help="keep every rank's stdout/stderr/error files in this folder")
+    p.add_argument("--trace", metavar="DIR", help="trace every rank into DIR: DIR/trace.json (one timeline, open it in "
+                        "Perfetto's UI or chrome://tracing) and DIR/metrics.jsonl (per step and rank)")
+    p.add_argument("--trace-steps", metavar="A:B", help="with --trace: record only steps A..B-1 (default: all)")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(handler=_run)
@@ -72,6 +75,8 @@ def _run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             timeout=args.timeout,
             log_dir=args.log_dir,
+            trace=args.trace,
+            trace_steps=args.trace_steps,
         )
         return job.run(cfg)
     except ValueError as err:

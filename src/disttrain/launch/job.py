@@ -45,6 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from disttrain import trace
 from disttrain.launch.failures import PREFIX_TEMPLATE, rank_prefix, report_failures
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
@@ -81,6 +82,10 @@ class RunConfig:
     """Collective timeout in seconds for the ranks (DISTTRAIN_TIMEOUT); runtime default if None."""
     log_dir: str | None = None
     """Keep every rank's stdout/stderr/error files here; default: a temp folder, removed."""
+    trace: str | None = None
+    """Trace every rank into this folder (DISTTRAIN_TRACE); merged into trace.json after the job."""
+    trace_steps: str | None = None
+    """'A:B': trace only steps A..B-1 (DISTTRAIN_TRACE_STEPS)."""
 
     def __post_init__(self) -> None:
         self.script_args = list(self.script_args)
@@ -122,6 +127,10 @@ class RunConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.trace_steps is not None:
+            if self.trace is None:
+                raise ValueError("--trace-steps needs --trace DIR")
+            trace.parse_steps(self.trace_steps)
 
     @property
     def nproc_per_node(self) -> int:
@@ -166,6 +175,9 @@ def rank_env(cfg: RunConfig, environ: dict[str, str]) -> dict[str, str]:
         env["DISTTRAIN_SECRET"] = secrets.token_hex(32)
     if cfg.timeout is not None:
         env["DISTTRAIN_TIMEOUT"] = repr(float(cfg.timeout))
+    if cfg.trace is not None:
+        env[trace.ENV_DIR] = os.path.abspath(cfg.trace)
+        env[trace.ENV_STEPS] = cfg.trace_steps or ""
     if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in environ:
         # NOTE: like torchrun, keep N ranks from each starting one thread per core; unlike
         # torchrun's flat 1, share the cores this launcher may use among its ranks.
@@ -213,6 +225,8 @@ def run(cfg: RunConfig) -> int:
     report_dir = os.path.join(log_dir, "reports")
     os.makedirs(report_dir, exist_ok=True)
     env["DISTTRAIN_REPORT_DIR"] = report_dir
+    if cfg.trace is not None:
+        trace.clear(cfg.trace)
     if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
         print(
             f"disttrain run: node {cfg.node_rank} of {cfg.nnodes}: meeting the other nodes at "
@@ -254,8 +268,24 @@ def run(cfg: RunConfig) -> int:
         print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
         return 128 + int(sig.sigval)
     finally:
+        if cfg.trace is not None:
+            _merge_trace(cfg.trace)
         if cfg.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _merge_trace(directory: str) -> None:
+    """Merge the ranks' trace files (after any outcome) and say where the result is."""
+    try:
+        done = trace.merge(directory)
+    except OSError as err:
+        print(f"disttrain run: could not merge the trace in {directory}: {err}", file=sys.stderr)
+        return
+    cut = f"; {done['skipped_lines']} cut lines skipped" if done["skipped_lines"] else ""
+    print(f"disttrain run: trace of {done['processes']} processes ({done['events']} events{cut}) "
+          f"in {done['path']} (open it in Perfetto's UI or chrome://tracing); "
+          f"{done['metric_lines']} step lines in {os.path.join(directory, 'metrics.jsonl')}",
+          file=sys.stderr, flush=True)
 
 
 def _signal_in_chain(err: BaseException) -> SignalException | None:

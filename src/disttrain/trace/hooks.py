@@ -1,0 +1,261 @@
+"""Where the trace hears about work: torch's global hooks, comm/ops.py and the data loader.
+
+`active` is the process's `Tracer` while tracing is on and None otherwise: comm/ops.py
+and data.py test it once per call and do nothing more when it is None, and no torch hook
+exists then (`install()` adds them, `remove()` takes them away), so tracing off costs
+nothing.
+
+What it installs (torch's public global hooks: no user class is patched):
+- module forward pre/post hooks: the outermost forward on a thread is one "forward" span
+  (DataParallel, Zero, a pipeline stage or the user's own module, whichever is called);
+  a hook on its output's gradient marks the start of "backward", and a callback queued
+  on the autograd engine its end;
+- optimizer step pre/post hooks: "optimizer.step"; a step of the job ends at the first
+  forward or data wait after an optimizer step (so several optimizers stepping one after
+  the other, ZeRO's inner one included, make one step).
+
+Collectives: ops.py calls `issued(entry)` and `finished(entry, exposed)` around each one
+(and `waited(entry, t0)` when an async handle's wait() returns): a span per collective on
+a communication lane, its exposed part on the caller's track, a flow arrow from each
+point-to-point send to its receive (the flight recorder numbers them per direction, so
+both ends compute the same id).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.optim import optimizer as optim_module
+
+from disttrain.trace.recorder import MAIN_TID, Recorder, now_us
+
+__all__ = ["Tracer", "active", "now_us", "batch_size"]
+
+active: Tracer | None = None
+"""The process's tracer while tracing is on; None when off (checked by ops.py, data.py)."""
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        dt = getattr(torch, dtype, None)
+        size = _ITEMSIZE[dtype] = dt.itemsize if isinstance(dt, torch.dtype) else 0
+    return size
+
+
+def _nbytes(entry) -> int:
+    total = 0
+    for shape in entry.shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total * _itemsize(entry.dtype)
+
+
+def batch_size(batch) -> int:
+    """Samples in a batch: the first dimension of its first tensor (0 if none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = batch_size(item)
+            if n:
+                return n
+    return 0
+
+
+def _grad_tensor(out):
+    """The first tensor in a forward's output that will receive a gradient, if any."""
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        for item in out:
+            found = _grad_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _flow(entry) -> tuple | None:
+    if not entry.group.startswith("p2p "):
+        return None
+    src, dst = entry.ranks
+    fid = (src * 4096 + dst) * 2**28 + entry.seq  # NOTE: < 2**53: exact in JavaScript
+    return ("s" if entry.op in ("send", "isend") else "f", fid)
+
+
+class Tracer:
+    """The hooks' state: open spans of the training thread and the step boundaries."""
+
+    def __init__(self, rec: Recorder):
+        self.rec, self.m = rec, rec.metrics
+        self._main = threading.main_thread().ident
+        self._tl = threading.local()
+        self._handles: list = []
+        self._cdepth = 0  # compute spans open on the training thread
+        self._bwd_t0: float | None = None
+        self._opt_depth, self._opt_t0 = 0, 0.0
+        self._step_t0: float | None = None
+        self._opt_done, self._last_end = False, 0.0  # end of the last span counted in a step
+
+    def install(self) -> None:
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(self._fwd_pre),
+            nn_module.register_module_forward_hook(self._fwd_post, always_call=True),
+            optim_module.register_optimizer_step_pre_hook(self._opt_pre),
+            optim_module.register_optimizer_step_post_hook(self._opt_post),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---- steps ----
+
+    def begin(self, t: float) -> None:
+        """Work starts on the training thread at `t`: the first after an optimizer step opens a step."""
+        if self._step_t0 is None:
+            self._step_t0 = t
+            self.rec.enter_step(self.rec.step)
+        elif self._opt_done:
+            self._close_step(t)
+            self._step_t0 = t
+
+    def end_step(self) -> None:
+        """The script says a step ended now (loops with no torch optimizer)."""
+        self._opt_done, self._last_end = True, now_us()
+
+    def _close_step(self, t: float) -> None:
+        rec, step = self.rec, self.rec.step
+        line = self.m.close_step(step, self._step_t0, t, rec.recording)
+        if rec.recording:
+            args = {k: line[k] for k in ("step_time", "compute", "exposed_comm", "data", "idle")}
+            rec.complete(f"step {step}", "step", self._step_t0, t, args, MAIN_TID)
+        self._opt_done = False
+        rec.enter_step(step + 1)
+
+    def finish(self) -> None:
+        """Close the last step (where its last span ended) and remove the hooks."""
+        self.remove()
+        if self._step_t0 is not None and self._opt_done:
+            self._close_step(max(self._last_end, self._step_t0))
+            self._step_t0 = None
+
+    # ---- compute ----
+
+    def _compute(self, name: str, t0: float, t1: float, args: dict | None, tid=None) -> None:
+        self.rec.complete(name, "compute", t0, t1, args, tid)
+        if tid == MAIN_TID or threading.get_ident() == self._main:
+            self._cdepth -= 1
+            if self._cdepth == 0 and self._step_t0 is not None:
+                self.m.compute += t1 - t0
+                self._last_end = max(self._last_end, t1)
+
+    def _fwd_pre(self, module, args) -> None:
+        tl = self._tl
+        depth = getattr(tl, "depth", 0)
+        if depth == 0:
+            tl.t0 = t = now_us()
+            if threading.get_ident() == self._main:
+                self.begin(t)
+                self._cdepth += 1
+        tl.depth = depth + 1
+
+    def _fwd_post(self, module, args, out) -> None:
+        tl = self._tl
+        depth = getattr(tl, "depth", 0)
+        if depth == 0:  # tracing started inside this forward
+            return
+        tl.depth = depth - 1
+        if depth == 1:
+            self._compute("forward", tl.t0, now_us(), {"module": type(module).__name__})
+            grad_out = _grad_tensor(out)
+            if grad_out is not None and torch.is_grad_enabled():
+                grad_out.register_hook(self._bwd_start)
+
+    def _bwd_start(self, grad):
+        if self._bwd_t0 is None:
+            self._bwd_t0 = now_us()
+            self._cdepth += 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._bwd_end)
+        return None
+
+    def _bwd_end(self) -> None:
+        t0, self._bwd_t0 = self._bwd_t0, None
+        self._compute("backward", t0, now_us(), None, MAIN_TID)
+
+    def _opt_pre(self, opt, args, kwargs) -> None:
+        if self._opt_depth == 0:
+            self._opt_t0 = now_us()
+            self._cdepth += 1
+        self._opt_depth += 1
+
+    def _opt_post(self, opt, args, kwargs) -> None:
+        self._opt_depth -= 1
+        if self._opt_depth == 0:
+            t1 = now_us()
+            self._compute("optimizer.step", self._opt_t0, t1, {"optimizer": type(opt).__name__},
+                          MAIN_TID)
+            self._opt_done = True
+
+    # ---- data ----
+
+    def data(self, iterable):
+        """Yield from `iterable`, each wait a "data" span (the training thread's opens a step)."""
+        it = iter(iterable)
+        while True:
+            t0 = now_us()
+            main = threading.get_ident() == self._main
+            if main:
+                self.begin(t0)
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            t1 = now_us()
+            self.rec.complete("data", "data", t0, t1)
+            if main:
+                self.m.data += t1 - t0
+                self.m.samples += batch_size(batch)
+            yield batch
+
+    # ---- collectives (called by comm/ops.py) ----
+
+    def issued(self, entry) -> None:
+        entry.extra["trace_t0"] = now_us()
+        self.m.collective(entry.op, _nbytes(entry))
+
+    def finished(self, entry, exposed: bool) -> None:
+        """`entry` completed; `exposed`: the caller waited for all of it (a blocking call)."""
+        t0 = entry.extra.pop("trace_t0", None)  # NOTE: atomic: a callback and wait() may race
+        if t0 is None:
+            return
+        t1 = now_us()
+        args = {"op": entry.op, "group": entry.group, "seq": entry.seq,
+                "bytes": _nbytes(entry), "site": entry.site}
+        self.rec.comm_span(entry.op, t0, t1, args, _flow(entry))
+        if exposed:
+            self._exposed(entry.op, t0, t1, args)
+
+    def waited(self, entry, t0: float) -> None:
+        """The caller waited on an async handle from `t0` until now."""
+        self._exposed(f"wait {entry.op}", t0, now_us(), {"op": entry.op, "group": entry.group,
+                                                          "seq": entry.seq})
+
+    def _exposed(self, name: str, t0: float, t1: float, args: dict) -> None:
+        self.rec.complete(name, "comm.exposed", t0, t1, args)
+        if threading.get_ident() == self._main and self._step_t0 is not None:
+            self.m.exposed += t1 - t0
+            self._last_end = max(self._last_end, t1)
+            if self._cdepth > 0:
+                self.m.exposed_in_compute += t1 - t0

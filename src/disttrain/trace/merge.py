@@ -1,0 +1,124 @@
+"""Merge every traced process's file into one `DIR/trace.json` (and `DIR/metrics.jsonl`).
+
+Standard library only: `disttrain run` calls it after the job, whatever its outcome, and
+it must work on files a killed rank left half-written (a line that does not parse is
+skipped and counted). Each process becomes one Chrome process (pid = global rank, plus
+10000 x the restart attempt) named `rank R` or `rank R (server)`; timestamps get the
+file's measured clock offset (clock.py) and are shifted so the trace starts at 0 (the
+wall-clock start is kept in `otherData.start_unix_us`). Written to a temporary file and
+renamed, so `trace.json` is either the old complete file or the new complete one.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from disttrain.trace.recorder import EPOCH_S
+
+__all__ = ["merge", "read_rank_file"]
+
+
+def read_rank_file(path: str) -> tuple[dict, list[dict], int]:
+    """(header with its "clock", events on the process's own clock, lines skipped) of one file."""
+    header: dict = {}
+    events: list[dict] = []
+    skipped = 0
+    with open(path, encoding="utf-8", errors="replace") as fp:
+        for line in fp:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                skipped += 1  # NOTE: the last line of a killed rank may be cut short
+                continue
+            if not isinstance(obj, dict):
+                skipped += 1
+            elif "disttrain_trace" in obj:
+                header = obj
+            elif "clock" in obj:
+                header["clock"] = obj["clock"]
+            else:
+                events.append(obj)
+    return header, events, skipped
+
+
+def _anchor(header: dict) -> float:
+    """Where the file's clock reads 0 on rank 0's wall clock (µs since EPOCH_S)."""
+    return float(header.get("wall0_us", 0.0)) + float((header.get("clock") or {}).get("offset_us", 0.0))
+
+
+def _process_name(header: dict) -> str:
+    name = f"rank {header.get('rank', '?')}"
+    if header.get("role") == "server":
+        name += " (server)"
+    if header.get("attempt"):
+        name += f" (attempt {header['attempt']})"
+    return name
+
+
+def _merge_metrics(directory: str, shifts: dict[tuple[int, int], float]) -> int:
+    lines = []
+    for path in glob.glob(os.path.join(directory, "metrics.rank*.jsonl")):
+        with open(path, encoding="utf-8", errors="replace") as fp:
+            for line in fp:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict) and "step" in obj:
+                    key = (obj.get("rank", 0), obj.get("attempt", 0))
+                    obj["t0_s"] = (obj.pop("t0_us", 0.0) + shifts.get(key, 0.0)) / 1e6
+                    lines.append(obj)
+    lines.sort(key=lambda o: (o.get("attempt", 0), o["step"], o.get("rank", 0)))
+    _write_atomic(os.path.join(directory, "metrics.jsonl"),
+                  "".join(json.dumps(o, separators=(",", ":")) + "\n" for o in lines))
+    return len(lines)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fp:
+        fp.write(text)
+    os.replace(tmp, path)
+
+
+def merge(directory: str) -> dict:
+    """Write `directory/trace.json` and `metrics.jsonl` from the rank files; return a summary.
+
+    The summary: path, processes, events, skipped lines, max clock error (µs) and metric lines.
+    """
+    files = sorted(glob.glob(os.path.join(directory, "rank*.jsonl")))
+    read = [read_rank_file(path) for path in files]
+    base = min((_anchor(h) for h, _, _ in read), default=0.0)
+    events: list[dict] = []
+    procs, skipped, max_error = [], 0, 0.0
+    shifts: dict[tuple[int, int], float] = {}
+    for header, evs, bad in read:
+        skipped += bad
+        rank, attempt = int(header.get("rank", 0)), int(header.get("attempt", 0))
+        pid = rank + 10000 * attempt
+        clock = header.get("clock") or {}
+        shift = shifts[(rank, attempt)] = _anchor(header) - base
+        max_error = max(max_error, float(clock.get("error_us", 0.0)))
+        procs.append({"pid": pid, "rank": rank, "role": header.get("role", "worker"),
+                      "attempt": attempt, "host": header.get("host"), "clock": clock})
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                       "args": {"name": _process_name(header)}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                       "args": {"sort_index": pid}})
+        for e in evs:
+            e["pid"] = pid
+            if "ts" in e:
+                e["ts"] = round(e["ts"] + shift, 3)
+            if "dur" in e:
+                e["dur"] = round(e["dur"], 3)
+        events.extend(evs)
+    trace = {"traceEvents": events, "displayTimeUnit": "ms",
+             "otherData": {"producer": "disttrain", "start_unix_us": base + EPOCH_S * 1e6, "processes": procs,
+                           "max_clock_error_us": max_error}}
+    path = os.path.join(directory, "trace.json")
+    _write_atomic(path, json.dumps(trace, separators=(",", ":")))
+    n_metrics = _merge_metrics(directory, shifts)
+    return {"path": path, "processes": len(procs), "events": len(events), "skipped_lines": skipped,
+            "max_clock_error_us": max_error, "metric_lines": n_metrics}

@@ -1,0 +1,94 @@
+"""Per-step metrics of one traced process: one JSON line per step in `metrics.rank{R}.a{A}.jsonl`.
+
+The hooks (hooks.py) feed the training thread's time into the open step as it happens:
+data waits, compute spans (forward, backward, optimizer step: the outermost ones), the
+exposed communication (collectives the training thread waited for, synchronous ones whole
+and the `wait()` of async ones) and how much of it happened inside a compute span. When
+the step closes, its line says, in seconds:
+
+    step_time = compute + exposed_comm + data + idle
+
+where compute excludes the exposed communication inside it and idle is what no span
+covered (the loop's own Python, logging, a loader disttrain does not see). Also: bytes
+and counts per collective kind (from any thread), samples and samples/s (from the batches
+`disttrain.trace.data` / `shard_loader` delivered), peak memory, and what the script gave
+`disttrain.log(...)` during the step (loss, ...). The merge (merge.py) joins every rank's
+file into `DIR/metrics.jsonl`, sorted by step then rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+__all__ = ["StepMetrics", "peak_memory_bytes"]
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory so far: CUDA's max allocated when on a GPU, else the process's peak RSS."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return 0
+
+
+class StepMetrics:
+    """The open step's sums (microseconds) and the file its closed steps go to."""
+
+    def __init__(self, directory: str, rank: int, attempt: int, world_size: int):
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.path = os.path.join(directory, f"metrics.rank{rank}.a{attempt}.jsonl")
+        self._fp = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.data = self.compute = self.exposed = self.exposed_in_compute = 0.0
+        self.samples = 0
+        self.bytes: dict[str, int] = {}
+        self.counts: dict[str, int] = {}
+        self.logged: dict = {}
+
+    def collective(self, op: str, nbytes: int) -> None:
+        self.bytes[op] = self.bytes.get(op, 0) + nbytes
+        self.counts[op] = self.counts.get(op, 0) + 1
+
+    def breakdown(self, step_us: float) -> dict:
+        """The step's time in seconds: compute, exposed_comm, data and idle (adds up to step_time)."""
+        compute = max(0.0, self.compute - self.exposed_in_compute)
+        idle = step_us - compute - self.exposed - self.data
+        return {"step_time": step_us / 1e6, "compute": compute / 1e6,
+                "exposed_comm": self.exposed / 1e6, "data": self.data / 1e6, "idle": idle / 1e6}
+
+    def close_step(self, step: int, t0: float, t1: float, record: bool) -> dict:
+        """Write the line of the step [t0, t1] (µs, this clock) when `record`; start the next."""
+        line = {"step": step, "rank": self.rank, "attempt": self.attempt, "t0_us": t0, **self.breakdown(t1 - t0)}
+        if self.samples:
+            line["samples"] = self.samples
+            line["samples_per_s"] = self.samples / max(1e-9, line["step_time"])
+        line["bytes"], line["collectives"] = dict(self.bytes), dict(self.counts)
+        line["peak_memory_bytes"] = peak_memory_bytes()
+        line.update(self.logged)
+        if record:
+            self._write(line)
+        self.reset()
+        return line
+
+    def _write(self, line: dict) -> None:
+        try:
+            if self._fp is None:
+                self._fp = open(self.path, "a", encoding="utf-8")
+            self._fp.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._fp.flush()
+        except (OSError, ValueError):
+            pass  # the trace file's writer reports a full disk once
+
+    def close(self) -> None:
+        if self._fp is not None:
+            self._fp.close()
+            self._fp = None
