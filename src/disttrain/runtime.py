@@ -1,7 +1,8 @@
 """Process runtime: who am I, how many are we, which device and backend.
 
 `init()` reads the environment that torchrun and `disttrain run` set (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and creates the default process
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or derives it from Slurm's
+`srun` or an MPI `mpiexec` (cluster/launchers.py), and creates the default process
 group: gloo on CPU, NCCL with one GPU per local rank on CUDA. With none of it set the
 script is a plain `python script.py`: a world of one, backed by an in-memory store, so
 every collective still works and the same code runs everywhere.
@@ -17,6 +18,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from disttrain.cluster.launchers import env_from_launcher
 
 __all__ = [
     "init",
@@ -97,6 +100,8 @@ def init(
         timeout = datetime.timedelta(seconds=timeout)
     timeout = timeout or default_timeout()
     name = _pick_backend(backend)
+    if store is None:  # `srun python train.py`, `mpiexec -n 4 python train.py`: no torchrun
+        os.environ.update(env_from_launcher(os.environ))
     if store is not None:
         if rank is None or world_size is None:
             raise ValueError("init(store=...) also needs rank= and world_size=")

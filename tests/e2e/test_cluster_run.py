@@ -1,9 +1,11 @@
-"""Jobs across emulated nodes (`disttrain cluster run` = `disttrain run --cluster`).
+"""Jobs across emulated nodes through the real `disttrain` command: `disttrain cluster up`,
+`disttrain run --cluster NAME ...`, `disttrain cluster down`.
 
-Real namespaces, shaped links and CPU quotas; skipped, saying why, without root.
+Real namespaces and shaped links; skipped, saying why, without root.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,21 +73,64 @@ time.sleep(120)
 """
 
 
+RAISE = """
+import disttrain, torch
+disttrain.init()
+if disttrain.rank() == 1:
+    raise ValueError("bad batch on rank 1")
+disttrain.comm.all_reduce(torch.ones(4))
+"""
+
+HANG = """
+import time, disttrain, torch
+disttrain.init()
+if disttrain.rank() == 1:
+    time.sleep(120)                      # never joins the all_reduce
+disttrain.comm.all_reduce(torch.ones(4))
+"""
+
+DISTTRAIN = shutil.which("disttrain", path=os.path.dirname(sys.executable)) or "disttrain"
+
+
 def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "disttrain.cluster", *args], capture_output=True,
-                          text=True, timeout=kw.pop("timeout", 120), **kw)
+    """`disttrain cluster ARGS`, the installed command."""
+    return run_cli("cluster", *args, **kw)
+
+
+def run_cli(*args, **kw):
+    return subprocess.run([DISTTRAIN, *args], capture_output=True, text=True,
+                          timeout=kw.pop("timeout", 120), **kw)
+
+
+def two_nodes(folder):
+    """Bring up a 2-node switch cluster at 1 Gbit/s; yield its name; take it down, check nothing is left."""
+    saved = os.environ.get("DISTTRAIN_CLUSTER_DIR")
+    os.environ["DISTTRAIN_CLUSTER_DIR"] = str(folder)
+    name = "r" + uuid.uuid4().hex[:8]
+    try:
+        up = cli("up", name, "--nodes", "2", "--link", "1gbit")
+        assert up.returncode == 0, up.stderr
+        yield name
+        assert cli("down", name).returncode == 0
+        assert net.leftover_namespaces(name) == []
+        assert name not in cli("list").stdout
+    finally:
+        cli("down", name)
+        if saved is None:
+            os.environ.pop("DISTTRAIN_CLUSTER_DIR")
+        else:
+            os.environ["DISTTRAIN_CLUSTER_DIR"] = saved
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One cluster for the jobs that leave it as they found it (quotas: test_cluster.py)."""
+    yield from two_nodes(tmp_path_factory.mktemp("clusters"))
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    """A 2-node switch cluster at 1 Gbit/s; removed afterwards (quotas: test_cluster.py)."""
-    monkeypatch.setenv("DISTTRAIN_CLUSTER_DIR", str(tmp_path / "clusters"))
-    name = "r" + uuid.uuid4().hex[:8]
-    up = cli("up", name, "--nodes", "2", "--link", "1gbit")
-    assert up.returncode == 0, up.stderr
-    yield name
-    cli("down", name)
-    assert net.leftover_namespaces(name) == []
+def own_cluster(tmp_path):
+    yield from two_nodes(tmp_path / "clusters")
 
 
 def script(tmp_path, name, text):
@@ -99,7 +144,7 @@ def test_data_parallel_across_two_nodes_equals_one_process(cluster, tmp_path):
     alone = subprocess.run([sys.executable, dp, str(tmp_path / "one.pt")], capture_output=True,
                            text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "RANK"})
     assert alone.returncode == 0, alone.stderr
-    job = cli("run", cluster, "--nproc-per-node", "1", dp, str(tmp_path / "two.pt"))
+    job = run_cli("run", "--cluster", cluster, "--nproc-per-node", "1", dp, str(tmp_path / "two.pt"))
     assert job.returncode == 0, job.stdout + job.stderr
     assert "[n1] [rank1]: rank 1 of 2 on 1" in job.stdout and "[n0] rank 0 of 2 on 0" in job.stdout
     for a, b in zip(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")):
@@ -107,14 +152,37 @@ def test_data_parallel_across_two_nodes_equals_one_process(cluster, tmp_path):
 
 
 def test_parameter_servers_on_one_node_serve_workers_on_the_other(cluster, tmp_path):
-    job = cli("run", cluster, "--workers", "2", "--servers", "2", script(tmp_path, "ps.py", PS))
+    job = run_cli("run", "--cluster", cluster, "--workers", "2", "--servers", "2",
+                  script(tmp_path, "ps.py", PS))
     assert job.returncode == 0, job.stdout + job.stderr
     assert "[n0] worker 0 done" in job.stdout and "[n0] [rank1]: worker 1 done" in job.stdout
 
 
-def test_down_after_a_sigkilled_job_kills_its_ranks_and_leaves_nothing(cluster, tmp_path):
+def test_a_rank_raising_on_node_1_is_reported_first_and_the_job_exits_1(cluster, tmp_path):
+    job = run_cli("run", "--cluster", cluster, "--nproc-per-node", "1", script(tmp_path, "bad.py", RAISE))
+    assert job.returncode == 1, job.stdout + job.stderr
+    lines = [line for line in job.stdout.splitlines() if "meeting the other nodes" not in line]
+    report = [i for i, line in enumerate(lines) if "disttrain run" in line]
+    assert lines[report[0]].startswith("[n1] disttrain run: rank 1 raised an exception (pid ")
+    assert lines[report[0] + 1] == "[n1] [rank1]: Traceback (most recent call last):"
+    assert "[n1] [rank1]: ValueError: bad batch on rank 1" in lines[report[0]:report[1]]
+    assert lines[report[-1]].startswith("disttrain run --cluster: node n0 failed too: ")
+
+
+def test_a_hang_across_nodes_gives_one_report_with_every_nodes_ranks_and_exits_124(cluster, tmp_path):
+    job = run_cli("run", "--cluster", cluster, "--nproc-per-node", "1", "--timeout", "5",
+                  script(tmp_path, "hang.py", HANG))
+    assert job.returncode == 124, job.stdout + job.stderr
+    assert job.stdout.count("a collective timed out") == 1
+    assert "[n0]   all_reduce #1 (hang.py:6) on world (ranks 0-1): rank 0 waited; missing: rank 1" in job.stdout
+    # rank 1 ran on the other node: its stack comes from there (SIGTERM, then its dump)
+    assert '[rank1]:   File "' + str(tmp_path / "hang.py") + '", line 5, in <module>' in job.stdout
+
+
+def test_down_after_a_sigkilled_job_kills_its_ranks_and_leaves_nothing(own_cluster, tmp_path):
+    cluster = own_cluster
     pidfile = str(tmp_path / "pid")
-    job = subprocess.Popen([sys.executable, "-m", "disttrain.cluster", "run", cluster, "--nproc-per-node",
+    job = subprocess.Popen([DISTTRAIN, "run", "--cluster", cluster, "--nproc-per-node",
                             "1", script(tmp_path, "sleep.py", SLEEP), pidfile],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

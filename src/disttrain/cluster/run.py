@@ -10,21 +10,34 @@ DISTTRAIN_PS_HOST (parameter servers bind the node's address), and the link mode
 
 Output: every line of node i is printed as `[n<i>] line` (the ranks' own `[rankN]:`
 prefixes follow). When a node fails, the others get `grace` seconds to stop on their
-own (their ranks see the peer go), then SIGTERM, then SIGKILL; the exit code is that
-of the first node that failed, 0 when all succeed.
+own (their ranks see the peer go), then SIGTERM, then SIGKILL.
+
+Failures as on one node: the nodes share one report folder (DISTTRAIN_CLUSTER_REPORTS),
+so the flight recorders of all ranks land in one place, and each node's agent writes its
+failure report there (`node<i>.json`, launch/job.py) instead of printing it. Once every
+node has ended, the driver prints the cause's report first: the earliest rank that
+raised, else the earliest that exited or was killed, else (a hang or a lost peer) one
+node's merged report; then one line per other failed node. The exit code is that of
+the report printed first (124 for a hang), 0 when all succeed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-from disttrain.cluster import cgroups, spec
+from disttrain.cluster import cgroups, net, spec
+from disttrain.comm.flight import EXIT_HANG
+from disttrain.launch.failures import CAUSES
+from disttrain.launch.hang_report import collective_report
 
 __all__ = ["run_in_cluster", "node_command"]
 
@@ -73,39 +86,78 @@ def _pump(stream, prefix: str, out, lock: threading.Lock) -> None:
 
 def run_in_cluster(name: str, script: str, script_args=(), *, nproc_per_node: int | None = None,
                    workers: int | None = None, servers: int | None = None, master_port: int = 29500,
-                   run_args=(), grace: float = 15.0, out=None) -> int:
+                   run_args=(), grace: float = 15.0, out=None, log_dir: str | None = None) -> int:
     """Run `script` on every node of cluster `name`; blocks; returns the job's exit code.
 
-    `run_args`: further `disttrain run` flags for every node (e.g. ["--timeout", "30"]).
+    `run_args`: further `disttrain run` flags for every node (e.g. ["--timeout", "30"]);
+    `log_dir`: keep node i's rank logs in `log_dir/n<i>`.
     Raises ValueError when the cluster is not up or the sizes do not fit.
     """
     c = spec.load(name)
     out = out or sys.stdout
+    missing = sorted(set(c.namespaces()) - set(net.leftover_namespaces(name)))
+    if missing:
+        raise ValueError(f"cluster {name!r} is damaged: namespaces {', '.join(missing)} are gone; "
+                         f"`disttrain cluster down {name}` and bring it up again")
     if workers is not None and (servers is None or (workers + servers) % c.nodes):
         raise ValueError(f"--workers {workers} + --servers {servers} must be spread evenly over "
                          f"the {c.nodes} nodes of cluster {name!r}")
     secret = os.environ.get("DISTTRAIN_SECRET") or secrets.token_hex(32)
     lock = threading.Lock()
     procs, pumps = [], []
+    reports = tempfile.mkdtemp(prefix=f"disttrain-{name}-")
+    environ = {**os.environ, "DISTTRAIN_CLUSTER_REPORTS": reports}
     try:
         for i in range(c.nodes):
+            logs = ["--log-dir", os.path.join(log_dir, f"n{i}")] if log_dir else []
             cmd = node_command(c, i, script, list(script_args), nproc_per_node=nproc_per_node,
                                workers=workers, servers=servers, master_port=master_port,
-                               run_args=list(run_args))
+                               run_args=[*run_args, *logs])
             per_node = (workers + servers) // c.nodes if workers is not None else nproc_per_node or 1
-            p = subprocess.Popen(cmd, env=node_env(c, i, dict(os.environ), secret, per_node), text=True,
+            p = subprocess.Popen(cmd, env=node_env(c, i, environ, secret, per_node), text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True)
             procs.append(p)
             t = threading.Thread(target=_pump, args=(p.stdout, f"[n{i}] ", out, lock), daemon=True)
             t.start()
             pumps.append(t)
-        return _wait(procs, grace, out, lock)
+        first = _wait(procs, grace, out, lock)
+        for t in pumps:
+            t.join(5)
+        return _report(reports, first, out)
     finally:
         for p in procs:
             _stop(p, signal.SIGKILL)
         for t in pumps:
             t.join(5)
+        shutil.rmtree(reports, ignore_errors=True)
+
+
+def _report(folder: str, first: tuple[int, int], out) -> int:
+    """Print the nodes' failure reports, the cause's first; return the job's exit code."""
+    found = {}
+    for entry in os.listdir(folder):
+        if entry.startswith("node") and entry.endswith(".json"):
+            with open(os.path.join(folder, entry)) as f:
+                found[int(entry[4:-5])] = json.load(f)
+    if not found:  # no agent got as far as a report (rendezvous, a killed agent): its output says
+        return first[1]
+    causes = [(r["kind"] != "exception", r["time"], r["rank"], n) for n, r in found.items()
+              if r["kind"] in CAUSES]
+    hangs = [n for n, r in sorted(found.items()) if r["code"] == EXIT_HANG]
+    node = min(causes)[3] if causes else (hangs or [first[0] if first[0] in found else min(found)])[0]
+    text = found[node]["report"]
+    if not causes and hangs:  # NOTE: again, now that every node's ranks have left their state here
+        ranks = {int(r): v for rep in found.values() for r, v in rep["ranks"].items()}
+        text = collective_report(folder, {r: v[0] for r, v in ranks.items()}, found[node]["world"],
+                                 {r: (v[1], v[2]) for r, v in ranks.items()}) or text
+    out.writelines(f"[n{node}] {line}\n" for line in text.rstrip("\n").split("\n"))
+    for n, r in sorted(found.items()):
+        if n != node:
+            headline = r["report"].split("\n", 1)[0]
+            out.write(f"disttrain run --cluster: node n{n} failed too: {headline}\n")
+    out.flush()
+    return found[node]["code"]
 
 
 def _wait(procs, grace: float, out, lock) -> int:
@@ -115,19 +167,23 @@ def _wait(procs, grace: float, out, lock) -> int:
         if first is None:
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
             if failed:
-                first, deadline = failed[0], time.monotonic() + grace
-                with lock:
-                    out.write(f"disttrain run --cluster: node n{first[0]} exited with code "
-                              f"{first[1]}; stopping the other nodes\n")
+                # NOTE: after a hang nothing will stop by itself: SIGTERM now, so the hung
+                # ranks record their stacks (entry.py) for the report.
+                first = failed[0]
+                deadline = time.monotonic() + (0 if first[1] == EXIT_HANG else grace)
         if deadline is not None and time.monotonic() > deadline and signals:
             sig = signals.pop(0)
+            if first[1] != EXIT_HANG or sig != signal.SIGTERM:
+                with lock:
+                    out.write(f"disttrain run --cluster: node n{first[0]} exited with code "
+                              f"{first[1]} and the others did not stop in {grace:g} s: {sig.name}\n")
             for p in procs:
                 _stop(p, sig)
             deadline = time.monotonic() + grace
         time.sleep(0.05)
     if first is None:
         first = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), (0, 0))
-    return first[1]
+    return first
 
 
 def _stop(p: subprocess.Popen, sig: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["add_run_parser"]
@@ -13,6 +14,8 @@ examples:
   disttrain run --workers 4 --servers 2 train.py       parameter server: ranks 0-3 workers, 4-5 servers
   disttrain run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc 8 train.py   (on node 0)
   disttrain run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc 8 train.py   (on node 1)
+  disttrain run --cluster lab --nproc-per-node 2 train.py  every node of an emulated cluster
+  disttrain run --cluster lab --workers 4 --servers 2 train.py   ranks spread evenly over its nodes
 
 Options go before the script; everything after it is passed to the script.
 Rank 0 writes to the terminal as is; other ranks' lines start with [rankN]:.
@@ -26,6 +29,9 @@ disttrain (disttrain.comm.all_reduce, DataParallel, ...).
 Ranks get DISTTRAIN_SECRET (a fresh per-job secret unless already set: multi-node
 jobs must export the same value on every node), DISTTRAIN_SERVERS and, with several
 processes per node, OMP_NUM_THREADS = cores / processes unless set.
+With --cluster NAME (see `disttrain cluster up`) one agent runs inside every node of
+the emulated cluster, lines start with [nI] as well, and a failure is reported as on
+one node: the cause's traceback first, whichever node it ran on.
 """
 
 
@@ -38,7 +44,8 @@ def add_run_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     size = p.add_argument_group("job size (pick one)")
-    size.add_argument("--nproc", type=int, help="processes per node (default 1)")
+    size.add_argument("--nproc", "--nproc-per-node", type=int, dest="nproc",
+                      help="processes per node (default 1)")
     size.add_argument("--workers", type=int, help="parameter server: worker processes in the job")
     size.add_argument("--servers", type=int, help="parameter server: server processes in the job")
     nodes = p.add_argument_group("several machines")
@@ -46,6 +53,8 @@ def add_run_parser(subparsers) -> None:
     nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index (default 0)")
     nodes.add_argument("--master-addr", help="address of node 0, reachable from every node")
     nodes.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
+    nodes.add_argument("--cluster", metavar="NAME", help="run on every node of the emulated cluster NAME "
+                       "(`disttrain cluster up`): one agent per node, in its namespace")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the ranks up to K times after a failure (default 0)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait before the job is stopped with a report naming the "
                         "missing ranks (DISTTRAIN_TIMEOUT; default 60)")
@@ -59,6 +68,8 @@ def add_run_parser(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return _run_in_cluster(args)
     from disttrain.launch import job  # NOTE: imports torch elastic; only `run` pays for it
 
     try:
@@ -79,6 +90,27 @@ def _run(args: argparse.Namespace) -> int:
             trace_steps=args.trace_steps,
         )
         return job.run(cfg)
+    except ValueError as err:
+        print(f"disttrain run: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run_in_cluster(args: argparse.Namespace) -> int:
+    from disttrain.cluster.run import run_in_cluster
+
+    try:
+        if args.nnodes != 1 or args.node_rank or args.master_addr:
+            raise ValueError("--cluster places the nodes itself: drop --nnodes, --node-rank and "
+                             "--master-addr")
+        if args.nproc is not None and (args.workers is not None or args.servers is not None):
+            raise ValueError("--nproc-per-node and --workers/--servers are mutually exclusive")
+        if not os.path.isfile(args.script):
+            raise ValueError(f"script {args.script!r} not found; give the path of a .py file")
+        flags = [*(["--timeout", str(args.timeout)] if args.timeout else []),
+                 *(["--max-restarts", str(args.max_restarts)] if args.max_restarts else [])]
+        return run_in_cluster(args.cluster, args.script, args.script_args, nproc_per_node=args.nproc,
+                              workers=args.workers, servers=args.servers,
+                              master_port=args.master_port, run_args=flags, log_dir=args.log_dir)
     except ValueError as err:
         print(f"disttrain run: error: {err}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ same report under a headline saying that a rank left.
 
 from __future__ import annotations
 
+import io
+import json
 import signal
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from disttrain.comm.flight import EXIT_HANG, format_ranks
 from disttrain.launch.hang_report import BACKEND_ERROR, collective_report, describe, load_states
 
-__all__ = ["PREFIX_TEMPLATE", "RankFailure", "classify", "rank_prefix", "report_failures"]
+__all__ = ["PREFIX_TEMPLATE", "RankFailure", "classify", "node_report", "rank_prefix", "report_failures"]
 
 PREFIX_TEMPLATE = "[rank${rank}]: "
 CAUSES = ("exception", "exit", "signal", "code")
@@ -136,6 +138,26 @@ def report_failures(failures: dict[int, ProcessFailure], out, report_dir: str | 
     _print_others(root, failed, states, out)
     out.flush()
     return root.code
+
+
+def node_report(failures: dict[int, ProcessFailure], report_dir: str, world_size: int,
+                path: str) -> int:
+    """Under `disttrain run --cluster`: write this node's report and its cause to `path` (JSON).
+
+    NOTE: every node's agent sees only its own ranks, and the rank that raised may be on a
+    node that ends after the nodes whose ranks lost it as a peer; the cluster's driver
+    (cluster/run.py) reads every node's file and prints the cause's report first.
+    """
+    text = io.StringIO()
+    code = report_failures(failures, text, report_dir, world_size)
+    failed = [classify(r, f) for r, f in failures.items()]
+    root = cause(failed)
+    summary = {"code": code, "report": text.getvalue(), "kind": root and root.kind,
+               "time": root and root.time, "rank": root and root.rank, "world": world_size,
+               "ranks": {f.rank: [f.exitcode, f.message, f.callstack] for f in failed}}
+    with open(path, "w") as f:
+        json.dump(summary, f)
+    return code
 
 
 def _print_cause(root: RankFailure, out, report_dir: str | None) -> None:

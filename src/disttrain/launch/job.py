@@ -46,10 +46,12 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from disttrain import trace
-from disttrain.launch.failures import PREFIX_TEMPLATE, rank_prefix, report_failures
+from disttrain.launch.failures import PREFIX_TEMPLATE, node_report, rank_prefix, report_failures
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
 
+CLUSTER_REPORTS = "DISTTRAIN_CLUSTER_REPORTS"
+"""Set by `run --cluster` (cluster/run.py): the job's shared report folder."""
 ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py")
 MIN_SECRET_CHARS = 16
 
@@ -222,7 +224,9 @@ def run(cfg: RunConfig) -> int:
     """
     env = rank_env(cfg, dict(os.environ))
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="disttrain-run-")
-    report_dir = os.path.join(log_dir, "reports")
+    # NOTE: `run --cluster` gives every node one shared folder (cluster/run.py), so a
+    # node's hang report sees the flight recorders of the other nodes' ranks too.
+    report_dir = os.environ.get(CLUSTER_REPORTS) or os.path.join(log_dir, "reports")
     os.makedirs(report_dir, exist_ok=True)
     env["DISTTRAIN_REPORT_DIR"] = report_dir
     if cfg.trace is not None:
@@ -241,6 +245,10 @@ def run(cfg: RunConfig) -> int:
             )
         return 0
     except ChildFailedError as err:
+        shared = os.environ.get(CLUSTER_REPORTS)
+        if shared:  # NOTE: `run --cluster`: cluster/run.py prints the nodes' reports, cause first
+            return node_report(err.failures, report_dir, cfg.world_size,
+                               os.path.join(shared, f"node{cfg.node_rank}.json"))
         return report_failures(err.failures, sys.stderr, report_dir, cfg.world_size)
     except SignalException as sig:
         print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
