@@ -46,7 +46,8 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
                local_size: int | None = None) -> None:
     """Sum `tensor` in place over `group` (None = the world) with `algorithm`; blocks.
 
-    `local_size`: ranks per node for `hierarchical`/`auto` (default LOCAL_WORLD_SIZE).
+    `local_size`: ranks per node for `hierarchical`/`auto` (default: the group's members
+    on this node, from LOCAL_WORLD_SIZE ranks per node and their global ranks).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; pick one of "
@@ -61,11 +62,11 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
         from disttrain.cluster.model import choose_algorithm  # NOTE: pure; no import circle
 
         algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), len(ranks),
-                                     _local_size(local_size, len(ranks)))
+                                     _local_size(local_size, ranks))
     if algorithm == "native" or len(ranks) == 1:
         ops.all_reduce(tensor, group=group)
         return
-    local = _local_size(local_size, len(ranks)) if algorithm == "hierarchical" else 1
+    local = _local_size(local_size, ranks) if algorithm == "hierarchical" else 1
     rec = ops.recorder()
     entry = rec.start(f"all_reduce[{algorithm}]", _group_name(group, ranks), ranks,
                       [list(tensor.shape)], str(tensor.dtype).replace("torch.", ""))
@@ -115,12 +116,24 @@ def _group_name(group, ranks) -> str:
     return f"group [{','.join(map(str, ranks))}]"
 
 
-def _local_size(local_size: int | None, world: int) -> int:
-    local = local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local < 1 or world % local:
-        raise ValueError(f"all_reduce: local_size ({local}) must divide the group size ({world}): "
-                         "every node must hold the same number of ranks; pass local_size=")
-    return local
+def _local_size(local_size: int | None, ranks: list[int]) -> int:
+    """Ranks per node in the group: `local_size`, else counted from the group's global
+    ranks with LOCAL_WORLD_SIZE ranks per node (a dp group of a mesh may hold fewer)."""
+    world = len(ranks)
+    if local_size is None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        nodes = [r // max(per_node, 1) for r in ranks]  # node of each group member, in order
+        local = nodes.count(nodes[0])
+        if any(nodes[i] != nodes[i - i % local] for i in range(world)) or world % local:
+            raise ValueError(f"all_reduce: the group's ranks {ranks} are not node-major blocks of "
+                             f"equal size (LOCAL_WORLD_SIZE={per_node} ranks per node); "
+                             "hierarchical needs them so: pass local_size= or use 'ring'")
+        return local
+    if local_size < 1 or world % local_size:
+        raise ValueError(f"all_reduce: local_size ({local_size}) must divide the group size "
+                         f"({world}): every node must hold the same number of ranks; pass "
+                         "local_size=")
+    return local_size
 
 
 def _bounds(n: int, parts: int) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from disttrain.comm.reducer import check_algorithm
 from disttrain.parallel.pipeline.schedules import SCHEDULES
 
 __all__ = ["Parallelism"]
@@ -46,6 +47,10 @@ class Parallelism:
     """Gradient bucket size in MB for the dp reduction ("auto" with DataParallel)."""
     compression: Any = None
     """DataParallel only: "fp16", "bf16" or a Compression object for the dp all-reduce."""
+    algorithm: str = "native"
+    """DataParallel only: how the dp gradient buckets are all-reduced: "native" (the
+    backend's own), "ring", "halving-doubling", "tree", "hierarchical" or "auto"
+    (disttrain.comm.algorithms). ZeRO stages 1-3 reduce-scatter with the backend's own."""
     find_unused: bool = False
     """DataParallel only: allow parameters that get no gradient in a step."""
     check_finite: bool = False
@@ -93,7 +98,9 @@ class Parallelism:
             if used and not self.zero:
                 raise ValueError(f"{name} is a ZeRO option: add zero=1, 2 or 3 (mixed precision "
                                  "keeps fp32 masters in ZeRO's sharded optimizer state)")
+        check_algorithm(self.algorithm, "Parallelism")
         dp_only = {"compression": self.compression is not None, "find_unused": self.find_unused,
+                   "algorithm": self.algorithm != "native",
                    "check_finite": self.check_finite}
         for name, used in dp_only.items():
             if used and self.zero:
@@ -122,7 +129,8 @@ class Parallelism:
     def data_parallel_options(self) -> dict[str, Any]:
         """Keywords for `DataParallel` (zero=0)."""
         return {"bucket_mb": self.bucket_mb, "compression": self.compression,
-                "find_unused": self.find_unused, "check_finite": self.check_finite}
+                "find_unused": self.find_unused, "check_finite": self.check_finite,
+                "algorithm": self.algorithm}
 
     def zero_options(self) -> dict[str, Any]:
         """Keywords for `Zero` (zero >= 1), besides the group and the tied copies."""

@@ -14,9 +14,14 @@ Training" (VLDB 2020), i.e. what torch DDP does, written out in Python:
    is left (unused parameters, when allowed), wait for every bucket, decompress, and
    leave the averaged gradient in `param.grad`; `loss.backward(); opt.step()` just works.
 
-Who talks to whom: the user's autograd backward -> these hooks -> recorded collectives
-(comm/ops.py: a hang names the bucket's all-reduce and its call site) -> torch.distributed
-on `group` (gloo or NCCL; tensors stay on their own device).
+The hooks, the launch order and the end-of-backward wait are the shared
+`comm.reducer.BucketReducer` (ZeRO stages 0-2 use it too); `_GradSync` here gives it
+DataParallel's parts: bucket views, grad / world, compression, unused parameters.
+
+Who talks to whom: the user's autograd backward -> the reducer's hooks -> `_GradSync` ->
+recorded collectives (comm/ops.py: a hang names the bucket's all-reduce and its call
+site; `algorithm=` other than native: comm/algorithms.py) -> torch.distributed on
+`group` (gloo or NCCL; tensors stay on their own device).
 """
 
 from __future__ import annotations
@@ -34,11 +39,11 @@ from disttrain.comm import ops
 from disttrain.comm.buckets import BucketSizeTuner, FlatBucket, assign_buckets
 from disttrain.comm.collectives import broadcast_tensors, global_rank
 from disttrain.comm.compression import Compression, NoCompression, resolve_compression
+from disttrain.comm.reducer import BucketReducer, all_reduce_async, check_algorithm
 from disttrain.finite import FiniteGradCheck
 
 __all__ = ["DataParallel"]
 
-_engine = torch.autograd.Variable._execution_engine
 _FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: 1 MiB, so communication starts early
 
 
@@ -58,6 +63,10 @@ class DataParallel(nn.Module):
     check_finite: check every rank's own gradients for NaN/inf before they are
         averaged; a bad step raises `NonFiniteGradError` from backward() on every rank,
         naming the parameters and ranks (disttrain.finite; one tiny all-reduce per step).
+    algorithm: how buckets are all-reduced: "native" (the backend's own, default),
+        "ring", "halving-doubling", "tree", "hierarchical" or "auto"
+        (disttrain.comm.algorithms; they run on a thread, so buckets still overlap
+        backward). Works with compression (the compressed wire tensor is reduced).
 
     Construction blocks (a broadcast); forward/backward block only where DDP's do.
     NOTE: as with DDP, every rank must run the same backward: reentrant activation
@@ -68,10 +77,12 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, bucket_mb: float | str = 25,
                  compression: Compression | str | None = None, find_unused: bool = False,
                  group: dist.ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = True, check_finite: bool = False):
+                 gradient_as_bucket_view: bool = True, check_finite: bool = False,
+                 algorithm: str = "native"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+        self.algorithm = check_algorithm(algorithm, "DataParallel")
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs a process group: call disttrain.init() first")
         if dist.get_rank(group) < 0:
@@ -94,9 +105,8 @@ class DataParallel(nn.Module):
         self._buffers_list = [b for b in module.buffers()]
         broadcast_tensors([p for _, p in self._named] + self._buffers_list, 0, group)
         self._sync = _GradSync(self._named, self.tuner.current_bytes(), self.compression,
-                               find_unused, group, self.world, gradient_as_bucket_view)
-        self._handles = [p.register_post_accumulate_grad_hook(self._sync.make_hook(i))
-                         for i, (_, p) in enumerate(self._named)]
+                               find_unused, group, self.world, gradient_as_bucket_view,
+                               self.algorithm)
         self._sync.on_step_end = self._on_step_end
         self._step_start: float | None = None
         self._finite = FiniteGradCheck(module, group) if check_finite else None
@@ -162,19 +172,36 @@ class DataParallel(nn.Module):
 
 
 class _GradSync:
-    """Per-step bucket state machine driven by autograd hooks (one per DataParallel)."""
+    """DataParallel's side of the shared `BucketReducer`: the bucket views, grad / world,
+    compression, unused parameters, and the averaged gradients written back."""
 
-    def __init__(self, named, cap_bytes, compression, find_unused, group, world, as_view):
+    def __init__(self, named, cap_bytes, compression, find_unused, group, world, as_view,
+                 algorithm="native"):
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.compression = compression or NoCompression()
         self.find_unused, self.group, self.world, self.as_view = find_unused, group, world, as_view
-        self.enabled = True
+        self.algorithm = algorithm
         self.on_step_end = None
-        self.events: list[tuple[str, int]] = []
         self.keys = [(p.dtype, p.device) for p in self.params]
+        self._no_grad: set[int] = set()
+        self._missing: list[int] = []
+        self._used: list[bool] | None = None
         self._layout()
+        self.reducer = BucketReducer(
+            self.params, [], reduce=self._reduce, prepare=self._prepare,
+            complete=self._complete, stage=self._stage, missing=self._on_missing,
+            launched=self._on_launched, done=self._done, owner="DataParallel", names=self.names)
         self.rebucket(cap_bytes)
+
+    # NOTE: the reducer's state, read by DataParallel (no_sync, forward's check, events)
+    enabled = property(lambda self: self.reducer.enabled,
+                       lambda self, v: setattr(self.reducer, "enabled", v))
+    active = property(lambda self: self.reducer.active)
+    events = property(lambda self: self.reducer.events)
+
+    def abandon(self) -> None:
+        self.reducer.abandon()
 
     def _layout(self) -> None:
         """One flat gradient buffer per (dtype, device), params in reverse registration
@@ -197,57 +224,33 @@ class _GradSync:
         specs = assign_buckets([p.numel() for p in self.params],
                                [p.element_size() for p in self.params], cap_bytes,
                                keys=self.keys, first_cap_bytes=_FIRST_BUCKET_BYTES)
-        self.buckets, self.bucket_of = [], [0] * len(self.params)
-        for b, spec in enumerate(specs):
+        self.buckets = []
+        for spec in specs:
             start = self.flat_offset[spec.indices[0]]
             buffer = self.flat[spec.key].narrow(0, start, spec.numel)
             members = [self.params[i] for i in spec.indices]
             self.buckets.append(FlatBucket(spec, [p.shape for p in members], members[0].dtype,
                                            members[0].device, buffer=buffer))
-            for i in spec.indices:
-                self.bucket_of[i] = b
-        self._reset()
+        self.reducer.set_buckets([spec.indices for spec in specs])
 
-    def _reset(self) -> None:
-        self.active = False
-        self.ready = [False] * len(self.params)
-        self.pending = [len(b.spec.indices) for b in self.buckets]
-        self.works: list[tuple | None] = [None] * len(self.buckets)
-        self.next_launch = 0
+    # ---- callbacks of the reducer ----------------------------------------------------
 
-    def abandon(self) -> None:
-        """Drop a step that cannot finish: wait for what was launched, forget the rest."""
-        self._wait_launched()
-        self._reset()
+    def _reduce(self, wire: torch.Tensor):
+        return all_reduce_async(wire, self.algorithm, self.group)
 
-    def make_hook(self, i: int):
-        def hook(param: torch.Tensor) -> None:
-            if self.enabled:
-                self._mark_ready(i, param)
-        return hook
+    def _prepare(self, b: int):
+        return self.compression.compress(self.buckets[b].buffer)
 
-    def _mark_ready(self, i: int, param: torch.Tensor) -> None:
-        if not self.active:
-            self.active, self.events = True, []
-            # NOTE: queued from inside backward, so it runs once this backward is done.
-            _engine.queue_callback(self._finish)
-        if self.ready[i]:
-            self.abandon()
-            raise RuntimeError(
-                f"DataParallel: parameter '{self.names[i]}' received its gradient twice in "
-                "one backward; reentrant backward or a second backward of the same graph "
-                "inside one step is not supported"
-            )
-        self.events.append(("grad", i))
-        self._stage(i, param.grad)
-        self.ready[i] = True
-        b = self.bucket_of[i]
-        self.pending[b] -= 1
-        if self.pending[b] == 0:
-            self._launch_ready()
+    def _complete(self, b: int, wire: torch.Tensor, ctx) -> None:
+        out = self.compression.decompress(wire, ctx)
+        if out.data_ptr() != self.buckets[b].buffer.data_ptr():
+            self.buckets[b].buffer.copy_(out)
+
+    def _stage(self, i: int, param: torch.Tensor) -> None:
+        self._put(i, param.grad)
 
     @torch.no_grad()
-    def _stage(self, i: int, grad: torch.Tensor | None) -> None:
+    def _put(self, i: int, grad: torch.Tensor | None) -> None:
         """Put grad / world into the bucket slot of parameter i (zeros when None)."""
         view = self.view_of[i]
         if grad is None:
@@ -262,61 +265,36 @@ class _GradSync:
             if self.as_view:
                 self.params[i].grad = view
 
-    def _launch_ready(self) -> None:
-        # NOTE: buckets launch in index order on every rank, even if they fill out of
-        # order, so collectives match across ranks.
-        while self.next_launch < len(self.buckets) and self.pending[self.next_launch] == 0:
-            b = self.next_launch
-            wire, ctx = self.compression.compress(self.buckets[b].buffer)
-            work = ops.all_reduce(wire, group=self.group, async_op=True)
-            self.works[b] = (work, wire, ctx)
-            self.events.append(("launch", b))
-            self.next_launch += 1
+    def _on_missing(self, missing: list[int]) -> list[int]:
+        """End of backward: parameters without a gradient count as zeros (find_unused)."""
+        if not self.find_unused:
+            raise RuntimeError(self._unused_message(missing))
+        self._missing = missing
+        self._no_grad = {i for i in missing if self.params[i].grad is None}
+        for i in missing:
+            self._put(i, self.params[i].grad)
+        return missing
 
-    def _finish(self) -> None:
-        """End of backward: launch the rest, wait for all, write averaged grads. Blocks."""
-        self.events.append(("backward_end", -1))
+    def _on_launched(self) -> None:
+        if self.find_unused:  # NOTE: after every bucket's launch, so all ranks agree on order
+            flags = torch.ones(len(self.params), dtype=torch.int32, device=self.params[0].device)
+            flags[self._missing] = 0
+            ops.all_reduce(flags, group=self.group)  # (P,) how many ranks used each param
+            self._used = (flags > 0).tolist()
+
+    def _done(self) -> None:
         try:
-            missing = [i for i, r in enumerate(self.ready) if not r]
-            if missing and not self.find_unused:
-                self._wait_launched()  # NOTE: keeps the group usable after the error
-                raise RuntimeError(self._unused_message(missing))
-            had_grad = [p.grad is not None for p in self.params]
-            for i in missing:
-                self._stage(i, self.params[i].grad)
-                self.ready[i] = True
-                self.pending[self.bucket_of[i]] -= 1
-            self._launch_ready()
-            used = self._global_used(missing) if self.find_unused else None
-            self._wait_launched()
-            self._write_back(had_grad, used)
+            self._write_back()
         finally:
-            self._reset()
+            self._missing, self._no_grad, self._used = [], set(), None
         if self.on_step_end is not None:
             self.on_step_end()
 
-    def _global_used(self, missing: list[int]) -> list[bool]:
-        flags = torch.ones(len(self.params), dtype=torch.int32, device=self.params[0].device)
-        flags[missing] = 0
-        ops.all_reduce(flags, group=self.group)  # (P,) how many ranks used each param
-        return (flags > 0).tolist()
-
-    def _wait_launched(self) -> None:
-        for b, entry in enumerate(self.works):
-            if entry is None:
-                continue
-            work, wire, ctx = entry
-            work.wait()
-            out = self.compression.decompress(wire, ctx)
-            if out.data_ptr() != self.buckets[b].buffer.data_ptr():
-                self.buckets[b].buffer.copy_(out)
-            self.events.append(("wait", b))
-
     @torch.no_grad()
-    def _write_back(self, had_grad: list[bool], used: list[bool] | None) -> None:
+    def _write_back(self) -> None:
         for i, p in enumerate(self.params):
             view = self.view_of[i]
-            if used is not None and not used[i] and not had_grad[i]:
+            if self._used is not None and not self._used[i] and i in self._no_grad:
                 continue  # no rank had a gradient: leave None, as a single process would
             if p.grad is None:
                 p.grad = view if self.as_view else view.clone()

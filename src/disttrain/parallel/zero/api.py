@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from disttrain.comm.buckets import mb_to_bytes
+from disttrain.comm.reducer import check_algorithm
 from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm, groups, mixed
 from disttrain.parallel.zero.flat import FlatShards
@@ -52,6 +53,10 @@ class Zero(nn.Module):
     separate: parameters that get a flat buffer (stage 3: a unit) of their own, so every
         group of the same size shards them at the same offsets (parallelize: weights
         tied across pipeline stages; `separate_grad(p)` then gives their shard gradient).
+    algorithm: stage 0's gradient all-reduce: "native" (the backend's own, default),
+        "ring", "halving-doubling", "tree", "hierarchical" or "auto" (comm/algorithms.py;
+        buckets still overlap backward). Stages 1-3 reduce-scatter with the backend's
+        own and take "native" only.
 
     Construction blocks (parameters and buffers are broadcast from group rank 0).
     `model.optimizer.step()` blocks until the step's collectives are done.
@@ -62,7 +67,7 @@ class Zero(nn.Module):
                  precision: str = "fp32", loss_scaler: mixed.LossScaler | None = None,
                  param_groups: groups.ParamGroups = None,
                  reduce_dtype: torch.dtype | None = None, overflow_group: Any = "group",
-                 separate: Iterable[nn.Parameter] = ()):
+                 separate: Iterable[nn.Parameter] = (), algorithm: str = "native"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"Zero wraps an nn.Module, got {type(module).__name__}")
@@ -71,6 +76,7 @@ class Zero(nn.Module):
         _check_arguments(optimizer_factory, precision, loss_scaler)
         self.dtype = mixed.low_dtype(precision)
         _check_reduce_dtype(reduce_dtype, precision)
+        self.algorithm = _check_algorithm(algorithm, stage)
         if not dist.is_initialized():
             raise RuntimeError("Zero needs a process group: call disttrain.init() first")
         if dist.get_rank(group) < 0:
@@ -98,7 +104,7 @@ class Zero(nn.Module):
             self.engine = ParamShards(module, group, self.comm_stats, group_of, reduce_dtype, own)
         else:
             self.engine = FlatShards(params, stage, group, mb_to_bytes(bucket_mb), self.comm_stats,
-                                     group_of, reduce_dtype, own)
+                                     group_of, reduce_dtype, own, algorithm)
         shards = self.engine.shard_parameters()
         self.masters = mixed.MasterWeights(shards) if self.dtype is not None else None
         stepped = self.masters.masters if self.masters is not None else shards
@@ -198,6 +204,16 @@ def _check_arguments(optimizer_factory, precision: str, loss_scaler) -> None:
     if loss_scaler is not None and not isinstance(loss_scaler, mixed.LossScaler):
         raise TypeError("loss_scaler must be a disttrain.LossScaler(init_scale=..., ...), "
                         f"got {type(loss_scaler).__name__}")
+
+
+def _check_algorithm(algorithm: str, stage: int) -> str:
+    check_algorithm(algorithm, "Zero")
+    if stage and algorithm != "native":
+        raise ValueError(f"Zero: algorithm={algorithm!r} chooses how stage 0 all-reduces "
+                         f"gradients; stage {stage} reduce-scatters them (and all-gathers "
+                         "parameters) with the backend's own collectives. Use stage=0 with "
+                         "this algorithm, or algorithm='native'")
+    return algorithm
 
 
 def _check_reduce_dtype(reduce_dtype, precision: str) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
+from disttrain.comm.reducer import all_reduce_async
 
 __all__ = ["CommStats", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
 
@@ -79,11 +80,18 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def all_reduce(t: torch.Tensor, group, stats: CommStats, async_op: bool = False):
-    """Sum `t` in place over `group`; returns a handle when `async_op` (else blocks)."""
+def all_reduce(t: torch.Tensor, group, stats: CommStats, async_op: bool = False,
+               algorithm: str = "native"):
+    """Sum `t` in place over `group`; returns a handle when `async_op` (else blocks).
+    `algorithm`: an allreduce algorithm of comm/algorithms.py (async: on its thread)."""
     n = dist.get_world_size(group)
     stats.add("all_reduce", 2 * _ring(n) * t.numel() * t.element_size())
-    return ops.all_reduce(t, group=group, async_op=async_op)
+    if async_op:
+        return all_reduce_async(t, algorithm, group)
+    if algorithm != "native":
+        all_reduce_async(t, algorithm, group).wait()
+        return None
+    return ops.all_reduce(t, group=group)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,

@@ -1,8 +1,9 @@
 """ZeRO stages 0-2: full parameters in flat buckets, optimizer over this rank's shard.
 Follows ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054), stages 1-2.
 
-Who talks to whom: api.Zero drives this; this calls comm.py; the module's parameters'
-post-accumulate-grad hooks call back into `_on_grad`.
+Who talks to whom: api.Zero drives this; the shared `comm.reducer.BucketReducer` owns the
+post-accumulate-grad hooks, the launch order and the end-of-backward wait, and calls this
+module's `_stage`/`_prepare`/`_reduce`/`_complete`; those call comm.py.
 
 More (the design and its reasons): docs/design/zero.md, "Notes from parallel/zero/flat.py".
 """
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from disttrain.comm.buckets import assign_buckets
+from disttrain.comm.reducer import BucketReducer
 from disttrain.parallel.zero import comm
 from disttrain.parallel.zero.mixed import accumulate_shard_grad
 
@@ -61,8 +63,6 @@ class _Bucket:
             for p, off in zip(params, offsets):
                 p.grad = self.grad[off:off + p.numel()].view_as(p)
             self.shard.grad = self.grad[lo:hi]
-        self.ready = 0
-        self.pending = None  # (work, buffer) of the collective in flight
         self.rgrad = None  # with reduce_dtype: (hi - lo,) reduced shard gradient in it
 
     def _view(self, p: torch.Tensor) -> torch.Tensor:
@@ -84,12 +84,13 @@ class FlatShards:
 
     def __init__(self, params: list[nn.Parameter], stage: int, group, bucket_bytes: int,
                  stats: comm.CommStats, group_of: dict[int, int] | None = None,
-                 reduce_dtype: torch.dtype | None = None, separate: set[int] = frozenset()):
+                 reduce_dtype: torch.dtype | None = None, separate: set[int] = frozenset(),
+                 algorithm: str = "native"):
         import torch.distributed as dist
 
         if stage not in (0, 1, 2):
             raise ValueError(f"FlatShards handles stages 0-2, got {stage}")
-        self.stage, self.group, self.stats = stage, group, stats
+        self.stage, self.group, self.stats, self.algorithm = stage, group, stats, algorithm
         self.reduce_dtype = reduce_dtype if reduce_dtype != params[0].dtype else None
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         pad = 1 if stage == 0 else self.world
@@ -113,9 +114,12 @@ class FlatShards:
             self.buckets.append(b)
             for p in members:
                 self._bucket_of[id(p)] = b
-        self._inflight: list[_Bucket] = []
-        self._end_queued = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # NOTE: at most 2 transient full-size gradients in flight (stage 2, reduce_dtype)
+        inflight = _MAX_INFLIGHT if stage == 2 or self.reduce_dtype is not None else None
+        self._reducer = BucketReducer(
+            params, [spec.indices for spec in specs], reduce=self._reduce,
+            prepare=self._prepare, complete=self._complete, stage=self._stage,
+            missing=self._partial, max_inflight=inflight, owner="Zero")
 
     def shard_parameters(self) -> list[nn.Parameter]:
         """One flat parameter per bucket: what this rank's optimizer updates."""
@@ -154,53 +158,39 @@ class FlatShards:
                                      for p, off in zip(b.params, b.offsets)])
                 for b in self.buckets]
 
-    # ---- backward: reduce each bucket as soon as its gradients exist -------------
+    # ---- backward: the shared reducer calls these (comm/reducer.py) ----------------
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._end_queued:
-            # NOTE: stages 0-1 reduce in place, so a collective still in flight when the
-            # next backward accumulates into the same buffer would race: every backward
-            # ends by waiting for its reductions (as DDP's engine callback does).
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._end_queued = True
-        b = self._bucket_of[id(p)]
+    def _stage(self, i: int, p: torch.Tensor) -> None:
+        b = self.buckets[self._reducer.bucket_of[i]]
         if b.grad is not None and p.grad.data_ptr() != b.grad_view_ptr(p):
             # the user set .grad to None (e.g. module.zero_grad()): move it back in place
             b.rebind_grad(p)
-        b.ready += 1
-        if b.ready == len(b.params):
-            self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
-        """Start bucket `b`'s gradient collective (does not block)."""
-        b.ready = 0
-        if b.pending is not None:  # a second backward before step: finish the first
-            self._wait(b)
-        if self.reduce_dtype is not None:
-            self._launch_up(b)
-        elif self.stage == 0:
-            b.pending = (comm.all_reduce(b.grad, self.group, self.stats, async_op=True), None)
-        elif self.stage == 1:
-            work = comm.reduce_scatter(b.grad[b.lo:b.hi], b.grad, self.group, self.stats,
-                                       async_op=True)
-            b.pending = (work, None)
-        else:
-            flat = torch.zeros_like(b.data)  # (numel,) transient full gradient
-            for p, off in zip(b.params, b.offsets):
-                if p.grad is not None:
-                    flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-            out = torch.empty_like(b.shard)  # (numel/N,)
-            work = comm.reduce_scatter(out, flat, self.group, self.stats, async_op=True)
-            b.pending = (work, (flat, out))
-            self._inflight = [c for c in self._inflight if c.pending is not None] + [b]
-            while len(self._inflight) > _MAX_INFLIGHT:  # bounds transient full gradients
-                self._wait(self._inflight.pop(0))
+    def _partial(self, missing: list[int]) -> list[int]:
+        """End of backward: parameters without a gradient count as 0 in buckets that got
+        some gradients; a bucket that got none is not reduced in this backward."""
+        r = self._reducer
+        return [i for i in missing if r.pending[r.bucket_of[i]] < len(r.members[r.bucket_of[i]])]
 
-    def _launch_up(self, b: _Bucket) -> None:
-        """`_launch` in reduce_dtype: a cast-up copy of the local gradient is reduced into
-        a new shard-sized tensor; the low-precision gradient is then zeroed/dropped."""
-        flat = torch.zeros(b.data.numel(), dtype=self.reduce_dtype, device=b.data.device)
+    def _reduce(self, t: torch.Tensor):
+        """Start bucket tensor `t`'s collective: all-reduce (stage 0, with `algorithm`) or
+        reduce-scatter into this rank's own chunk of `t`, in place (stages 1-2)."""
+        if self.stage == 0:
+            return comm.all_reduce(t, self.group, self.stats, async_op=True,
+                                   algorithm=self.algorithm)
+        size = t.numel() // self.world
+        return comm.reduce_scatter(t[self.rank * size:(self.rank + 1) * size], t, self.group,
+                                   self.stats, async_op=True)
+
+    @torch.no_grad()
+    def _prepare(self, k: int):
+        """What bucket k sends: its gradient buffer in place (stages 0-1), or a transient
+        flat copy of its gradients (stage 2; any stage with `reduce_dtype`: cast up)."""
+        b = self.buckets[k]
+        if self.reduce_dtype is None and self.stage < 2:
+            return b.grad, None
+        flat = torch.zeros(b.data.numel(), dtype=self.reduce_dtype or b.data.dtype,
+                           device=b.data.device)  # (numel,)
         for p, off in zip(b.params, b.offsets):
             if p.grad is not None:
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
@@ -209,44 +199,24 @@ class FlatShards:
         else:
             for p in b.params:
                 p.grad = None
-        if self.stage == 0:
-            work = comm.all_reduce(flat, self.group, self.stats, async_op=True)
-            b.pending = (work, (flat, flat))
-        else:
-            out = torch.empty(b.hi - b.lo, dtype=self.reduce_dtype, device=flat.device)
-            work = comm.reduce_scatter(out, flat, self.group, self.stats, async_op=True)
-            b.pending = (work, (flat, out))
-        self._inflight = [c for c in self._inflight if c.pending is not None] + [b]
-        while len(self._inflight) > _MAX_INFLIGHT:
-            self._wait(self._inflight.pop(0))
+        return flat, None
 
     @torch.no_grad()
-    def _wait(self, b: _Bucket) -> None:
-        work, bufs = b.pending
-        work.wait()
-        b.pending = None
-        if self.reduce_dtype is not None:
-            self._add_shard_grad(b, bufs[1])  # stage 0: the sum, averaged in prepare_step
-        elif self.stage == 0:
+    def _complete(self, k: int, t: torch.Tensor, _ctx) -> None:
+        b = self.buckets[k]
+        if self.stage == 0 and self.reduce_dtype is None:
             b.grad.div_(self.world)  # NOTE: average now (DDP semantics) so re-reduce is right
-        elif self.stage == 1:
+        elif self.stage == 0:
+            self._add_shard_grad(b, t)  # the sum, averaged in prepare_step
+        elif self.stage == 1 and self.reduce_dtype is None:
             b.grad[:b.lo].zero_()  # chunks we do not own are never read again
             b.grad[b.hi:].zero_()
         else:
-            self._add_shard_grad(b, bufs[1])
-
-    def _end_of_backward(self) -> None:
-        self._end_queued = False
-        self.finish()
+            self._add_shard_grad(b, t[b.lo:b.hi].clone())  # NOTE: frees the transient flat
 
     def finish(self) -> None:
         """Reduce buckets whose hooks did not all fire, then wait for all (blocks)."""
-        for b in self.buckets:
-            if b.ready:  # some parameters got no gradient this backward: they count as 0
-                self._launch(b)
-        for b in self.buckets:
-            if b.pending is not None:
-                self._wait(b)
+        self._reducer.finish()
 
     # ---- step --------------------------------------------------------------------
 

@@ -1,0 +1,220 @@
+"""The bucketed gradient reducer DataParallel and ZeRO stages 0-2 share.
+
+Li et al., "PyTorch Distributed" (VLDB 2020), sec. 3.2: a post-accumulate-grad hook
+per parameter counts down its bucket; a full bucket's reduction is launched
+asynchronously while autograd goes on with earlier layers (buckets launch strictly in
+index order on every rank, so collectives match across ranks); the first hook of a
+backward queues an autograd engine callback that, when backward is done, deals with
+parameters that got no gradient, launches the rest and waits for everything.
+
+`BucketReducer` owns exactly that and nothing else. What a bucket holds and sends, and
+what happens after its reduction, are the strategy's, passed in as callbacks: DataParallel
+stages `grad / world` into bucket views and compresses on the wire (data_parallel.py);
+ZeRO keeps `.grad` views of flat buffers and feeds its shard gradients (zero/flat.py).
+The collective itself is a callback too: `all_reduce_async(t, algorithm, group)` (the
+allreduce algorithms of comm/algorithms.py, overlapping backward on one thread per
+group), or ZeRO's reduce-scatter. Nothing here knows a strategy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from disttrain.comm import ops
+
+__all__ = ["BucketReducer", "all_reduce_async", "check_algorithm"]
+
+_engine = torch.autograd.Variable._execution_engine
+_runners: dict = {}  # (algorithm, global ranks) -> AsyncAllReduce, one thread each
+_runners_lock = threading.Lock()
+
+
+def check_algorithm(algorithm: str, owner: str) -> str:
+    """`algorithm` if it names an allreduce algorithm, else a ValueError saying which do."""
+    from disttrain.comm.algorithms import ALGORITHMS
+
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{owner}: unknown allreduce algorithm {algorithm!r}; pick one of "
+                         f"{', '.join(ALGORITHMS)} (native: the backend's own, the default)")
+    return algorithm
+
+
+def all_reduce_async(tensor: torch.Tensor, algorithm: str = "native", group=None):
+    """Start summing `tensor` in place over `group`; returns a handle whose `wait()` blocks.
+
+    "native" is the backend's own asynchronous all_reduce (gloo's ring, NCCL). Any other
+    algorithm runs on one thread per (algorithm, group), in submission order, so ranks that
+    submit in the same order run the same reductions in the same order.
+    """
+    if algorithm == "native":
+        return ops.all_reduce(tensor, group=group, async_op=True)
+    from disttrain.comm.algorithms import AsyncAllReduce
+
+    key = (algorithm, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
+    with _runners_lock:
+        runner = _runners.get(key)
+        if runner is None:
+            runner = _runners[key] = AsyncAllReduce(algorithm, group)
+    return runner.submit(tensor)
+
+
+class BucketReducer:
+    """Hook-driven bucket state machine over `params`; see the module docstring.
+
+    buckets: member parameter indices of each bucket (launch order = list order).
+    reduce(tensor) -> handle: start the collective (handle.wait() blocks until done).
+    prepare(b) -> (tensor, ctx): what bucket b sends, once all its members are ready.
+    complete(b, tensor, ctx): after bucket b's collective finished.
+    stage(i, param): parameter i's gradient exists (put it where its bucket sees it).
+    missing(indices) -> indices: at the end of backward, the parameters that got no
+        gradient; return those that count as zero contributions (or raise). Buckets left
+        incomplete after that are not reduced in this backward.
+    launched(): after the last launch of a backward, before waiting (e.g. more collectives).
+    done(): after every bucket of a backward completed.
+    max_inflight: at most this many launched, uncompleted buckets (None: no bound).
+    owner, names: for error messages ("DataParallel: parameter 'fc.weight' ...").
+    Blocks only at the end of backward (and in `finish`, `abandon`, and when max_inflight
+    is reached).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]], *,
+                 reduce: Callable, prepare: Callable, complete: Callable,
+                 stage: Callable | None = None, missing: Callable | None = None,
+                 launched: Callable | None = None, done: Callable | None = None,
+                 max_inflight: int | None = None, owner: str = "reducer",
+                 names: Sequence[str] | None = None):
+        self.params = list(params)
+        self.reduce, self.prepare, self.complete = reduce, prepare, complete
+        self.stage, self.missing, self.launched, self.done = stage, missing, launched, done
+        self.max_inflight, self.owner = max_inflight, owner
+        self.names = list(names) if names is not None else [str(i) for i in range(len(params))]
+        self.enabled = True
+        self.events: list[tuple[str, int]] = []
+        self.set_buckets(buckets)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                        for i, p in enumerate(self.params)]
+
+    def set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:
+        """(Re)cut: bucket b holds parameters buckets[b]. Only between backward passes."""
+        self.members = [tuple(m) for m in buckets]
+        self.bucket_of = [0] * len(self.params)
+        for b, members in enumerate(self.members):
+            for i in members:
+                self.bucket_of[i] = b
+        self._reset()
+
+    def _reset(self) -> None:
+        self.active = False
+        self.ready = [False] * len(self.params)
+        self.pending = [len(m) for m in self.members]
+        self.works: list[tuple | None] = [None] * len(self.members)
+        self.next_launch = 0
+
+    def remove(self) -> None:
+        """Remove the hooks (the reducer is no longer used)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if self.enabled:
+                self._mark_ready(i, param)
+        return hook
+
+    def _mark_ready(self, i: int, param: torch.Tensor) -> None:
+        if not self.active:
+            self.active, self.events = True, []
+            # NOTE: queued from inside backward, so it runs once this backward is done.
+            _engine.queue_callback(self._end_of_backward)
+        if self.ready[i]:
+            self.abandon()
+            raise RuntimeError(
+                f"{self.owner}: parameter '{self.names[i]}' received its gradient twice in "
+                "one backward; reentrant backward or a second backward of the same graph "
+                "inside one step is not supported")
+        self.events.append(("grad", i))
+        if self.stage is not None:
+            self.stage(i, param)
+        self.ready[i] = True
+        b = self.bucket_of[i]
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self._launch_ready()
+
+    def _launch_ready(self, final: bool = False) -> None:
+        """Launch full buckets in index order (`final`: every full one, skipping the rest)."""
+        # NOTE: in index order on every rank, even if buckets fill out of order, so
+        # collectives match across ranks.
+        while self.next_launch < len(self.members):
+            b = self.next_launch
+            if self.pending[b] == 0:
+                if self.works[b] is not None:  # NOTE: never twice in flight: finish the first
+                    self._wait(b)
+                tensor, ctx = self.prepare(b)
+                self.works[b] = (self.reduce(tensor), tensor, ctx)
+                self.events.append(("launch", b))
+                self._bound_inflight(b)
+            elif not final:
+                return
+            self.next_launch += 1
+
+    def _bound_inflight(self, newest: int) -> None:
+        if self.max_inflight is None:
+            return
+        inflight = [b for b, w in enumerate(self.works) if w is not None and b != newest]
+        while len(inflight) >= self.max_inflight:  # NOTE: bounds transient buffers
+            self._wait(inflight.pop(0))
+
+    def _wait(self, b: int) -> None:
+        work, tensor, ctx = self.works[b]
+        self.works[b] = None
+        work.wait()
+        self.complete(b, tensor, ctx)
+        self.events.append(("wait", b))
+
+    def wait_launched(self) -> None:
+        """Wait for (and complete) every launched bucket. Blocks."""
+        for b, entry in enumerate(self.works):
+            if entry is not None:
+                self._wait(b)
+
+    def abandon(self) -> None:
+        """Drop a backward that cannot finish: wait for what was launched, forget the rest."""
+        self.wait_launched()
+        self._reset()
+
+    def _end_of_backward(self) -> None:
+        self.events.append(("backward_end", -1))
+        self.finish()
+
+    def finish(self) -> None:
+        """Launch what is left, wait for everything, call `done`. Blocks; a no-op when
+        no gradient arrived since the last finish."""
+        if not self.active:
+            self.wait_launched()
+            return
+        try:
+            missing = [i for i, r in enumerate(self.ready) if not r]
+            if missing and self.missing is not None:
+                try:
+                    counted = self.missing(missing)
+                except BaseException:
+                    self.wait_launched()  # NOTE: keeps the group usable after the error
+                    raise
+                for i in counted:
+                    self.ready[i] = True
+                    self.pending[self.bucket_of[i]] -= 1
+            self._launch_ready(final=True)
+            if self.launched is not None:
+                self.launched()
+            self.wait_launched()
+        finally:
+            self._reset()
+        if self.done is not None:
+            self.done()
+
