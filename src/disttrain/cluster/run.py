@@ -163,7 +163,7 @@ def _report(folder: str, first: tuple[int, int], out) -> int:
 def _wait(procs, grace: float, out, lock) -> int:
     first: tuple[int, int] | None = None  # (node, code) of the first node that failed
     deadline, signals = None, [signal.SIGTERM, signal.SIGKILL]
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # NOTE: poll every node, not up to the first running one
         if first is None:
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
             if failed:

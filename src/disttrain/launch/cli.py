@@ -99,6 +99,8 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     from disttrain.cluster.run import run_in_cluster
 
     try:
+        if args.trace:
+            raise ValueError("--trace does not combine with --cluster yet: trace a run on one node")
         if args.nnodes != 1 or args.node_rank or args.master_addr:
             raise ValueError("--cluster places the nodes itself: drop --nnodes, --node-rank and "
                              "--master-addr")
