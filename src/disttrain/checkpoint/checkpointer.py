@@ -23,6 +23,7 @@ from disttrain.checkpoint.manifest import (
 )
 from disttrain.checkpoint.protocols import ShardedState
 from disttrain.checkpoint.reshard import ShardedTensor
+from disttrain.trace import events as trace_events
 
 __all__ = ["Checkpointer"]
 
@@ -61,6 +62,7 @@ class Checkpointer:
         """Steps of the committed checkpoints, newest (as `load` tries them) first."""
         return [int(n.split("_")[1]) for n in io.checkpoint_dirs(self.directory)]
 
+    @trace_events.traced("checkpoint.save", "checkpoint")
     def save(self, step: int, *, model: Any = None, optimizer: Any = None,
              loader: Any = None, extra: dict[str, Any] | None = None) -> str:
         """Save a checkpoint of `step`; returns its folder. Blocks: a collective.
@@ -133,6 +135,7 @@ class Checkpointer:
             return f"rank 0 could not commit {final}: {err}"
         return "ok"
 
+    @trace_events.traced("checkpoint.load", "checkpoint")
     def load(self, *, model: Any = None, optimizer: Any = None, loader: Any = None,
              extra: dict[str, Any] | None = None, rng: bool = True,
              step: int | None = None) -> int:

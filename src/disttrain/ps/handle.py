@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from disttrain.trace import events as trace_events
+
 __all__ = ["Handle", "Cancelled"]
 
 
@@ -32,6 +34,7 @@ class Handle:
         self._sealed = False
         self._event = threading.Event()
         self.result: dict = {}
+        trace_events.ps_issued(self)
 
     def add(self, n: int = 1) -> None:
         """Expect `n` more replies (does not block)."""
@@ -44,6 +47,7 @@ class Handle:
             self._outstanding -= 1
             if self._sealed and self._outstanding <= 0:
                 self._event.set()
+                trace_events.ps_done(self)
 
     def seal(self) -> Handle:
         """Every message of the operation is queued: no more `add` (does not block)."""
@@ -51,6 +55,7 @@ class Handle:
             self._sealed = True
             if self._outstanding <= 0:
                 self._event.set()
+                trace_events.ps_done(self)
         return self
 
     def done(self) -> bool:
@@ -60,7 +65,9 @@ class Handle:
     def wait(self) -> Handle:
         """Block until every server answered; raises PSError if the job failed or a
         server stayed silent for the worker's timeout."""
+        t0 = trace_events.now_us()
         while not self._event.wait(0.05):
             self._check(self.what)
         self._check(self.what)
+        trace_events.ps_waited(self, t0)
         return self

@@ -39,6 +39,7 @@ from disttrain.ps.policy import Decision, Policy
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.session import Session
 from disttrain.ps.transport import ServerEndpoint, bind, encrypt_setting, remove_folder
+from disttrain.trace import events as trace_events
 
 __all__ = ["Server", "PSError"]
 
@@ -113,6 +114,7 @@ class Server:
                         if got is not None:
                             self._handle(*got)
                 self._check_liveness()
+            trace_events.ps_server_stats(self.stats())
             return self.stats()
         finally:
             self.close()
@@ -203,7 +205,8 @@ class Server:
                 self.ep.send(s, Message("error", {"message": d.error}))
             raise PSError(f"server {self.index}: {d.error}")
         if d.apply:
-            self._apply([self.complete.pop(p) for p in d.apply])
+            with trace_events.span("apply", "ps", server=self.index, pushes=len(d.apply)):
+                self._apply([self.complete.pop(p) for p in d.apply])
             self._after_update()
         for p in d.drop:
             self.complete.pop(p, None)

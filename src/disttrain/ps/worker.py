@@ -35,6 +35,7 @@ from disttrain.ps.handle import Cancelled, Handle  # re-exported: disttrain.ps.w
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.server import PSError
 from disttrain.ps.transport import WorkerLink, encrypt_setting
+from disttrain.trace import events as trace_events
 
 __all__ = ["Worker", "Handle", "Cancelled"]
 
@@ -124,6 +125,7 @@ class Worker:
         self._attempt, self._sent = None, set()
         self._clock += 1
         self.pushes += 1
+        trace_events.end_step()  # NOTE: a worker's step ends with its push
         return h.seal()
 
     def wire_stats(self) -> dict:
@@ -143,13 +145,17 @@ class Worker:
     def check(self) -> None:
         """Raise Cancelled if this worker's round closed (does not block)."""
         if self.cancelled:
+            trace_events.ps_cancelled(self.rank)
             self._abandon()
             raise Cancelled(f"worker {self.rank}: round closed on a server; pull() again")
 
     def sleep(self, seconds: float) -> None:
         """Block `seconds` (an injected straggler delay), raising Cancelled at once if the
         round closes meanwhile, as abandoned real compute would."""
-        end = time.monotonic() + seconds
+        with trace_events.span("sleep (injected delay)", "injected", seconds=seconds):
+            self._sleep_until(time.monotonic() + seconds)
+
+    def _sleep_until(self, end: float) -> None:
         while True:
             self.check()
             left = end - time.monotonic()

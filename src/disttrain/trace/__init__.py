@@ -81,6 +81,8 @@ def start(directory: str, steps: tuple[int, int | None] | str | None = None) -> 
     from disttrain import runtime
 
     window = parse_steps(steps) if isinstance(steps, str) or steps is None else tuple(steps)
+    if runtime.role() == "server":  # NOTE: a PS server has no steps of its own: all of it
+        window = (0, None)
     rec = Recorder(directory, runtime.rank(), runtime.world_size(), runtime.role(),
                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), window)
     tracer = hooks.Tracer(rec)

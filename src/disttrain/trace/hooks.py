@@ -122,6 +122,10 @@ class Tracer:
 
     # ---- steps ----
 
+    def on_main(self) -> bool:
+        """True on the training (main) thread."""
+        return threading.get_ident() == self._main
+
     def begin(self, t: float) -> None:
         """Work starts on the training thread at `t`: the first after an optimizer step opens a step."""
         if self._step_t0 is None:
@@ -245,14 +249,20 @@ class Tracer:
                 "bytes": _nbytes(entry), "site": entry.site}
         self.rec.comm_span(entry.op, t0, t1, args, _flow(entry))
         if exposed:
-            self._exposed(entry.op, t0, t1, args)
+            self.exposed(entry.op, t0, t1, args)
 
     def waited(self, entry, t0: float) -> None:
         """The caller waited on an async handle from `t0` until now."""
-        self._exposed(f"wait {entry.op}", t0, now_us(), {"op": entry.op, "group": entry.group,
+        self.exposed(f"wait {entry.op}", t0, now_us(), {"op": entry.op, "group": entry.group,
                                                           "seq": entry.seq})
 
-    def _exposed(self, name: str, t0: float, t1: float, args: dict) -> None:
+    def named_wait(self, name: str, t0: float, t1: float) -> None:
+        """A named span of the training thread outside compute (a part of idle) in the step."""
+        if threading.get_ident() == self._main and self._step_t0 is not None and self._cdepth == 0:
+            self.m.waits[name] = self.m.waits.get(name, 0.0) + t1 - t0
+
+    def exposed(self, name: str, t0: float, t1: float, args: dict) -> None:
+        """The calling thread waited for communication from t0 to t1 (µs)."""
         self.rec.complete(name, "comm.exposed", t0, t1, args)
         if threading.get_ident() == self._main and self._step_t0 is not None:
             self.m.exposed += t1 - t0

@@ -50,6 +50,8 @@ class StepMetrics:
     def reset(self) -> None:
         self.data = self.compute = self.exposed = self.exposed_in_compute = 0.0
         self.samples = 0
+        self.pipeline_busy = self.pipeline_wall = 0.0
+        self.waits: dict[str, float] = {}
         self.bytes: dict[str, int] = {}
         self.counts: dict[str, int] = {}
         self.logged: dict = {}
@@ -71,6 +73,10 @@ class StepMetrics:
         if self.samples:
             line["samples"] = self.samples
             line["samples_per_s"] = self.samples / max(1e-9, line["step_time"])
+        if self.waits:  # named parts of idle (an injected delay, a checkpoint save)
+            line["idle_named"] = {k: v / 1e6 for k, v in self.waits.items()}
+        if self.pipeline_wall > 0:
+            line["pipeline_bubble"] = max(0.0, 1.0 - self.pipeline_busy / self.pipeline_wall)
         line["bytes"], line["collectives"] = dict(self.bytes), dict(self.counts)
         line["peak_memory_bytes"] = peak_memory_bytes()
         line.update(self.logged)

@@ -28,7 +28,7 @@ import time
 
 from disttrain.trace.metrics import StepMetrics
 
-__all__ = ["Recorder", "now_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US"]
+__all__ = ["Recorder", "now_us", "perf_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US"]
 
 MAIN_TID = 0
 COMM_TID = 100
@@ -37,6 +37,11 @@ EPOCH_S = 1_700_000_000
 _PERF0 = time.perf_counter()
 WALL0_US = (time.time() - EPOCH_S) * 1e6
 """This process's wall clock (µs since EPOCH_S) when its `now_us()` read 0."""
+
+
+def perf_us(perf: float) -> float:
+    """A `time.perf_counter()` reading on the `now_us()` scale."""
+    return (perf - _PERF0) * 1e6
 
 
 def now_us() -> float:
@@ -134,8 +139,8 @@ class Recorder:
             self._emit({"ph": phase, "name": "p2p", "cat": "flow", "id": fid, "bp": "e",
                         "ts": t0 if phase == "s" else t1 - min(1.0, (t1 - t0) / 2), "tid": tid})
 
-    def instant(self, name: str, cat: str, args: dict | None = None) -> None:
-        if self.recording:
+    def instant(self, name: str, cat: str, args: dict | None = None, force: bool = False) -> None:
+        if self.recording or force:
             self._emit({"ph": "i", "s": "t", "name": name, "cat": cat, "ts": now_us(),
                         "tid": self.tid(), **({"args": args} if args else {})})
 

@@ -18,12 +18,10 @@ the gradient w.r.t. the stage input (sent at once), keeping the graph and the gr
 where weight branches leave the input's path; W later walks only those branches. A W
 whose hooks must see one whole backward (a ZeRO 1/2 chunk, DataParallel's synced last W)
 walks the graph again from the output instead. ZeRO 3 and recompute are refused.
-NOTE: track_memory counts a saved tensor until B first reads it, so what the graph
-keeps for W is not counted.
+NOTE: track_memory counts a saved tensor until B first reads it (not what W keeps).
 
-The runtime records each action's compute span (after its receive, before its send) so
-bubbles are measured, not only computed, and can count bytes of tensors saved for
-backward (peak activation memory).
+Each action's compute span (after its receive, before its send) is recorded (measured
+bubbles, for disttrain.trace too); saved-for-backward bytes are counted (peak memory).
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ from disttrain.parallel.pipeline.split_backward import (
     backward_weight,
     check_split_backward,
 )
+from disttrain.trace import events as trace_events
 
 __all__ = ["Pipeline", "Span"]
 
@@ -163,6 +162,7 @@ class Pipeline:
         st = _Step(self._split(inputs, "inputs", 0), self._split(targets, "targets",
                                                                    self.last_virtual))
         self.spans, self.meter.peak, self.whole_w = [], self.meter.now, 0
+        trace_events.begin_work()  # NOTE: the step's trace opens here, before the barrier
         if self.num_stages > 1:
             ops.barrier(group=self.group)
         t0 = time.perf_counter()
@@ -190,6 +190,7 @@ class Pipeline:
         assert not st.stash and not st.pending_w, \
             f"pipeline stage {self.stage} left {len(st.stash) + len(st.pending_w)} activations"
         self.steps_done += 1
+        trace_events.pipeline_step(self.spans, t0, self.stage)
         return loss
 
     def _split(self, batch, what: str, virtual: int) -> list:

@@ -1,0 +1,135 @@
+"""What the strategies tell the trace: one call at each point, a no-op when tracing is off.
+
+Each function tests `hooks.active` first and returns at once when it is None, so a call
+site costs one function call with tracing off. Who calls what:
+
+- parallel/pipeline/runtime.py: `pipeline_step(spans, t0, stage)` after each schedule,
+  with the runtime's own F/B/W timings (perf_counter seconds from t0): one span per action
+  and micro-batch on the training thread, and the step's bubble (1 - busy / wall) added to
+  the step's metrics. The receives' waits and the send -> receive arrows come from
+  comm/ops.py already (irecv/isend).
+- ps/handle.py: `ps_issued(handle)` / `ps_done(handle)` / `ps_waited(handle, t0)`: a push
+  or pull from issue to its last answer on a communication lane, and the part the caller
+  waited for; ps/worker.py: `ps_cancelled(rank)`, `ps_sleep(...)` around an injected
+  straggler delay; ps/server.py: `span("apply" / "receive" / "answer", "ps")`, and
+  `ps_server_stats(stats)` once at the end (staleness histogram, updates).
+- checkpoint: `span("checkpoint.save")`, `span("checkpoint.load")`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from disttrain.trace import hooks
+from disttrain.trace.hooks import now_us
+from disttrain.trace.recorder import MAIN_TID, perf_us
+
+__all__ = ["now_us", "begin_work", "end_step", "span", "traced", "instant", "pipeline_step", "ps_issued", "ps_done", "ps_waited",
+           "ps_cancelled", "ps_server_stats"]
+
+_OFF = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _span(tracer, name: str, cat: str, args: dict):
+    t0 = now_us()
+    try:
+        yield
+    finally:
+        t1 = now_us()
+        tracer.rec.complete(name, cat, t0, t1, args or None)
+        tracer.named_wait(name, t0, t1)
+
+
+def span(name: str, cat: str = "user", **args):
+    """A context manager timing its block as a span on this thread's track."""
+    tracer = hooks.active
+    return _OFF if tracer is None else _span(tracer, name, cat, args)
+
+
+def traced(name: str, cat: str):
+    """Decorator: each call of the function is a span `name` (when tracing is on)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            tracer = hooks.active
+            if tracer is None:
+                return fn(*args, **kwargs)
+            with _span(tracer, name, cat, {}):
+                return fn(*args, **kwargs)
+        return call
+    return wrap
+
+
+def begin_work() -> None:
+    """The training thread starts a step's work now (the first after an optimizer step opens it)."""
+    tracer = hooks.active
+    if tracer is not None and tracer.on_main():
+        tracer.begin(now_us())
+
+
+def end_step() -> None:
+    """A training step ended now (PS workers: the push)."""
+    if hooks.active is not None:
+        hooks.active.end_step()
+
+
+def instant(name: str, cat: str = "user", **args) -> None:
+    """A point in time on this thread's track."""
+    tracer = hooks.active
+    if tracer is not None:
+        tracer.rec.instant(name, cat, args or None)
+
+
+def pipeline_step(spans, t0: float, stage: int) -> None:
+    """The pipeline runtime's actions of one step (F/B/W, micro-batch, chunk; seconds from `t0`)."""
+    tracer = hooks.active
+    if tracer is None:
+        return
+    end = now_us()
+    base = perf_us(t0)
+    busy = 0.0
+    for s in spans:
+        a, b = base + s.start * 1e6, base + s.end * 1e6
+        busy += b - a
+        tracer.rec.complete(f"{s.kind}{s.microbatch}", "pipeline", a, b,
+                            {"microbatch": s.microbatch, "chunk": s.chunk, "stage": stage}, MAIN_TID)
+    tracer.m.pipeline_busy += busy
+    tracer.m.pipeline_wall += max(0.0, end - base)
+
+
+def ps_issued(handle) -> None:
+    tracer = hooks.active
+    if tracer is not None:
+        handle.trace_t0 = now_us()
+
+
+def ps_done(handle) -> None:
+    """Every server answered `handle` (any thread)."""
+    tracer = hooks.active
+    t0 = getattr(handle, "trace_t0", None)
+    if tracer is not None and t0 is not None:
+        handle.trace_t0 = None
+        tracer.rec.comm_span(handle.what, t0, now_us(), {"op": handle.what, "ps": True})
+
+
+def ps_waited(handle, t0: float) -> None:
+    """The caller blocked in `handle.wait()` from `t0` until now."""
+    tracer = hooks.active
+    if tracer is not None:
+        tracer.exposed(f"wait {handle.what}", t0, now_us(), {"op": handle.what, "ps": True})
+
+
+def ps_cancelled(rank: int) -> None:
+    instant("cancel", "ps", worker=rank)
+
+
+def ps_server_stats(stats: dict) -> None:
+    """A server's final counters (staleness histogram, updates) as one instant event."""
+    tracer = hooks.active
+    if tracer is not None:
+        keep = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, dict))}
+        if isinstance(keep.get("staleness"), dict):
+            keep["staleness"] = {str(k): v for k, v in keep["staleness"].items()}
+        tracer.rec.instant("ps server stats", "ps", keep, force=True)
