@@ -4,7 +4,8 @@ Each subcommand is one `add_<name>_parser(subparsers)` function that builds its
 argparse parser and sets `handler=<function(args) -> exit code>`; register it in
 `COMMANDS`. Handlers turn flags into a validated config and call the library
 (`run` -> disttrain/launch/, `checkpoint` -> disttrain/checkpoint/, `plan` -> plan.py,
-`cluster` -> disttrain/cluster/), so the library never sees argparse.
+`cluster` -> disttrain/cluster/, `report` -> disttrain/trace/report.py), so the library
+never sees argparse.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from disttrain.checkpoint.cli import add_checkpoint_parser
 from disttrain.cluster.cli import add_cluster_parser
 from disttrain.launch.cli import add_run_parser
 from disttrain.plan import add_plan_parser
+from disttrain.trace.report import add_report_parser
 
 __all__ = ["main", "build_parser"]
 
-COMMANDS = (add_run_parser, add_plan_parser, add_checkpoint_parser, add_cluster_parser)
+COMMANDS = (add_run_parser, add_plan_parser, add_checkpoint_parser, add_cluster_parser,
+            add_report_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,88 @@
+"""`disttrain report`: each injected cause is named in the first lines; the page renders.
+
+Three real traced jobs through `disttrain run --trace`: a data-parallel job whose rank 1
+sleeps in its loader, a parameter-server job with a `--straggler` worker, a pipeline with
+one micro-batch over two stages. The slow-loader report is also opened in headless
+Chromium: no console message, every chart decoded, a screenshot kept in test-artifacts/.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_launcher import SCRIPTS, disttrain
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("DISTTRAIN_ARTIFACTS", ROOT / "test-artifacts"))
+
+
+def _report(directory: Path) -> list[str]:
+    res = disttrain("report", str(directory), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (directory / "report.html").exists() and (directory / "report" / "breakdown.png").exists()
+    return res.stdout.splitlines()
+
+
+def _traced(tmp_path: Path, *args: str) -> Path:
+    out = tmp_path / "trace"
+    res = disttrain("run", "--trace", str(out), *args, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return out
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if os.environ.get("CI"):
+        pytest.fail("chromium is missing on CI: .ci/run installs it (apt-get install -y chromium)")
+    pytest.skip("chromium is not installed here and this is not CI: apt-get install -y chromium "
+                "(bash .ci/run installs it)")
+
+
+@pytest.mark.timeout(300)
+def test_slow_loader_rank_is_named_and_the_page_renders_in_chromium(tmp_path):
+    out = _traced(tmp_path, "--nproc", "2", str(SCRIPTS / "traced_dp.py"), "--steps", "6",
+                  "--slow-rank", "1", "--slow-ms", "15")
+    lines = _report(out)
+    assert lines[0].startswith("rank 1 is ") and "of the gap is data loading" in lines[0], lines
+    browser = _chromium()
+    page = (out / "report.html").resolve().as_uri()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--virtual-time-budget=5000"]
+    dom = subprocess.run([browser, *flags, "--enable-logging=stderr", "--v=0", "--dump-dom", page],
+                         capture_output=True, text=True, timeout=120)
+    console = [x for x in dom.stderr.splitlines() if ":CONSOLE" in x]
+    assert console == [], console  # a page with any console message (an error) fails here
+    charts = dom.stdout.count('class="chart"')
+    assert charts == 2 and f'data-charts-rendered="{charts}"' in dom.stdout, dom.stdout[:500]
+    assert "rank 1 is " in dom.stdout
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "report_slow_loader.png"
+    subprocess.run([browser, *flags, "--window-size=1100,1600", f"--screenshot={shot}", page],
+                   capture_output=True, timeout=120, check=True)
+    assert shot.stat().st_size > 10_000
+
+
+@pytest.mark.timeout(300)
+def test_ps_straggler_worker_is_named(tmp_path):
+    out = _traced(tmp_path, "--workers", "3", "--servers", "1", str(ROOT / "examples" / "digits_ps.py"),
+                  "--epochs", "1", "--mode", "async", "--straggler", "fixed:rank=1,delay=0.04")
+    lines = _report(out)
+    assert lines[0].startswith("rank 1 is ") and "idle in 'sleep (injected delay)'" in lines[0], lines
+    assert any(x.startswith("parameter server: ") and "mean staleness" in x for x in lines), lines
+    assert (out / "report" / "ps.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_with_too_few_microbatches_is_named(tmp_path):
+    out = _traced(tmp_path, "--nproc", "2", str(ROOT / "examples" / "gpt_char.py"), "--pp", "2",
+                  "--microbatches", "1", "--steps", "4", "--n-layer", "2", "--log-every", "100")
+    lines = _report(out)
+    bubble = [x for x in lines if x.startswith("pipeline bubble is ")]
+    assert bubble and "1 micro-batch over 2 stages" in bubble[0] and "use more micro-batches" in bubble[0]
+    assert lines.index(bubble[0]) <= 1, lines
+    assert (out / "report" / "pipeline.png").exists()
