@@ -80,6 +80,7 @@ def scaling(paths: list[str], out: str, args) -> str:
     ax.set(xscale="log", xlabel="nodes (one rank each)", ylabel="efficiency vs 1 node",
            title="data-parallel weak scaling", ylim=(0, 1.1))
     ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out, "scaling_efficiency.png")

@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py nodes  --link 1gbit --nodes 1 2 4 8 --cpus-per-node 0.25
     python benchmarks/scaling.py layout --link 1gbit --procs 8 --cpus-per-proc 0.25   # 1x8 .. 8x1
-    python benchmarks/scaling.py ps --link 1gbit --workers 4 --servers 1 2 4 --hidden 1024
+    python benchmarks/scaling.py ps --link 1gbit --workers 4 --servers 1 2 4 --hidden 2048
 
 Needs root (clusters `dt-sc*`, removed afterwards). `nodes` (experiment a): the digits
 MLP (64 -> H -> H -> 10, real scikit-learn digits) under disttrain.DataParallel with a
@@ -15,8 +15,10 @@ alpha and B given on the command line (fit them with benchmarks/allreduce.py).
 parameter servers (Sync policy; S servers, each on a node of its own, so a cluster of W+S
 nodes) and with a ring allreduce of the flat gradient (disttrain.comm.algorithms, a
 cluster of the W worker nodes). Model: every worker pushes its P gradient bytes and
-pulls P parameter bytes, spread over S server links, so push and pull each take
-max(W/S, 1) P/B and a step compute + 2 max(W/S, 1) P/B + 2 alpha; ring:
+pulls P parameter bytes over the S server links, so push and pull each take
+max(W f, 1) P/B, f the busiest server's share of P (the consistent-hash placement of
+the keys, tensors cut at 4 MB: with --hidden 1024 one 4 MB layer is 94 % of P, so use
+2048), and a step compute + 2 max(W f, 1) P/B + 2 alpha; ring:
 compute + 2(W-1)/W P/B + 2(W-1) alpha. The compute is the forward+backward time the
 ring job measures.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -152,6 +155,7 @@ def inner_ps(args) -> None:
 
 def ps_experiment(args) -> list[dict]:
     from disttrain.cluster.model import Links, predict
+    from disttrain.ps.ring import plan_keys
 
     links = Links(alpha=args.alpha_us * 1e-6, link_Bps=args.fit_gbps * 1e9 / 8)
     w, rows = args.workers, []
@@ -160,18 +164,23 @@ def ps_experiment(args) -> list[dict]:
         row = one(w + servers, 1, args, "inner-ps", sizes)
         row.update(servers=servers)
         rows.append(row)
+        print(f"{w} workers, {servers} servers: step {row['step_s'] * 1e3:.1f} ms", file=sys.stderr)
     compute, p = rows[0]["compute_s"], rows[0]["grad_bytes"]
+    shapes = [(n, t.numel(), 4) for n, t in _mlp(args.hidden).named_parameters()]
     print(f"\nps: link {args.link}, {w} workers one per node, MLP hidden {args.hidden} "
           f"({p / 1e6:.2f} MB), batch {args.batch}/worker; model alpha {args.alpha_us:g} us, "
           f"B {args.fit_gbps:g} Gbit/s, compute {compute * 1e3:.1f} ms (measured)")
-    print("| method | nodes | step ms | model step ms | error | samples/s | vs ring |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | nodes | busiest server's share | step ms | model step ms | error | samples/s | vs ring |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["servers"]
+        # NOTE: the busiest server's link carries W x its share of P each way; keys are
+        # placed by the consistent-hash ring (tensors cut at 4 MB), so shares are uneven
+        share = max(sum(c.numel for c in keys) * 4 for keys in plan_keys(shapes, s)) / p if s else 0
         model = compute + (predict("ring", p, w, 1, links) if not s else
-                           2 * max(w / s, 1) * p / links.link_Bps + 2 * links.alpha)
+                           2 * max(w * share, 1) * p / links.link_Bps + 2 * links.alpha)
         name = f"parameter server, S = {s}" if s else "ring allreduce"
-        print(f"| {name} | {r['nodes']} | {r['step_s'] * 1e3:.1f} | {model * 1e3:.1f} | "
+        print(f"| {name} | {r['nodes']} | {f'{share:.2f}' if s else '-'} | {r['step_s'] * 1e3:.1f} | {model * 1e3:.1f} | "
               f"{r['step_s'] / model - 1:+.0%} | {w * args.batch / r['step_s']:.0f} | "
               f"{rows[0]['step_s'] / r['step_s']:.2f} |")
         r["model_s"] = model
@@ -187,21 +196,24 @@ def one(nodes: int, ppn: int, args, inner_name: str = "inner", sizes=None) -> di
     net.up(spec.Cluster(name, nodes, spec.parse_rate(args.link), "switch", cpus_per_node=cpus))
     out = tempfile.mktemp(suffix=".json")
     try:
-        with open(os.devnull, "w") as sink:
+        with open(out + ".log", "w+") as sink:
             code = run.run_in_cluster(
                 name, os.path.abspath(__file__),
                 [inner_name, "--out", out, "--hidden", str(args.hidden), "--batch", str(args.batch),
                  "--model", args.model,
                  "--steps", str(args.steps), "--warmup", str(args.warmup)],
                 **(sizes or {"nproc_per_node": ppn}), out=sink)
+            sink.seek(0)
+            lines = sink.readlines()
         if code:
-            raise RuntimeError(f"{nodes}x{ppn} exited {code}")
+            raise RuntimeError(f"{nodes}x{ppn} exited {code}; its last lines:\n" + "".join(lines[-40:]))
         with open(out) as f:
             row = json.load(f)
     finally:
         net.down(name)
-        if os.path.exists(out):
-            os.remove(out)
+        for path in (out, out + ".log"):
+            if os.path.exists(path):
+                os.remove(path)
     row.update(nodes=nodes, ppn=ppn,
                samples_s=row.get("world", nodes * ppn) * args.batch / row["step_s"])
     return row
