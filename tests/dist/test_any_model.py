@@ -68,3 +68,36 @@ def traced_pipeline():
 @pytest.mark.timeout(150)
 def test_hf_gpt2_traced_pipeline_every_schedule_matches_one_process():
     assert spawn(traced_pipeline, 2, timeout=140) == [True, True]
+
+
+def traced_pipeline_with_data_parallel():
+    mesh = Mesh(pp=2, dp=2)
+    expected = ref.reference() if disttrain.rank() == 0 else None
+    for zero in (0, 2):
+        kw = dict(zero=zero, optimizer_factory=_sgd) if zero else {}
+        out = ref.run_parallel(mesh, microbatches=2, example=ref.make_batch(4), **kw)
+        if disttrain.rank() == 0:
+            ref.assert_matches(out, expected)
+    return True
+
+
+@pytest.mark.timeout(200)
+def test_hf_gpt2_traced_pipeline_with_dp_and_zero_matches_one_process():
+    assert spawn(traced_pipeline_with_data_parallel, 4, timeout=190) == [True] * 4
+
+
+def traced_pipeline_data_tensor():
+    from disttrain.parallel.tensor import gpt2_plan
+
+    mesh = Mesh(pp=2, dp=2, tp=2)
+    expected = ref.reference() if disttrain.rank() == 0 else None
+    out = ref.run_parallel(mesh, plan=gpt2_plan(), microbatches=2, example=ref.make_batch(4))
+    if disttrain.rank() == 0:
+        ref.assert_matches(out, expected)
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_hf_gpt2_pp_dp_tp_on_8_processes_matches_one_process():
+    """TP is applied before tracing: the traced stages hold the sharded layers and f/g."""
+    assert spawn(traced_pipeline_data_tensor, 8, timeout=230) == [True] * 8

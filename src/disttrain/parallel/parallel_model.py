@@ -295,4 +295,8 @@ def _unshard_zero(z: Zero, info: dict, grads: bool, group) -> dict[int, torch.Te
 def _shard_dim(mod: nn.Module, param: str) -> int | None:
     if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
         return mod.shard_dim(param)
-    return 0 if isinstance(mod, VocabParallelEmbedding) else None
+    if isinstance(mod, VocabParallelEmbedding):
+        return 0
+    # NOTE: a traced stage's plain submodule carries its TP layer's shard_dim (trace.py)
+    shard_dim = getattr(mod, "shard_dim", None)
+    return shard_dim(param) if callable(shard_dim) else None

@@ -123,11 +123,14 @@ def _trace_stages(model: nn.Module, mesh: Mesh, cfg: Parallelism, arg: str | Non
     if cfg.example is None:
         raise ValueError(f"{type(model).__name__} has no pipeline_layers(), so parallelize "
                          "traces it: pass example=(x, y), a batch as train_step gets it")
-    if mesh.size("tp") > 1 or cfg.recompute:
-        raise ValueError("a traced pipeline does not combine with tensor parallelism or "
-                         "recompute yet (the trace would inline their collectives and "
-                         "checkpoints); use tp=1, or define pipeline_layers() and a forward "
-                         "that skips missing layers (disttrain.models.GPT)")
+    if cfg.recompute:
+        raise ValueError("a traced pipeline does not combine with recompute yet; use "
+                         "recompute=False, or define pipeline_layers()")
+    if cfg.sequence_parallel:
+        raise ValueError("a traced pipeline does not combine with sequence parallelism (its "
+                         "collectives are not traceable operators); use sequence_parallel="
+                         "False, or define pipeline_layers() and a forward that skips "
+                         "missing layers (disttrain.models.GPT)")
     x, y = (t.chunk(cfg.microbatches)[0] for t in cfg.example)
     return trace_stages(model, (x, y if arg else None), arg, mesh.size("pp"),
                         mesh.local_rank("pp"), cfg.num_virtual, cfg.layers, cfg.costs)

@@ -102,8 +102,8 @@ def _needed(gm: fx.GraphModule) -> set[fx.Node]:
     return seen
 
 
-def _stage_graph(gm, nodes: list[fx.Node], inputs: dict[fx.Node, str], outputs: list[fx.Node],
-                 rename: dict[str, str]) -> fx.GraphModule:
+def _stage_graph(gm, model: nn.Module, nodes: list[fx.Node], inputs: dict[fx.Node, str],
+                 outputs: list[fx.Node], rename: dict[str, str]) -> fx.GraphModule:
     """A GraphModule of `nodes` (in graph order) taking `inputs` (node -> argument name)
     and returning `outputs` (one: that tensor; several: a tuple)."""
     graph, env = fx.Graph(), {}
@@ -120,7 +120,23 @@ def _stage_graph(gm, nodes: list[fx.Node], inputs: dict[fx.Node, str], outputs: 
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    return fx.GraphModule(attrs, graph, class_name="TracedStage")
+    stage = fx.GraphModule(attrs, graph, class_name="TracedStage")
+    _keep_tp_layout(stage, model, attrs)
+    return stage
+
+
+def _keep_tp_layout(stage: fx.GraphModule, model: nn.Module, attrs: dict) -> None:
+    """A traced stage's modules are plain; give each the tensor-parallel layout of the
+    model's module it stands for (shard dim, fused blocks), which full_state_dict and
+    clip_grad_norm_ read."""
+    for path in {t.rpartition(".")[0] for t in attrs}:
+        try:
+            orig = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if callable(getattr(orig, "shard_dim", None)):
+            sub = stage.get_submodule(path)
+            sub.shard_dim, sub.fused = orig.shard_dim, getattr(orig, "fused", 1)
 
 
 def _fetch(gm: nn.Module, target: str):
@@ -170,7 +186,7 @@ def trace_stages(model: nn.Module, example: tuple, target_arg: str | None, num_s
             inputs[t_node] = target_arg
         outputs = _outputs(gm, at, v) if v == parts - 1 else [cross[v + 1]]
         ordered = [n for n in gm.graph.nodes if n in stage_nodes or n in outputs]
-        chunks.append(_stage_graph(gm, ordered, inputs, outputs, rename))
+        chunks.append(_stage_graph(gm, model, ordered, inputs, outputs, rename))
     return chunks, dict(sorted(owner.items(), key=lambda kv: -len(kv[0])))
 
 

@@ -100,12 +100,60 @@ class ScatterLastDim(torch.autograd.Function):
 
 def f(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's f (identity forward, all-reduce backward)."""
+    if torch.compiler.is_exporting():  # NOTE: a traced pipeline keeps f as one node
+        return torch.ops.disttrain.tp_f(x, _group_key(group))
     return MegatronF.apply(x, group)
 
 
 def g(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's g (all-reduce forward, identity backward). Blocks."""
+    if torch.compiler.is_exporting():
+        return torch.ops.disttrain.tp_g(x, _group_key(group))
     return MegatronG.apply(x, group)
+
+
+# ---- f and g as operators, for torch.export (a traced pipeline of a TP'd model) ----
+# NOTE: export inlines an autograd.Function's forward and drops its backward, so the
+# traced stage would all-reduce forward and never backward. As operators with their own
+# autograd, f and g stay single nodes of the traced graph and run the same collectives
+# as MegatronF/G when the stage runs. A process group cannot be an operator argument:
+# it goes by a key into this process's table.
+_GROUPS: dict[str, object] = {}
+
+
+def _group_key(group) -> str:
+    key = f"tp{id(group)}"
+    _GROUPS[key] = group
+    return key
+
+
+@torch.library.custom_op("disttrain::tp_f", mutates_args=())
+def _tp_f(x: torch.Tensor, group: str) -> torch.Tensor:
+    return x.clone()  # NOTE: an operator may not return an alias of its input
+
+
+@torch.library.custom_op("disttrain::tp_g", mutates_args=())
+def _tp_g(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _all_reduce(x.clone(), _GROUPS[group])
+
+
+@_tp_f.register_fake
+def _tp_f_fake(x, group):
+    return torch.empty_like(x)
+
+
+@_tp_g.register_fake
+def _tp_g_fake(x, group):
+    return torch.empty_like(x)
+
+
+def _keep_group(ctx, inputs, output):
+    ctx.group = inputs[1]
+
+
+_tp_f.register_autograd(lambda ctx, grad: (_all_reduce(grad.clone(), _GROUPS[ctx.group]), None),
+                        setup_context=_keep_group)
+_tp_g.register_autograd(lambda ctx, grad: (grad, None), setup_context=_keep_group)
 
 
 def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
