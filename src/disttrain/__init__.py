@@ -10,6 +10,7 @@ from disttrain.mesh import Mesh
 from disttrain.parallel import DataParallel
 from disttrain.parallel.config import Parallelism
 from disttrain.parallel.parallelize import ParallelModel, parallelize, token_loss
+from disttrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from disttrain.parallel.zero import LossScaler, Zero
 from disttrain.runtime import (
     backend,
@@ -37,9 +38,11 @@ __all__ = [
     "NonFiniteGradError",
     "ParallelModel",
     "Parallelism",
+    "SyncBatchNorm",
     "Zero",
     "backend",
     "comm",
+    "convert_sync_batchnorm",
     "data",
     "ps",
     "device",

@@ -4,6 +4,8 @@
 from disttrain.parallel.config import Parallelism
 from disttrain.parallel.data_parallel import DataParallel
 from disttrain.parallel.parallelize import ParallelModel, parallelize, token_loss
+from disttrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from disttrain.parallel.zero import Zero
 
-__all__ = ["DataParallel", "ParallelModel", "Parallelism", "Zero", "parallelize", "token_loss"]
+__all__ = ["DataParallel", "ParallelModel", "Parallelism", "SyncBatchNorm", "Zero",
+           "convert_sync_batchnorm", "parallelize", "token_loss"]

@@ -55,6 +55,12 @@ class Parallelism:
     """DataParallel only: allow parameters that get no gradient in a step."""
     check_finite: bool = False
     """DataParallel only: raise, naming parameter and rank, on a NaN/inf local gradient."""
+    broadcast_buffers: bool = True
+    """DataParallel and ZeRO: copy dp rank 0's buffers (BatchNorm running statistics) to the
+    other replicas before each training forward, as DDP does."""
+    sync_batchnorm: bool = False
+    """Convert the model's BatchNorm layers to `disttrain.SyncBatchNorm` over the dp group
+    (batch statistics of the whole global batch), before anything else."""
     loss_fn: Callable | None = None
     """loss(output, target) on the last stage; default token cross-entropy (vocab-parallel
     over tp when tp > 1). Return the plain fp32 loss: under fp16 parallelize scales it."""
@@ -130,10 +136,10 @@ class Parallelism:
         """Keywords for `DataParallel` (zero=0)."""
         return {"bucket_mb": self.bucket_mb, "compression": self.compression,
                 "find_unused": self.find_unused, "check_finite": self.check_finite,
-                "algorithm": self.algorithm}
+                "algorithm": self.algorithm, "broadcast_buffers": self.broadcast_buffers}
 
     def zero_options(self) -> dict[str, Any]:
         """Keywords for `Zero` (zero >= 1), besides the group and the tied copies."""
         return {"bucket_mb": self.bucket_mb, "precision": self.precision,
                 "loss_scaler": self.loss_scaler, "reduce_dtype": self.reduce_dtype,
-                "param_groups": self.param_groups}
+                "param_groups": self.param_groups, "broadcast_buffers": self.broadcast_buffers}

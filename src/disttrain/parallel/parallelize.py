@@ -34,6 +34,7 @@ from disttrain.parallel.pipeline.split import layer_costs, layer_names, partitio
 from disttrain.parallel.pipeline.tied import TiedWeights, build_tied, retie, tied_names
 from disttrain.parallel.pipeline.trace import trace_stages
 from disttrain.parallel.recompute import apply_recompute, recompute_names
+from disttrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from disttrain.parallel.tensor import apply_tp, plan_for, vocab_parallel_cross_entropy
 from disttrain.parallel.zero import Zero
 
@@ -73,6 +74,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
     device = next(model.parameters()).device
     # NOTE: TP first (it must see whole layers), then recompute (wraps the sharded layers),
     # then the stage split, then DP/ZeRO (it must see one stage's final shards).
+    if cfg.sync_batchnorm:
+        convert_sync_batchnorm(model, mesh.group("dp"))
     if tp > 1:
         _apply_tp(model, mesh, plan, cfg.sequence_parallel, tied)
     if cfg.recompute:
@@ -126,6 +129,10 @@ def _trace_stages(model: nn.Module, mesh: Mesh, cfg: Parallelism, arg: str | Non
     if cfg.recompute:
         raise ValueError("a traced pipeline does not combine with recompute yet; use "
                          "recompute=False, or define pipeline_layers()")
+    if any(isinstance(m, SyncBatchNorm) for m in model.modules()):
+        raise ValueError("a traced pipeline does not combine with SyncBatchNorm (torch.export "
+                         "cannot trace its all-reduce); use sync_batchnorm=False (each dp "
+                         "replica normalizes its own micro-batch), or pp=1")
     if cfg.sequence_parallel:
         raise ValueError("a traced pipeline does not combine with sequence parallelism (its "
                          "collectives are not traceable operators); use sequence_parallel="

@@ -84,16 +84,24 @@ def _free_nodes(gm: fx.GraphModule, trained: set[str]) -> set[fx.Node]:
         if node.op == "get_attr":
             if node.target not in trained:
                 free.add(node)
-        elif node.op in ("call_function", "call_method") and \
+        elif node.op in ("call_function", "call_method") and not _updates_state(node) and \
                 all(n in free for n in node.all_input_nodes):
             free.add(node)
     return free
 
 
+def _updates_state(node: fx.Node) -> bool:
+    """An in-place op on a model buffer (BatchNorm's num_batches_tracked += 1)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target._schema.is_mutable and bool(node.args)
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr")
+
+
 def _needed(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes the output depends on (drops assertions and other dead ends)."""
+    """Nodes the output or a buffer update depends on (drops assertions, dead ends)."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    seen, todo = set(), [out_node]
+    seen, todo = set(), [out_node] + [n for n in gm.graph.nodes if _updates_state(n)]
     while todo:
         n = todo.pop()
         if n not in seen:

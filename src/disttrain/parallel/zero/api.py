@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from disttrain.comm.buckets import mb_to_bytes
+from disttrain.comm.collectives import broadcast_tensors
 from disttrain.comm.reducer import check_algorithm
 from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm, groups, mixed
@@ -57,6 +58,8 @@ class Zero(nn.Module):
         "ring", "halving-doubling", "tree", "hierarchical" or "auto" (comm/algorithms.py;
         buckets still overlap backward). Stages 1-3 reduce-scatter with the backend's
         own and take "native" only.
+    broadcast_buffers: re-broadcast buffers (BatchNorm running statistics) from group rank
+        0 before each training forward, as DataParallel and DDP do (default True).
 
     Construction blocks (parameters and buffers are broadcast from group rank 0).
     `model.optimizer.step()` blocks until the step's collectives are done.
@@ -67,7 +70,8 @@ class Zero(nn.Module):
                  precision: str = "fp32", loss_scaler: mixed.LossScaler | None = None,
                  param_groups: groups.ParamGroups = None,
                  reduce_dtype: torch.dtype | None = None, overflow_group: Any = "group",
-                 separate: Iterable[nn.Parameter] = (), algorithm: str = "native"):
+                 separate: Iterable[nn.Parameter] = (), algorithm: str = "native",
+                 broadcast_buffers: bool = True):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"Zero wraps an nn.Module, got {type(module).__name__}")
@@ -82,6 +86,7 @@ class Zero(nn.Module):
         if dist.get_rank(group) < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the group it was given")
         self.module, self.stage, self.group, self.precision = module, stage, group, precision
+        self.broadcast_buffers = broadcast_buffers
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.overflow_group = group if isinstance(overflow_group, str) else overflow_group
         if dist.get_rank(self.overflow_group) < 0:
@@ -119,6 +124,9 @@ class Zero(nn.Module):
         self.optimizer = ZeroOptimizer(layout, inner, scaler)
 
     def forward(self, *args, **kwargs):
+        buffers = list(self.module.buffers()) if self.broadcast_buffers else []
+        if buffers and self.training and torch.is_grad_enabled():
+            broadcast_tensors(buffers, 0, self.group)  # NOTE: as DDP; blocks
         if self.dtype is not None:  # floating inputs follow the module (FSDP's cast_forward_inputs)
             args, kwargs = tree_map(self._cast, (args, kwargs))
         return self.module(*args, **kwargs)
