@@ -9,6 +9,7 @@ plan, and train_step passes the targets to it as `labels=` and reads its `.loss`
     disttrain run --nproc 4 examples/hf_gpt2.py --pp 2 --dp 2
     disttrain run --nproc 2 examples/hf_gpt2.py --tp 2
     disttrain run --nproc 2 examples/hf_gpt2.py --dp 2 --zero 3
+    disttrain run --nproc 8 examples/hf_gpt2.py --pp 2 --dp 2 --tp 2 --recompute
 
 Needs `pip install transformers` (in the dev extra).
 """
@@ -30,6 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel shards (gpt2 plan)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    p.add_argument("--recompute", action="store_true", help="recompute each block in backward")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
@@ -55,6 +57,7 @@ def main(argv=None):
     config = disttrain.Parallelism(
         schedule=args.schedule, microbatches=args.microbatches, zero=args.zero,
         num_virtual=2 if args.schedule == "interleaved" else 1, example=(x, x),
+        recompute=[f"transformer.h.{i}" for i in range(cfg.n_layer)] if args.recompute else False,
         optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     model = disttrain.parallelize(model, mesh, "auto" if args.tp > 1 else None, config)
     opt = model.optimizer

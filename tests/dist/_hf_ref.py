@@ -58,13 +58,16 @@ def reference(steps=STEPS, batch=8, kind="gpt2"):
     return out, grads0, params(model)
 
 
-def run_parallel(mesh, steps=STEPS, batch=8, plan=None, kind="gpt2", **kw):
-    """Train on `mesh`; rank 0 returns (losses and norms, grads0, params), others None."""
+def run_parallel(mesh, steps=STEPS, batch=8, plan=None, kind="gpt2", probe=None, **kw):
+    """Train on `mesh`; rank 0 returns (losses and norms, grads0, params), others None.
+    probe: a dict that receives the ParallelModel as probe["model"]."""
     model = make_model(kind)
     x, y = make_batch(batch)
     dp, d = mesh.size("dp"), mesh.local_rank("dp")
     x, y = x.chunk(dp)[d], y.chunk(dp)[d]
     pm = parallelize(model, mesh, plan, **kw)
+    if probe is not None:
+        probe["model"] = pm
     opt = pm.optimizer or torch.optim.SGD(pm.parameters(), lr=LR)
     out, grads0 = [], None
     for s in range(steps):

@@ -125,18 +125,20 @@ def data_parallel_and_zero():
     return True
 
 
-@pytest.mark.timeout(200)
-def test_hf_resnet_data_parallel_and_zero_batchnorm():
-    assert spawn(data_parallel_and_zero, 2, timeout=190) == [True, True]
-
-
 def traced_pipeline():
     expected = reference(parts=2)  # two micro-batches, in order, on every stage
     out = run(Mesh(pp=2), microbatches=2, example=make_batch())
     check(out, expected)  # each stage's own BatchNorm buffers
+    with pytest.raises(ValueError, match="does not combine with SyncBatchNorm"):
+        disttrain.parallelize(make_model(), Mesh(pp=2), None, sync_batchnorm=True,
+                              example=make_batch())
     return True
 
 
-@pytest.mark.timeout(200)
-def test_hf_resnet_traced_pipeline_matches_one_process():
-    assert spawn(traced_pipeline, 2, timeout=190) == [True, True]
+def both():
+    return data_parallel_and_zero() and traced_pipeline()
+
+
+@pytest.mark.timeout(300)
+def test_hf_resnet_batchnorm_under_dp_zero_and_traced_pipeline():
+    assert spawn(both, 2, timeout=290) == [True, True]

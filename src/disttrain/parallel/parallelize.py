@@ -28,11 +28,12 @@ from disttrain.mesh import Mesh
 from disttrain.parallel.config import Parallelism
 from disttrain.parallel.model_loss import read_loss, target_arg
 from disttrain.parallel.parallel_model import ChunkOptimizers, ParallelModel, param_info, stage_of
+from disttrain.parallel.pipeline.recompute_traced import recompute_regions
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.schedules import make_schedule
 from disttrain.parallel.pipeline.split import layer_costs, layer_names, partition, split_model
 from disttrain.parallel.pipeline.tied import TiedWeights, build_tied, retie, tied_names
-from disttrain.parallel.pipeline.trace import trace_stages
+from disttrain.parallel.pipeline.trace import repeated_blocks, trace_stages
 from disttrain.parallel.recompute import apply_recompute, recompute_names
 from disttrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from disttrain.parallel.tensor import apply_tp, plan_for, vocab_parallel_cross_entropy
@@ -78,7 +79,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
         convert_sync_batchnorm(model, mesh.group("dp"))
     if tp > 1:
         _apply_tp(model, mesh, plan, cfg.sequence_parallel, tied)
-    if cfg.recompute:
+    if cfg.recompute and not traced:  # NOTE: a traced stage checkpoints its graph (below)
         apply_recompute(model, recompute_names(model, cfg.recompute))
     if traced:
         chunks, owner = _trace_stages(model, mesh, cfg, arg)
@@ -126,9 +127,6 @@ def _trace_stages(model: nn.Module, mesh: Mesh, cfg: Parallelism, arg: str | Non
     if cfg.example is None:
         raise ValueError(f"{type(model).__name__} has no pipeline_layers(), so parallelize "
                          "traces it: pass example=(x, y), a batch as train_step gets it")
-    if cfg.recompute:
-        raise ValueError("a traced pipeline does not combine with recompute yet; use "
-                         "recompute=False, or define pipeline_layers()")
     if any(isinstance(m, SyncBatchNorm) for m in model.modules()):
         raise ValueError("a traced pipeline does not combine with SyncBatchNorm (torch.export "
                          "cannot trace its all-reduce); use sync_batchnorm=False (each dp "
@@ -139,8 +137,14 @@ def _trace_stages(model: nn.Module, mesh: Mesh, cfg: Parallelism, arg: str | Non
                          "False, or define pipeline_layers() and a forward that skips "
                          "missing layers (disttrain.models.GPT)")
     x, y = (t.chunk(cfg.microbatches)[0] for t in cfg.example)
-    return trace_stages(model, (x, y if arg else None), arg, mesh.size("pp"),
-                        mesh.local_rank("pp"), cfg.num_virtual, cfg.layers, cfg.costs)
+    chunks, owner = trace_stages(model, (x, y if arg else None), arg, mesh.size("pp"),
+                                 mesh.local_rank("pp"), cfg.num_virtual, cfg.layers, cfg.costs)
+    if cfg.recompute:  # True: the blocks the pipeline is cut between
+        regions = (recompute_names(model, cfg.recompute) if cfg.recompute is not True
+                   else list(cfg.layers or repeated_blocks(model)))
+        for chunk in chunks:
+            recompute_regions(chunk, regions)
+    return chunks, owner
 
 
 def _tie_stages(chunks, tied, owner: dict, mesh: Mesh) -> TiedWeights:
