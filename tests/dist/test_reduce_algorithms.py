@@ -1,4 +1,5 @@
-"""DataParallel and ZeRO stage 0 with every allreduce algorithm against one process.
+"""DataParallel and ZeRO stage 0 with every allreduce algorithm against one process;
+ZeRO stages 1-2 with the ring reduce-scatter.
 
 Both strategies reduce their buckets through the shared comm.reducer.BucketReducer; with
 `algorithm=` the buckets go through comm/algorithms.py on a thread. In float64 a world-N
@@ -86,6 +87,15 @@ def run_algorithms(group, logs, calls, label):
         before = algorithm_calls()
         logs[(label, "zero0", algo)] = train(zero, zero.optimizer, params, rank, world)
         calls[(label, "zero0", algo)] = (before, algorithm_calls(), len(zero.engine.buckets))
+    for stage in (1, 2):  # ZeRO's reduce-scatter by ring (rank r keeps chunk r)
+        net = Net(seed=rank)
+        zero = disttrain.Zero(net, sgd, stage=stage, bucket_mb=BUCKET_MB, algorithm="ring",
+                              group=group)
+        params = list(net.parameters())
+        before = algorithm_calls()
+        logs[(label, f"zero{stage}", "ring")] = train(zero, zero.optimizer, params, rank, world)
+        calls[(label, f"zero{stage}", "ring")] = (before, algorithm_calls(),
+                                                  len(zero.engine.buckets))
     # compression on the wire with an algorithm: the fp16 wire tensor is what the ring sums
     net = Net(seed=rank)
     dp = disttrain.DataParallel(net, bucket_mb=BUCKET_MB, algorithm="ring", compression="fp16",
@@ -141,7 +151,7 @@ def world_logs(request, all_logs):
 
 
 CASES = [(kind, algo) for algo in ALGORITHMS for kind in ("dp", "zero0")] + \
-    [("dp-fp16", "ring"), ("dp-unused", "ring")]
+    [("zero1", "ring"), ("zero2", "ring"), ("dp-fp16", "ring"), ("dp-unused", "ring")]
 
 
 @pytest.mark.parametrize("kind,algo", CASES)
@@ -156,8 +166,11 @@ def test_equals_single_process_and_ranks_agree(world_logs, kind, algo):
             where = f"{kind} {algo} world {world} rank {rank} step {step}"
             _close(got["out"], want["out"][r * n:(r + 1) * n], 1e-12 if step == 0 else tol,
                    f"{where} output")
+            # NOTE: ZeRO 1-2 keep only this rank's chunk of the gradient (checked through
+            # the parameters the sharded step produces)
             for i, (g, w) in enumerate(zip(got["grads"], want["grads"])):
-                _close(g, w, tol, f"{where} grad {i}")
+                if kind not in ("zero1", "zero2"):
+                    _close(g, w, tol, f"{where} grad {i}")
             for i, (p, w) in enumerate(zip(got["params"], want["params"])):
                 _close(p, w, tol, f"{where} param {i}")
     for step in range(STEPS):  # replicas bitwise equal (all four: both pairs too)
@@ -178,15 +191,27 @@ def test_buckets_run_the_algorithm_asked_for(world_logs, algo):
         assert after.get(op, 0) - before.get(op, 0) >= buckets * STEPS, (kind, algo, after)
         if algo != "native":  # no bucket fell back to the backend's own all_reduce
             assert after.get("all_reduce", 0) == before.get("all_reduce", 0), (kind, algo)
+    if algo == "ring":  # ZeRO 1-2: every bucket's reduce-scatter went round the ring
+        for kind in ("zero1", "zero2"):
+            before, after, buckets = results[0]["calls"][(kind, algo)]
+            op = "reduce_scatter[ring]"
+            assert after.get(op, 0) - before.get(op, 0) >= buckets * STEPS, (kind, after)
+            assert after.get("reduce_scatter", 0) == before.get("reduce_scatter", 0), kind
 
 
 def test_bad_algorithm_and_zero_stages_refuse():
     with pytest.raises(ValueError, match="unknown allreduce algorithm 'rign'.*ring"):
         disttrain.DataParallel(nn.Linear(2, 2), algorithm="rign")
-    with pytest.raises(ValueError, match="stage 2 reduce-scatters.*stage=0.*'native'"):
-        disttrain.Zero(nn.Linear(2, 2), sgd, stage=2, algorithm="ring")
+    with pytest.raises(ValueError, match="stage 2 reduce-scatters.*'ring' or 'native'.*stage=0"):
+        disttrain.Zero(nn.Linear(2, 2), sgd, stage=2, algorithm="tree")
+    with pytest.raises(ValueError, match="stage 3 .* use algorithm='native'"):
+        disttrain.Zero(nn.Linear(2, 2), sgd, stage=3, algorithm="ring")
     with pytest.raises(ValueError, match="unknown allreduce algorithm"):
         disttrain.Parallelism(algorithm="Ring")
-    with pytest.raises(ValueError, match="algorithm is a DataParallel option.*zero=0"):
-        disttrain.Parallelism(zero=1, optimizer_factory=sgd, algorithm="ring")
+    with pytest.raises(ValueError, match="zero=1: ZeRO stages 1-2 reduce-scatter"):
+        disttrain.Parallelism(zero=1, optimizer_factory=sgd, algorithm="hierarchical")
+    with pytest.raises(ValueError, match="stage 3 takes 'native' only"):
+        disttrain.Parallelism(zero=3, optimizer_factory=sgd, algorithm="ring")
+    assert disttrain.Parallelism(zero=2, optimizer_factory=sgd,
+                                 algorithm="ring").zero_options()["algorithm"] == "ring"
     assert disttrain.Parallelism(algorithm="tree").data_parallel_options()["algorithm"] == "tree"

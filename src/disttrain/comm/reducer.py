@@ -13,24 +13,26 @@ stages `grad / world` into bucket views and compresses on the wire (data_paralle
 ZeRO keeps `.grad` views of flat buffers and feeds its shard gradients (zero/flat.py).
 The collective itself is a callback too: `all_reduce_async(t, algorithm, group)` (the
 allreduce algorithms of comm/algorithms.py, overlapping backward on one thread per
-group), or ZeRO's reduce-scatter. Nothing here knows a strategy.
+group), or ZeRO's reduce-scatter (the backend's, or `ring_reduce_scatter_async`).
+Nothing here knows a strategy.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
 
-__all__ = ["BucketReducer", "all_reduce_async", "check_algorithm"]
+__all__ = ["BucketReducer", "all_reduce_async", "check_algorithm", "ring_reduce_scatter_async"]
 
 _engine = torch.autograd.Variable._execution_engine
-_runners: dict = {}  # (algorithm, global ranks) -> AsyncAllReduce, one thread each
-_runners_lock = threading.Lock()
+_pools: dict = {}  # global ranks of a group -> its one algorithm thread
+_pools_lock = threading.Lock()
 
 
 def check_algorithm(algorithm: str, owner: str) -> str:
@@ -43,23 +45,63 @@ def check_algorithm(algorithm: str, owner: str) -> str:
     return algorithm
 
 
+def _submit(group, fn, *args):
+    """Run fn(*args) on `group`'s algorithm thread (one per group, calls in submission
+    order, so two reducers on one group never interleave their point-to-point messages);
+    returns a Future whose `wait()` blocks and re-raises."""
+    key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = ThreadPoolExecutor(max_workers=1,
+                                                    thread_name_prefix="disttrain-reduce")
+    fut = pool.submit(fn, *args)
+    fut.wait = fut.result  # NOTE: the handle shape the reducer waits on (torch Work.wait)
+    return fut
+
+
 def all_reduce_async(tensor: torch.Tensor, algorithm: str = "native", group=None):
     """Start summing `tensor` in place over `group`; returns a handle whose `wait()` blocks.
 
     "native" is the backend's own asynchronous all_reduce (gloo's ring, NCCL). Any other
-    algorithm runs on one thread per (algorithm, group), in submission order, so ranks that
-    submit in the same order run the same reductions in the same order.
+    algorithm (comm/algorithms.py) runs on the group's algorithm thread.
     """
     if algorithm == "native":
         return ops.all_reduce(tensor, group=group, async_op=True)
-    from disttrain.comm.algorithms import AsyncAllReduce
+    from disttrain.comm.algorithms import all_reduce
 
-    key = (algorithm, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
-    with _runners_lock:
-        runner = _runners.get(key)
-        if runner is None:
-            runner = _runners[key] = AsyncAllReduce(algorithm, group)
-    return runner.submit(tensor)
+    return _submit(group, all_reduce, tensor, algorithm, group)
+
+
+def ring_reduce_scatter_async(tensor: torch.Tensor, group=None):
+    """Start a ring reduce-scatter of `tensor` (1-D, numel a multiple of N) in place:
+    chunk r of N equal chunks ends holding the sum on group rank r (the other chunks hold
+    partial sums). Runs on the group's algorithm thread; returns a Future (`wait()`)."""
+    return _submit(group, _ring_reduce_scatter, tensor, group)
+
+
+def _ring_reduce_scatter(tensor: torch.Tensor, group) -> None:
+    from disttrain.comm.algorithms import ring_reduce_scatter
+
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    n, me = len(ranks), ranks.index(dist.get_rank())
+    if tensor.dim() != 1 or tensor.numel() % n or not tensor.is_contiguous():
+        raise ValueError(f"ring reduce-scatter needs a contiguous 1-D tensor whose length is a "
+                         f"multiple of the group size {n}; got shape {tuple(tensor.shape)}")
+    if n == 1:
+        return
+    rec = ops.recorder()
+    entry = rec.start("reduce_scatter[ring]", "world" if group in (None, dist.group.WORLD)
+                      else f"group [{','.join(map(str, ranks))}]", ranks,
+                      [list(tensor.shape)], str(tensor.dtype).replace("torch.", ""))
+    try:
+        # NOTE: ring_reduce_scatter leaves index i holding chunk i+1; renumbering the same
+        # ring one place back makes rank r hold chunk r, as ZeRO's shards are laid out.
+        ring_reduce_scatter(tensor, ranks[1:] + ranks[:1], (me - 1) % n)
+    except Exception as err:  # noqa: BLE001 - becomes the recorded CollectiveError
+        message = rec.fail(entry, err)
+        raise ops.CollectiveError(message, entry, rec.status == "timeout") from err
+    rec.end(entry)
 
 
 class BucketReducer:

@@ -48,9 +48,10 @@ class Parallelism:
     compression: Any = None
     """DataParallel only: "fp16", "bf16" or a Compression object for the dp all-reduce."""
     algorithm: str = "native"
-    """DataParallel only: how the dp gradient buckets are all-reduced: "native" (the
-    backend's own), "ring", "halving-doubling", "tree", "hierarchical" or "auto"
-    (disttrain.comm.algorithms). ZeRO stages 1-3 reduce-scatter with the backend's own."""
+    """How the dp gradient buckets are reduced. zero=0 (DataParallel) all-reduces:
+    "native" (the backend's own), "ring", "halving-doubling", "tree", "hierarchical" or
+    "auto" (disttrain.comm.algorithms). zero=1-2 reduce-scatter: "native" or "ring".
+    zero=3: "native"."""
     find_unused: bool = False
     """DataParallel only: allow parameters that get no gradient in a step."""
     check_finite: bool = False
@@ -105,8 +106,12 @@ class Parallelism:
                 raise ValueError(f"{name} is a ZeRO option: add zero=1, 2 or 3 (mixed precision "
                                  "keeps fp32 masters in ZeRO's sharded optimizer state)")
         check_algorithm(self.algorithm, "Parallelism")
+        if self.zero and self.algorithm not in ("native", "ring") or \
+                self.zero == 3 and self.algorithm != "native":
+            raise ValueError(f"algorithm={self.algorithm!r} with zero={self.zero}: ZeRO stages 1-2 "
+                             "reduce-scatter gradients ('native' or 'ring'), stage 3 takes "
+                             "'native' only; the other algorithms all-reduce (zero=0)")
         dp_only = {"compression": self.compression is not None, "find_unused": self.find_unused,
-                   "algorithm": self.algorithm != "native",
                    "check_finite": self.check_finite}
         for name, used in dp_only.items():
             if used and self.zero:
@@ -142,4 +147,5 @@ class Parallelism:
         """Keywords for `Zero` (zero >= 1), besides the group and the tied copies."""
         return {"bucket_mb": self.bucket_mb, "precision": self.precision,
                 "loss_scaler": self.loss_scaler, "reduce_dtype": self.reduce_dtype,
-                "param_groups": self.param_groups, "broadcast_buffers": self.broadcast_buffers}
+                "param_groups": self.param_groups, "broadcast_buffers": self.broadcast_buffers,
+                "algorithm": self.algorithm}

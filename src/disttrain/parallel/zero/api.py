@@ -54,10 +54,10 @@ class Zero(nn.Module):
     separate: parameters that get a flat buffer (stage 3: a unit) of their own, so every
         group of the same size shards them at the same offsets (parallelize: weights
         tied across pipeline stages; `separate_grad(p)` then gives their shard gradient).
-    algorithm: stage 0's gradient all-reduce: "native" (the backend's own, default),
-        "ring", "halving-doubling", "tree", "hierarchical" or "auto" (comm/algorithms.py;
-        buckets still overlap backward). Stages 1-3 reduce-scatter with the backend's
-        own and take "native" only.
+    algorithm: how gradient buckets are reduced. Stage 0 all-reduces: "native" (the
+        backend's own, default), "ring", "halving-doubling", "tree", "hierarchical" or
+        "auto" (comm/algorithms.py; buckets still overlap backward). Stages 1-2
+        reduce-scatter: "native" or "ring". Stage 3: "native" only.
     broadcast_buffers: re-broadcast buffers (BatchNorm running statistics) from group rank
         0 before each training forward, as DataParallel and DDP do (default True).
 
@@ -216,11 +216,14 @@ def _check_arguments(optimizer_factory, precision: str, loss_scaler) -> None:
 
 def _check_algorithm(algorithm: str, stage: int) -> str:
     check_algorithm(algorithm, "Zero")
-    if stage and algorithm != "native":
-        raise ValueError(f"Zero: algorithm={algorithm!r} chooses how stage 0 all-reduces "
-                         f"gradients; stage {stage} reduce-scatters them (and all-gathers "
-                         "parameters) with the backend's own collectives. Use stage=0 with "
-                         "this algorithm, or algorithm='native'")
+    if stage in (1, 2) and algorithm not in ("native", "ring"):
+        raise ValueError(f"Zero: stage {stage} reduce-scatters gradients, which the backend "
+                         f"('native') or a ring does, not {algorithm!r}: pass algorithm='ring' "
+                         f"or 'native', or stage=0 to all-reduce with {algorithm!r}")
+    if stage == 3 and algorithm != "native":
+        raise ValueError(f"Zero: stage 3 reduce-scatters and gathers layer by layer with the "
+                         f"backend's own collectives; algorithm={algorithm!r} applies to stages "
+                         "0-2 (ring at 1-2): use algorithm='native' or a lower stage")
     return algorithm
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
-from disttrain.comm.reducer import all_reduce_async
+from disttrain.comm.reducer import all_reduce_async, ring_reduce_scatter_async
 
 __all__ = ["CommStats", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
 
@@ -95,12 +95,20 @@ def all_reduce(t: torch.Tensor, group, stats: CommStats, async_op: bool = False,
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
-                   async_op: bool = False):
+                   async_op: bool = False, algorithm: str = "native"):
     """out (numel/N,) <- this rank's chunk of sum over ranks of inp (numel,).
 
     `out` may alias this rank's chunk of `inp` (in place). Handle when `async_op`.
+    algorithm="ring" (async, in place only): comm.reducer's ring reduce-scatter.
     """
     n = dist.get_world_size(group)
+    if algorithm == "ring":
+        r = dist.get_rank(group)
+        if not async_op or out.data_ptr() != inp[r * out.numel():].data_ptr():
+            raise ValueError("the ring reduce-scatter runs async and in place "
+                             "(out = this rank's chunk of inp)")
+        stats.add("reduce_scatter", _ring(n) * inp.numel() * inp.element_size())
+        return ring_reduce_scatter_async(inp, group)
     if not _FLAT:  # old torch: all_reduce a copy, keep our chunk
         tmp = inp.clone()
         all_reduce(tmp, group, stats)

@@ -174,13 +174,14 @@ class FlatShards:
 
     def _reduce(self, t: torch.Tensor):
         """Start bucket tensor `t`'s collective: all-reduce (stage 0, with `algorithm`) or
-        reduce-scatter into this rank's own chunk of `t`, in place (stages 1-2)."""
+        reduce-scatter into this rank's own chunk of `t`, in place (stages 1-2; the
+        backend's, or with algorithm="ring" the ring's)."""
         if self.stage == 0:
             return comm.all_reduce(t, self.group, self.stats, async_op=True,
                                    algorithm=self.algorithm)
         size = t.numel() // self.world
         return comm.reduce_scatter(t[self.rank * size:(self.rank + 1) * size], t, self.group,
-                                   self.stats, async_op=True)
+                                   self.stats, async_op=True, algorithm=self.algorithm)
 
     @torch.no_grad()
     def _prepare(self, k: int):
