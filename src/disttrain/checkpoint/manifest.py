@@ -1,20 +1,13 @@
 """The checkpoint manifest: one JSON file saying what every other file holds.
 
 A checkpoint is a folder `step_00000100/` with one safetensors file per writing rank and
-`manifest.json`:
-
-    {"format": "disttrain-checkpoint", "version": 1, "step": 100, "world_size": 4,
-     "files":   {"rank00000.safetensors": {"sha256": "...", "bytes": 1234}, ...},
-     "tensors": {"model/fc.weight": {"dtype": "float32", "global_shape": [8, 4],
-                 "pieces": [{"file": "rank00000.safetensors", "offsets": [0, 0],
-                             "shape": [4, 4]}, ...]}, ...},
-     "trees":   {"model": <skeleton>, "optimizer": <skeleton>, "extra": <skeleton>},
-     "ranks":   [{"rng": {...}, "loader": {...}}, ...]}      # one entry per saving rank
-
-Inside a file a piece is stored under its tensor's name (a rank holds one piece of each
-tensor). Skeletons are the JSON trees of checkpoint/state.py. Like Megatron's
-dist-checkpointing and torch.distributed.checkpoint, the pieces are slices of global
-tensors, so any layout can read any other (checkpoint/reshard.py).
+`manifest.json`: the step, the saving world size, each file's SHA-256 and size, each
+tensor's dtype, global shape and the pieces (file, offsets, shape) that hold it, the
+JSON skeletons of the model / optimizer / extra trees (checkpoint/state.py) and each
+saving rank's RNG and loader state. Like Megatron's dist-checkpointing and
+torch.distributed.checkpoint, the pieces are slices of global tensors, so any layout can
+read any other (checkpoint/reshard.py). The JSON layout, field by field:
+docs/design/checkpoints.md ("Notes from checkpoint/manifest.py").
 
 Pure code plus JSON parsing; every malformed field raises CorruptCheckpointError.
 """

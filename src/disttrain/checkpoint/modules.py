@@ -3,17 +3,12 @@
 A tensor-parallel model holds slices of its weights under the names the unsharded model
 uses (`blocks.0.attn.qkv.weight` is rows [r*n/tp, (r+1)*n/tp) of the full weight); a
 pipeline stage holds a disjoint subset of those names; a `ParallelModel` holds one or
-more stage chunks. Here both are described as the Checkpoints protocol wants
-(docs/design/checkpoints.md): every tensor under its global name, a sharded one as a `ShardedTensor`
-(global shape, this rank's offsets). The TP layers say their own slice through their
-`sharded_state_dict()` (parallel/tensor/layers.py); this module walks a model to collect them.
-
-A plain torch optimizer keys its state by parameter *position*, which differs between
-layouts. For such models `optimizer_state` re-keys it by parameter name, with each
-state tensor shaped like its parameter (momentum, Adam moments) sliced as the parameter
-is, and scalars (Adam's `step`) replicated, as torch.distributed.checkpoint's
-`get_optimizer_state_dict` does with FQNs. So a tp=2, pp=2 optimizer loads into a
-single process's plain optimizer and back.
+more stage chunks. Here both are described as the Checkpoints protocol wants: every
+tensor under its global name, a sharded one as a `ShardedTensor` (global shape, this
+rank's offsets). The TP layers say their own slice through `sharded_state_dict()`
+(parallel/tensor/layers.py); this module walks a model to collect them, and
+`optimizer_state` re-keys a plain torch optimizer's state by parameter name (why and
+how: docs/design/checkpoints.md, "Tensor and pipeline parallel models").
 
 Pure code: no processes, no files (TP layers read their rank from their group).
 """

@@ -4,19 +4,12 @@ A message of m bytes costs alpha + m / B on a link of B bytes/s (Hockney 1994; t
 form used by Thakur, Rabenseifner & Gropp 2005 and by NCCL's tuner). The cluster is
 M nodes of L ranks each (node-major ranks, N = M L); every node has one link of
 `link_Bps` that its L ranks share, and ranks on one node talk at `local_Bps` with
-latency `local_alpha`. Pure functions: no processes, no torch.
+latency `local_alpha`. Each step of an algorithm costs the slowest transfer of that
+step; the per-algorithm formulas (ring, hierarchical, halving-doubling, tree) and a
+worked 4 x 2 example: docs/cluster.md ("Notes from cluster/model.py").
 
-Predictions for S bytes (each step costs the slowest transfer of that step):
-  ring               2(N-1) steps, S/N per step; with M > 1 one chunk per step
-                     crosses every node link: 2(N-1) alpha + 2(N-1)/N S/B
-  hierarchical       2(L-1) local steps of S/L, then 2(M-1) steps in which the L rings
-                     of a node together move S/M over its link: + 2(M-1)/M S/B
-  halving-doubling   2 log2 P steps (P = largest power of two <= N; 2 more to fold the
-                     rest), step k moves S/2^k; a step whose partners are d >= L ranks
-                     apart puts all L ranks of a node on its link at once
-  tree               2 ceil(log2 N) steps of the whole S; one sender per node per step
-Example, 4 nodes x 2 ranks (N = 8): ring 14 alpha + 1.75 S/B; hierarchical
-6 alpha + 1.5 S/B + 2 local steps of S/2.
+Who talks to whom: comm/algorithms.py's `auto` and benchmarks/allreduce.py ask it for
+predictions. Pure functions: no processes, no torch.
 """
 
 from __future__ import annotations

@@ -4,20 +4,14 @@ Who talks to whom: launch/job.py hands `report_failures` torch elastic's Process
 failed rank (exit code, pid, the error file `entry.py` wrote) and the job's report
 folder; hang_report.py reads every rank's flight-recorder state from that folder.
 
-How the cause is chosen (docs/design/launcher.md, "What the launcher shows"): each failed rank
-is classified by what it recorded, not by how it ended, because the agent stops (SIGTERM)
-every other rank as soon as it sees one fail, and the rank that raised may be the one
-stopped while it runs its exit handlers:
-
-- causes: `exception` (the script raised), `exit` (sys.exit with a nonzero code),
-  `signal` (killed: SIGKILL, SIGSEGV...), `code` (a nonzero exit with nothing recorded);
-- consequences: `peer-lost` (a collective failed because another rank left), `timeout`
-  (a collective timed out), `stopped` (the agent's SIGTERM, nothing recorded).
-
-The cause is the earliest exception, else the earliest other cause. With a cause, its
-traceback comes first, then one line saying where the other ranks waited. With none, a
-timeout prints the merged hang report (exit 124); ranks that only lost a peer print the
-same report under a headline saying that a rank left.
+Each failed rank is classified by what it recorded, not by how it ended (the agent
+SIGTERMs every other rank as soon as one fails): causes `exception`, `exit`, `signal`,
+`code`; consequences `peer-lost`, `timeout`, `stopped`. The cause is the earliest
+exception, else the earliest other cause: its traceback comes first, then one line
+saying where the other ranks waited. With none, a timeout prints the merged hang report
+(exit 124); ranks that only lost a peer print the same report under a headline saying
+that a rank left. Why, and every case: docs/design/launcher.md, "What the launcher shows
+when ranks fail".
 """
 
 from __future__ import annotations

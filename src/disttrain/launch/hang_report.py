@@ -1,17 +1,11 @@
 """Merge every rank's flight-recorder state into one report that names the cause of a hang.
 
 Inputs, per rank, from the report folder `disttrain run` creates (DISTTRAIN_REPORT_DIR):
-- `rank{R}.a{A}.json`: the recorder's state (comm/flight.py): collectives in flight,
-  recent ones, status (running / exited / timeout / failed), and stacks when it failed;
-- `rank{R}.a{A}.stacks`: every thread's stack as faulthandler wrote it when the rank was
-  stopped (SIGTERM from the launcher) or crashed (disttrain/launch/entry.py enables it).
-
-Output, e.g.:
-
-    disttrain run: a collective timed out after 5 s; where every rank was:
-      all_reduce #3 on world (ranks 0-2): ranks 0-1 waited; missing: rank 2
-      where: ranks 0-1 are at all_reduce #3 (train.py:88); rank 2 is at barrier #3 (train.py:91)
-      [rank0] stack (most recent call last): ...
+`rank{R}.a{A}.json`, the recorder's state (comm/flight.py: collectives in flight, recent
+ones, status, stacks when it failed), and `rank{R}.a{A}.stacks`, every thread's stack as
+faulthandler wrote it when the rank was stopped or crashed (launch/entry.py enables it).
+Output: per collective in flight, which ranks waited and which were missing, where each
+rank is, then the stacks (an example: docs/design/launcher.md, "Report").
 
 Who talks to whom: launch/failures.py calls `collective_report(report_dir, exit_codes)` when a
 job fails; it reads files only (standard library), never contacts the ranks.

@@ -6,24 +6,12 @@ Who talks to whom: `cli.py` turns flags into a `RunConfig`; `run()` builds a tor
 the group up to `max_restarts` times, and stops every rank when one fails or the
 launcher gets SIGINT/SIGTERM. `entry.py` records a failing rank's traceback to its
 TORCHELASTIC_ERROR_FILE; `run()` prints it with that rank's prefix (failures.py).
+`run()` also creates the report folder (DISTTRAIN_REPORT_DIR) where each rank's flight
+recorder and faulthandler write, for failures.py and hang_report.py.
 
-Rendezvous follows torchrun: on one node without --master-addr a c10d store on
-`localhost:0` (the OS picks a free port, so a busy 29500 never matters); otherwise
-the static rendezvous at --master-addr:--master-port with --node-rank.
-
-Output: global rank 0 writes straight to the terminal (progress bars keep working);
-every other rank's stdout/stderr is tee'd through a log file and printed as
-`[rank3]: line` by the agent's log tailer.
-
-Hangs: `run()` creates a report folder (in the log folder) and passes it to the ranks
-as DISTTRAIN_REPORT_DIR; each rank's flight recorder (comm/flight.py) and faulthandler
-(entry.py) write there. When ranks fail, `report_failures` (failures.py) prints the
-cause first: the rank that raised (or exited, or was killed), its traceback, and where
-the others waited; only when no rank caused it and a collective timed out, one merged
-hang report (hang_report.py) and exit code EXIT_HANG (124).
-
-Parameter-server jobs (`--workers W --servers S`) start W+S ranks and set
-DISTTRAIN_SERVERS=S; `disttrain.role()` makes the last S global ranks servers.
+Rendezvous, output prefixes, hangs and the exit codes: docs/design/launcher.md
+("Launcher", "Hangs and bad input"). Parameter-server jobs (`--workers W --servers S`)
+start W+S ranks and set DISTTRAIN_SERVERS=S; the last S global ranks are servers.
 """
 
 from __future__ import annotations

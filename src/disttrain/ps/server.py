@@ -10,16 +10,8 @@ Who talks to whom: each worker's DEALER sends hello, push (gradients of this sha
 keys), pull, beat and done; the server answers welcome, ack, params, cancel, pong, bye,
 or error, each on the worker's session. A worker silent for `timeout` seconds is lost:
 the policy decides whether the job goes on (K modes, Async, SSP) or stops with an error
-naming it (Sync).
-
-Keys are 1-D chunks of flattened parameters (ring.py), so an element-wise optimizer
-(SGD, momentum, Adam, AdamW) steps exactly as it would on whole tensors. Pushes and
-pulls travel as streams of chunk messages (at most `chunk_bytes` each): a push's chunks
-are checked as they arrive and, when the policy applies every push alone (Async, SSP,
-K=1 modes), stepped at once. A push may be sparse (top-k with error feedback,
-compress.py): it is checked and scattered into dense gradients on arrival, so every
-policy and optimizer sees the same thing in either case. Snapshots and the restart
-report are snapshot.py.
+naming it (Sync). Keys, chunk streams, sparse pushes: docs/design/parameter-server.md
+("Notes from ps/server.py"); snapshots and the restart report are snapshot.py.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """Sessions of the parameter-server wire: handshake, per-session keys, a MAC per frame,
 sequence numbers. The cryptography is OpenSSL's, through the `cryptography` package.
 
-A frame is `[envelope, header, buffer_0, ...]` (header and buffers: frame.py). The
-envelope is 64 bytes: kind (1: 0 hello, 1 session), flags (1: bit 0 encrypted), 6 zero
-bytes, the worker's nonce (16), the server's nonce (16), the sequence number (8, little
-endian), the tag (16). What is authenticated, in this order: the envelope's first 48
-bytes, the part count and every part's length (u32, u64s), the header, the buffers.
+A frame is `[envelope, header, buffer_0, ...]` (header and buffers: frame.py); the
+64-byte envelope holds kind, flags, the worker's and the server's nonces, the sequence
+number and the tag. A `hello` is signed HMAC-SHA256 under a key derived from the job
+secret; every later frame gets an AES-GCM tag (GMAC: all parts as associated data; with
+DISTTRAIN_PS_ENCRYPT=1 the buffers encrypted) under its session's key for its direction,
+HKDF-SHA256(secret, both nonces, worker, server), with the GCM nonce = direction | seq.
+A receiver accepts frame n of a direction only after n-1.
 
-- hello (worker -> server, before a session): nonce_s and seq are zero; tag =
-  HMAC-SHA256(K_hello, ...)[:16] with K_hello = HKDF-SHA256(secret, info="disttrain-ps/2
-  hello"). Its meta names the worker and the server index. A fresh random nonce_w per
-  hello: the server refuses a nonce_w it has seen (a replayed hello).
-- every other frame: AES-256-GCM under the session key of its direction, the 12-byte
-  GCM nonce = direction (u32) | seq (u64); all of the above as associated data (GMAC),
-  or with DISTTRAIN_PS_ENCRYPT=1 the buffers as the encrypted text. Session keys:
-  HKDF-SHA256(secret, salt=nonce_w|nonce_s, info="disttrain-ps/2 session"|worker|server)
-  -> 64 bytes, the worker->server key then the server->worker key. The welcome is the
-  server's frame 0 of the new session, so it proves the server derived the key from this
-  worker's nonce.
-
-Why a GCM nonce never repeats under one key: a key belongs to one session and one
-direction (fresh nonces from both ends go into it), and in it the sender numbers its
-frames 0, 1, 2, ... once each (seq is never reset or reused; a session ends long before
-2^64 frames). A receiver accepts frame n only after n-1: a replayed, dropped-then-resent,
-reordered or duplicated frame is refused, and so is a frame of another session (other
-nonces, other key).
+Who talks to whom: transport.py seals and opens every frame through a `Session` (one per
+worker and server). The exact layout, what is authenticated, how keys and nonces are made
+and why a GCM nonce never repeats under one key: docs/design/parameter-server.md, "Wire
+and security".
 """
 
 from __future__ import annotations

@@ -8,12 +8,10 @@ every update (no fsync: a SIGKILL keeps the page cache), so a restarted server c
 how many updates its snapshot lacks.
 
 The job id is HMAC-SHA256(DISTTRAIN_SECRET, "disttrain ps job id") cut to 16 hex digits:
-the same across `disttrain run --max-restarts` attempts (the launcher draws the secret
-once per job), different for any other job, and it reveals nothing about the secret. A
-side file from another job (or in no known format) is ignored and the restart report
-says so, instead of counting its version as this job's progress. A snapshot from
-another job is still restored (that is how a finished job is resumed) and the report
-names the job that saved it.
+the same across `disttrain run --max-restarts` attempts, different for any other job. A
+side file of another job is ignored and the report says so; a snapshot of another job
+is still restored and the report names its job (docs/design/parameter-server.md,
+"Snapshots and server restarts").
 """
 
 from __future__ import annotations

@@ -2,15 +2,13 @@
 
 Servers own a ROUTER socket (`ServerEndpoint`), bound to 127.0.0.1 unless a host is
 given; a server bound to loopback listens on a Unix socket (ZeroMQ `ipc://`, in a fresh
-0700 folder) instead, which moves big frames faster than TCP loopback here
-(docs/benchmarks.md). Each worker owns one DEALER per server (`WorkerLink`). Frames and
-sessions are session.py (what is authenticated and how keys and nonces are made);
-message layout is frame.py.
+0700 folder) instead, faster than TCP loopback here (docs/benchmarks.md). Each worker
+owns one DEALER per server (`WorkerLink`). Frames and sessions are session.py, message
+layout is frame.py.
 
 Handshake: the worker sends `hello` (fresh nonce_w, signed under the job secret), the
-server answers `welcome` as frame 0 of a new session. The server keeps that session
-pending and goes on talking to the worker's old session (if any) until the first frame
-that only the holder of the new key can make arrives on it: a replayed hello never
+server answers `welcome` as frame 0 of a new session, which replaces the worker's old
+session only once a frame that needs the new key arrives on it: a replayed hello never
 takes a worker over. A frame that fails any check is dropped and counted by reason
 (`rejected`), so one bad peer never stops a server. Sockets are used from one thread
 only (the server loop or the worker's communication thread).

@@ -7,16 +7,11 @@ thread (compute and upload on separate threads, as the user's documents describe
 `overlap=True` a parameter's gradient is pushed from its post-accumulate-grad hook while
 backward still runs for the layers below it.
 
-Cancellation (KSync, KBatchSync): a server whose round closed sends `cancel(version)`.
-From then on the next gradient hook, `push()` or `sleep()` raises `Cancelled`; the
-training loop catches it, drops the half-done step (counted in `cancelled_steps`) and
-pulls the new version. The gradients already sent for the abandoned step are discarded
-by the server when the worker's next step (a newer clock) arrives.
-
-Compression (compress.py): with `compression=TopK(r)` each key of a push goes as the
-(indices, values) of its largest entries plus the worker's residual; what is not sent
-stays in the residual for the next push. What a server drops (a late or abandoned push)
-is lost as in the dense path: the residual holds only what was never sent.
+Who talks to whom: the compute thread queues commands, the communication thread owns
+one `WorkerLink` (transport.py) per server. Cancellation (KSync, KBatchSync) raises
+`Cancelled` from the next hook, `push()` or `sleep()`; top-k pushes go through
+compress.py. How both behave: docs/design/parameter-server.md ("Notes from
+ps/worker.py").
 """
 
 from __future__ import annotations
