@@ -33,10 +33,13 @@ def test_trace_is_valid_nested_and_has_every_rank(traced):
     for e in tr["traceEvents"]:
         if e["ph"] == "X":
             spans[(e["pid"], e["name"])] += 1
-    for pid in range(3):
+    for pid in range(WORLD):
         for name in ("data", "forward", "backward", "optimizer.step"):
             assert spans[(pid, name)] == STEPS, (pid, name, dict(spans))
         assert all(spans[(pid, f"step {s}")] == 1 for s in range(STEPS))
+    for pid in range(WORLD):  # DataParallel's bucket: ready, then reduce start, then done
+        marks = sorted((e["ts"], e["name"]) for e in tr["traceEvents"] if e["pid"] == pid and e.get("cat") == "dp")
+        assert [n for _, n in marks] == ["bucket ready", "bucket reduce start", "bucket done"] * STEPS
     flows = [e for e in tr["traceEvents"] if e["ph"] in ("s", "f")]
     assert sorted((e["ph"], e["pid"]) for e in flows) == [("f", 1), ("s", 0)]
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
+from disttrain.trace import events as trace_events
 
 __all__ = ["BucketReducer", "all_reduce_async", "check_algorithm", "ring_reduce_scatter_async"]
 
@@ -186,6 +187,7 @@ class BucketReducer:
         b = self.bucket_of[i]
         self.pending[b] -= 1
         if self.pending[b] == 0:
+            trace_events.instant("bucket ready", "dp", bucket=b)
             self._launch_ready()
 
     def _launch_ready(self, final: bool = False) -> None:
@@ -200,6 +202,7 @@ class BucketReducer:
                 tensor, ctx = self.prepare(b)
                 self.works[b] = (self.reduce(tensor), tensor, ctx)
                 self.events.append(("launch", b))
+                trace_events.instant("bucket reduce start", "dp", bucket=b)
                 self._bound_inflight(b)
             elif not final:
                 return
@@ -218,6 +221,7 @@ class BucketReducer:
         work.wait()
         self.complete(b, tensor, ctx)
         self.events.append(("wait", b))
+        trace_events.instant("bucket done", "dp", bucket=b)
 
     def wait_launched(self) -> None:
         """Wait for (and complete) every launched bucket. Blocks."""

@@ -31,6 +31,10 @@ __all__ = ["now_us", "begin_work", "end_step", "span", "traced", "instant", "pip
 _OFF = contextlib.nullcontext()
 
 
+NAMED_IDLE = ("user", "injected", "checkpoint")
+"""Categories whose spans on the training thread are named parts of idle in the metrics."""
+
+
 @contextlib.contextmanager
 def _span(tracer, name: str, cat: str, args: dict):
     t0 = now_us()
@@ -39,7 +43,8 @@ def _span(tracer, name: str, cat: str, args: dict):
     finally:
         t1 = now_us()
         tracer.rec.complete(name, cat, t0, t1, args or None)
-        tracer.named_wait(name, t0, t1)
+        if cat in NAMED_IDLE:
+            tracer.named_wait(name, t0, t1)
 
 
 def span(name: str, cat: str = "user", **args):

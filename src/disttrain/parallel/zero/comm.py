@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from disttrain.comm import ops
 from disttrain.comm.reducer import all_reduce_async, ring_reduce_scatter_async
+from disttrain.trace import events as trace_events
 
 __all__ = ["CommStats", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
 
@@ -94,6 +95,7 @@ def all_reduce(t: torch.Tensor, group, stats: CommStats, async_op: bool = False,
     return ops.all_reduce(t, group=group)
 
 
+@trace_events.traced("zero.reduce_scatter", "zero")
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
                    async_op: bool = False, algorithm: str = "native"):
     """out (numel/N,) <- this rank's chunk of sum over ranks of inp (numel,).
@@ -119,6 +121,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats
     return ops.reduce_scatter_tensor(out, inp, group=group, async_op=async_op)
 
 
+@trace_events.traced("zero.all_gather", "zero")
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
                async_op: bool = False):
     """out (N*numel,) <- every rank's inp (numel,) in rank order; `inp` may alias out."""
