@@ -6,6 +6,7 @@ one micro-batch over two stages. The slow-loader report is also opened in headle
 Chromium: no console message, every chart decoded, a screenshot kept in test-artifacts/.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from disttrain import trace
 from tests.e2e.test_launcher import SCRIPTS, disttrain
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +77,10 @@ def test_ps_straggler_worker_is_named(tmp_path):
     assert lines[0].startswith("rank 1 is ") and "idle in 'sleep (injected delay)'" in lines[0], lines
     assert any(x.startswith("parameter server: ") and "mean staleness" in x for x in lines), lines
     assert (out / "report" / "ps.png").exists()
+    tr = json.loads((out / "trace.json").read_text())
+    assert trace.problems(tr) == []  # flows included: every arrow has both ends, inside spans
+    ids = {e["id"] for e in tr["traceEvents"] if e["ph"] == "f"}
+    assert any(i.startswith("push s0 w1 ") for i in ids) and any(i.startswith("apply s0 v") for i in ids)
 
 
 @pytest.mark.timeout(300)

@@ -186,6 +186,7 @@ class Server:
         if len(have.grads) == len(self.keys):
             del self.partial[w]
             pid, self._pid = self._pid, self._pid + 1
+            trace_events.ps_received(self.index, pid, w, clock)
             self.complete[pid] = {k: g for k, g in have.grads.items() if g is not None}
             self._execute(self.policy.push(pid, w, have.version))
         return True
@@ -199,6 +200,7 @@ class Server:
         if d.apply:
             with trace_events.span("apply", "ps", server=self.index, pushes=len(d.apply)):
                 self._apply([self.complete.pop(p) for p in d.apply])
+                trace_events.ps_applied(self.index, d.apply, self.policy.version)
             self._after_update()
         for p in d.drop:
             self.complete.pop(p, None)

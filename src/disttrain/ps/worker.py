@@ -99,6 +99,7 @@ class Worker:
             self._abandon()
         self._cancel_event.clear()
         h = Handle(self._raise_if_failed, "pull")
+        trace_events.ps_pulling(h, self._version)
         for s in range(len(self.addresses)):
             self._send(s, Message("pull", {"have": self._version[s]}), h, "params")
         self.pulls += 1
@@ -120,7 +121,7 @@ class Worker:
         self._attempt, self._sent = None, set()
         self._clock += 1
         self.pushes += 1
-        trace_events.end_step()  # NOTE: a worker's step ends with its push
+        trace_events.ps_pushed(h, self.rank, self._clock - 1, len(self.addresses))  # ends the step
         return h.seal()
 
     def wire_stats(self) -> dict:

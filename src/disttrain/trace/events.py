@@ -25,7 +25,8 @@ from disttrain.trace import hooks
 from disttrain.trace.hooks import now_us
 from disttrain.trace.recorder import MAIN_TID, perf_us
 
-__all__ = ["now_us", "begin_work", "end_step", "span", "traced", "instant", "pipeline_step", "ps_issued", "ps_done", "ps_waited",
+__all__ = ["now_us", "begin_work", "end_step", "span", "traced", "instant", "ps_pushed",
+           "ps_pulling", "ps_received", "ps_applied", "pipeline_step", "ps_issued", "ps_done", "ps_waited",
            "ps_cancelled", "ps_server_stats"]
 
 _OFF = contextlib.nullcontext()
@@ -111,12 +112,51 @@ def ps_issued(handle) -> None:
 
 
 def ps_done(handle) -> None:
-    """Every server answered `handle` (any thread)."""
+    """Every server answered `handle` (any thread): its span, with flow arrows (see below)."""
     tracer = hooks.active
     t0 = getattr(handle, "trace_t0", None)
     if tracer is not None and t0 is not None:
         handle.trace_t0 = None
-        tracer.rec.comm_span(handle.what, t0, now_us(), {"op": handle.what, "ps": True})
+        flows = getattr(handle, "trace_flows", None)
+        flows = flows() if callable(flows) else ()
+        tracer.rec.comm_span(handle.what, t0, now_us(), {"op": handle.what, "ps": True}, flows)
+
+
+# Flow arrows push -> apply -> pull: a push of worker w at clock c to server s starts
+# "push s{s} w{w} c{c}", which ends in the server's apply span that used it; that apply
+# (making version v) starts "apply s{s} v{v}", which ends in every pull that got v.
+_received: dict[tuple[int, int], tuple[int, int]] = {}  # (server, push id) -> (worker, clock)
+
+
+def ps_pushed(handle, worker: int, clock: int, servers: int) -> None:
+    """A worker's push (and its step) ends; its span will start an arrow to each server."""
+    if hooks.active is not None:
+        handle.trace_flows = lambda: [("s", f"push s{s} w{worker} c{clock}") for s in range(servers)]
+        hooks.active.end_step()
+
+
+def ps_pulling(handle, versions: list[int]) -> None:
+    """A pull; `versions` (updated as answers land) names the applies its span ends arrows of."""
+    if hooks.active is not None:
+        handle.trace_flows = lambda: [("f", f"apply s{s} v{v}") for s, v in enumerate(versions)]
+
+
+def ps_received(server: int, push: int, worker: int, clock: int) -> None:
+    if hooks.active is not None:
+        _received[(server, push)] = (worker, clock)
+
+
+def ps_applied(server: int, pushes, version: int) -> None:
+    """Inside a server's apply span: end the pushes' arrows, start the version's."""
+    tracer = hooks.active
+    if tracer is None:
+        return
+    t = now_us()
+    for p in pushes:
+        got = _received.pop((server, p), None)
+        if got is not None:
+            tracer.rec.flow("f", f"push s{server} w{got[0]} c{got[1]}", t)
+    tracer.rec.flow("s", f"apply s{server} v{version}", t)
 
 
 def ps_waited(handle, t0: float) -> None:

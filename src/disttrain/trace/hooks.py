@@ -85,12 +85,12 @@ def _grad_tensor(out):
     return None
 
 
-def _flow(entry) -> tuple | None:
+def _flow(entry) -> tuple:
     if not entry.group.startswith("p2p "):
-        return None
+        return ()
     src, dst = entry.ranks
     fid = (src * 4096 + dst) * 2**28 + entry.seq  # NOTE: < 2**53: exact in JavaScript
-    return ("s" if entry.op in ("send", "isend") else "f", fid)
+    return (("s" if entry.op in ("send", "isend") else "f", fid),)
 
 
 class Tracer:

@@ -76,6 +76,15 @@ def _merge_metrics(directory: str, shifts: dict[tuple[int, int], float]) -> int:
     return len(lines)
 
 
+def _paired_flows(events: list[dict]) -> list[dict]:
+    """Drop flow ends whose other end is missing (cut by the step window or a crash)."""
+    phases: dict[object, set] = {}
+    for e in events:
+        if e.get("ph") in ("s", "f"):
+            phases.setdefault(e.get("id"), set()).add(e["ph"])
+    return [e for e in events if e.get("ph") not in ("s", "f") or len(phases[e.get("id")]) == 2]
+
+
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fp:
@@ -114,6 +123,7 @@ def merge(directory: str) -> dict:
             if "dur" in e:
                 e["dur"] = round(e["dur"], 3)
         events.extend(evs)
+    events = _paired_flows(events)
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
              "otherData": {"producer": "disttrain", "start_unix_us": base + EPOCH_S * 1e6, "processes": procs,
                            "max_clock_error_us": max_error}}

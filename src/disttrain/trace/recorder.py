@@ -118,7 +118,7 @@ class Recorder:
             event["args"] = args
         self._emit(event)
 
-    def comm_span(self, name: str, t0: float, t1: float, args: dict, flow: tuple | None = None) -> None:
+    def comm_span(self, name: str, t0: float, t1: float, args: dict, flows=()) -> None:
         """A collective from issue to completion on the first communication lane it fits."""
         if not self.recording:
             return
@@ -134,10 +134,14 @@ class Recorder:
         if new:
             self._meta_thread(tid, "comm" if lane == 0 else f"comm {lane + 1}")
         self.complete(name, "comm", t0, t1, args, tid)
-        if flow is not None:  # (phase "s"/"f", id): bound to this span
-            phase, fid = flow
-            self._emit({"ph": phase, "name": "p2p", "cat": "flow", "id": fid, "bp": "e",
-                        "ts": t0 if phase == "s" else t1 - min(1.0, (t1 - t0) / 2), "tid": tid})
+        for phase, fid in flows:  # (phase "s"/"f", id): bound to this span
+            self.flow(phase, fid, t0 if phase == "s" else t1 - min(1.0, (t1 - t0) / 2), tid)
+
+    def flow(self, phase: str, fid, ts: float, tid: int | None = None) -> None:
+        """A flow arrow's end ("s" start, "f" finish) bound to the span around `ts` on `tid`."""
+        if self.recording:
+            self._emit({"ph": phase, "name": "flow", "cat": "flow", "id": fid, "bp": "e", "ts": ts,
+                        "tid": self.tid() if tid is None else tid})
 
     def instant(self, name: str, cat: str, args: dict | None = None, force: bool = False) -> None:
         if self.recording or force:
