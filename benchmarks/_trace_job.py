@@ -80,8 +80,11 @@ def run_ps():
         conn.pull().wait()
         x, y = next(it)
         net.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
-        conn.push().wait()
+        try:
+            F.cross_entropy(net(x), y).backward()
+            conn.push().wait()
+        except ps.Cancelled:  # NOTE: Sync may close a round without this worker: a real step's cost
+            pass
     return step
 
 
