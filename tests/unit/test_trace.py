@@ -113,3 +113,20 @@ def test_cut_rank_file_still_merges_to_valid_json(tmp_path):
     done = trace.merge(str(tmp_path))
     assert done["skipped_lines"] == 1 and done["processes"] == 1
     assert trace.problems(done["path"]) == []
+
+
+def test_merge_drops_flow_ends_whose_partner_is_missing(tmp_path):
+    trace.start(str(tmp_path))
+    _train(1, nn.Linear(3, 1), torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1),
+           trace.data([(torch.randn(2, 3), torch.randn(2, 1))]))
+    rec = hooks.active.rec
+    with trace.events.span("send-like"):
+        rec.flow("s", "kept", hooks.now_us())
+        rec.flow("s", "cut", hooks.now_us())  # its receive fell outside the window
+    with trace.events.span("recv-like"):
+        rec.flow("f", "kept", hooks.now_us())
+    path = trace.stop()
+    with open(path) as fp:
+        tr = json.load(fp)
+    assert sorted(e["id"] for e in tr["traceEvents"] if e["ph"] in ("s", "f")) == ["kept", "kept"]
+    assert trace.problems(tr) == []
