@@ -24,7 +24,7 @@ import os
 import statistics
 from collections import defaultdict
 
-__all__ = ["load", "summarize", "diagnose", "pipeline_shape", "ps_servers"]
+__all__ = ["load", "summarize", "diagnose", "pipeline_shape", "ps_servers", "collectives"]
 
 PARTS = ("compute", "exposed_comm", "data", "idle")
 WORDS = {"compute": "compute", "exposed_comm": "exposed communication", "data": "data loading",
@@ -156,6 +156,22 @@ def _exposed(rows: dict[int, dict]) -> str | None:
         hint = "workers wait for the parameter servers' answers (push/pull)"
     return (f"exposed communication is {100 * share:.0f}% of the median step"
             + (f" (per step and rank: {top})" if top else "") + f": {hint}")
+
+
+def collectives(events: list[dict]) -> list[dict]:
+    """Per collective kind: calls, bytes per call, median time issue -> completion and the
+    achieved rate (bytes of the tensor / median time: algorithm bandwidth, not the link's)."""
+    by_op: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "comm" and "bytes" in e.get("args", {}):
+            by_op[e["name"]].append((e["dur"], e["args"]["bytes"]))
+    out = []
+    for op, calls in sorted(by_op.items()):
+        dur = statistics.median(d for d, _ in calls)
+        nbytes = statistics.median(b for _, b in calls)
+        out.append({"op": op, "calls": len(calls), "bytes": nbytes, "median_us": dur,
+                    "mb_per_s": nbytes / dur if dur > 0 else 0.0})
+    return out
 
 
 def ps_servers(events: list[dict]) -> dict[int, dict]:

@@ -146,6 +146,19 @@ def _table(rows) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
+def _comm_table(events) -> str:
+    rows = analysis.collectives(events)
+    if not rows:
+        return ""
+    head = "".join(f"<th>{h}</th>" for h in ("collective", "calls", "bytes per call", "median ms",
+                                              "achieved MB/s"))
+    body = "".join(f"<tr><td>{r['op']}</td><td>{r['calls']}</td><td>{r['bytes']:,.0f}</td>"
+                   f"<td>{r['median_us'] / 1e3:.3f}</td><td>{r['mb_per_s']:,.1f}</td></tr>"
+                   for r in rows)
+    return ("<h2>Collectives (issue to completion, every rank)</h2>"
+            f"<table><tr>{head}</tr>{body}</table>")
+
+
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>disttrain report: {title}</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}}
@@ -155,6 +168,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} img{{max-width:1
 <h1>Where the time goes</h1><p>{title}</p>
 <h2>Diagnosis</h2><ol class="diagnosis">{diagnosis}</ol>
 <h2>Per rank (mean per step)</h2>{table}
+{comm}
 {charts}
 <p>Timeline: open trace.json in Perfetto's UI or chrome://tracing.</p>
 <script>
@@ -186,7 +200,8 @@ def write_report(directory: str, out: str | None = None) -> tuple[str, list[str]
                       f'src="{uri}">')
     page = PAGE.format(title=html.escape(os.path.abspath(directory)),
                        diagnosis="".join(f"<li>{html.escape(d)}</li>" for d in diagnosis),
-                       table=_table(analysis.summarize(run)), charts="\n".join(charts))
+                       table=_table(analysis.summarize(run)), comm=_comm_table(run["events"]),
+                       charts="\n".join(charts))
     path = out or os.path.join(directory, "report.html")
     with open(path, "w", encoding="utf-8") as fp:
         fp.write(page)
