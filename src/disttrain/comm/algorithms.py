@@ -84,7 +84,8 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
 class AsyncAllReduce:
     """Runs `all_reduce(t, algorithm, group)` calls one after another on its own thread.
 
-    For callers that overlap communication with compute (DataParallel's buckets):
+    For callers that overlap communication with compute (DataParallel and ZeRO use
+    comm.reducer.all_reduce_async instead: one thread per group for every algorithm):
     `submit(t)` never blocks and returns a handle whose `wait()` blocks until `t` holds
     the sum (and re-raises the call's error). Calls run in submission order, so ranks
     that submit in the same order run the same algorithms in the same order. The
