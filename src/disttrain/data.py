@@ -1,22 +1,13 @@
 """Data sharding for data-parallel training: which samples each rank reads, in which order.
 
-`DistributedSampler` yields, for every argument combination and epoch, exactly the indices
-that `torch.utils.data.DistributedSampler` yields (checked exhaustively in
-tests/unit/test_data.py): the epoch's order is `torch.randperm(n)` from a generator seeded
-with `seed + epoch` (or `range(n)`), padded by repeating its head up to a multiple of the
-number of replicas (or cut down to one with `drop_last`), and rank r takes every
-`num_replicas`-th index starting at r. Because of that interleaving, the k-th per-rank
-batches of all ranks together are exactly samples [k*B, (k+1)*B) of the epoch's order:
-the global batches do not depend on the world size, which is what lets a world-N run
-match a single-process run with the same global batch B.
-
-`shard_loader` wraps the sampler in a `DataLoader` with the per-rank batch
-`global_batch_size // world_size`, advances the epoch by itself on each new iteration
-(users forget `set_epoch`), and saves/restores its position mid-epoch as a small
-JSON-able dict `{"epoch": e, "offset": g}` for checkpoints. `offset` counts samples of the
-epoch's global order already consumed by all ranks together, so it means the same thing
-on any world size: a resume under a different world size continues with the same global
-batches.
+`DistributedSampler` yields exactly the indices of `torch.utils.data.DistributedSampler`
+(checked exhaustively in tests/unit/test_data.py); rank r takes every
+`num_replicas`-th index from r, so the k-th batches of all ranks together are samples
+[k*B, (k+1)*B) of the epoch's order and global batches do not depend on the world size.
+`shard_loader` gives each rank `global_batch_size // world_size` per batch, advances the
+epoch by itself, and saves its position as `{"epoch": e, "offset": g}` (samples of the
+global order consumed), so a resume under another world size continues with the same
+global batches. Details: docs/design/data.md.
 
 Who talks to whom: reads rank / world size from `disttrain.runtime`; no collectives.
 """

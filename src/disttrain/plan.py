@@ -1,22 +1,13 @@
 """Plan memory: per-rank model-state bytes of data parallelism and ZeRO stages 1-3.
 
-The formulas of Rajbhandari et al. 2019 (arXiv 1910.02054), sec. 5 and Figure 1,
-with Psi parameters, N data-parallel ranks, and per parameter p bytes of parameter,
-g bytes of gradient and K bytes of optimizer state:
-
-    baseline (stage 0)  (p + g + K) Psi
-    stage 1 (P_os)      (p + g) Psi + K Psi / N
-    stage 2 (P_os+g)    p Psi + (g + K) Psi / N
-    stage 3 (P_os+g+p)  (p + g + K) Psi / N
-
-Mixed precision (the paper): p = g = 2 (fp16), and the optimizer keeps an fp32 master
-copy, so Adam's K = 4 (master) + 4 (momentum) + 4 (variance) = 12: (2 + 2 + 12) Psi.
-`disttrain.Zero(..., precision="bf16"|"fp16")` holds exactly the mixed numbers.
-fp32 (Zero's default precision): p = g = 4 and no master copy (the parameters
-*are* fp32), so Adam's K = 8, SGD with momentum K = 4, plain SGD K = 0: Adam is
-16 Psi baseline, 8 Psi + 8 Psi/N at stage 1, 4 Psi + 12 Psi/N at stage 2, 16 Psi/N at
-stage 3. The paper's Figure 1 example, `--params 7.5e9 --dp 64 --optimizer adam
---precision mixed`, gives 120, 31.4, 16.6 and 1.9 GB (1 GB = 1e9 bytes).
+The formulas of Rajbhandari et al. 2019 (arXiv 1910.02054), sec. 5 and Figure 1, with
+Psi parameters, N data-parallel ranks, and p, g, K bytes per parameter of parameter,
+gradient and optimizer state: baseline (p + g + K) Psi, stage 1 (p + g) Psi + K Psi / N,
+stage 2 p Psi + (g + K) Psi / N, stage 3 (p + g + K) Psi / N. Mixed precision is
+p = g = 2, Adam K = 12 (fp32 master, momentum, variance); fp32 (Zero's default) is
+p = g = 4, Adam K = 8, SGD momentum 4. `--params 7.5e9 --dp 64 --optimizer adam
+--precision mixed` gives the paper's 120, 31.4, 16.6 and 1.9 GB (docs/design/zero.md,
+"Memory, measured").
 
 Who talks to whom: `disttrain plan memory` (cli.py) calls `add_plan_parser`'s handler;
 tests compare `model_state_bytes` with what `disttrain.memory` measures.

@@ -1,24 +1,16 @@
 """`disttrain run --cluster NAME`: one ordinary multi-node `disttrain run` per emulated node.
 
-Node i runs `python -m disttrain run --nnodes N --node-rank i --master-addr <n0's address>
---master-port P ...` inside its network namespace (`ip netns exec`) and, with a CPU
-quota, inside its cgroup, so the job meets through the usual static rendezvous on
-node 0 and every byte between nodes crosses a shaped link. Each node's environment:
-the job's shared DISTTRAIN_SECRET, GLOO_SOCKET_IFNAME (gloo binds the node's interface),
-DISTTRAIN_PS_HOST (parameter servers bind the node's address), and the link model for
-`all_reduce(algorithm="auto")`.
+Node i runs `python -m disttrain run --nnodes N --node-rank i --master-addr <n0> ...`
+inside its network namespace (`ip netns exec`) and cgroup, so the job meets through the
+usual static rendezvous and every byte between nodes crosses a shaped link. Each node
+gets the job's DISTTRAIN_SECRET, GLOO_SOCKET_IFNAME, DISTTRAIN_PS_HOST and the link model
+for `all_reduce(algorithm="auto")`; its lines are printed as `[n<i>] line`.
 
-Output: every line of node i is printed as `[n<i>] line` (the ranks' own `[rankN]:`
-prefixes follow). When a node fails, the others get `grace` seconds to stop on their
-own (their ranks see the peer go), then SIGTERM, then SIGKILL.
-
-Failures as on one node: the nodes share one report folder (DISTTRAIN_CLUSTER_REPORTS),
-so the flight recorders of all ranks land in one place, and each node's agent writes its
-failure report there (`node<i>.json`, launch/job.py) instead of printing it. Once every
-node has ended, the driver prints the cause's report first: the earliest rank that
-raised, else the earliest that exited or was killed, else (a hang or a lost peer) one
-node's merged report; then one line per other failed node. The exit code is that of
-the report printed first (124 for a hang), 0 when all succeed.
+Who talks to whom: cluster/cli.py calls `run_in_cluster`; it starts one launcher
+(launch/) per node, which write their failure reports into one shared folder
+(DISTTRAIN_CLUSTER_REPORTS); once all nodes end, this driver prints the cause's report
+first and exits with its code (124 for a hang, 0 when all succeed). Stop order, report
+choice and the emulated network: docs/cluster.md, "How it is built".
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Allreduce algorithms built from torch.distributed point-to-point sends and receives.
 
-`all_reduce(t, algorithm="ring", group=g)` sums `t` in place over `g`, with the result
-bitwise identical on every rank (each element is summed on exactly one rank, then
-copied). The algorithms, for N ranks and S bytes (alpha = latency per message, B =
-link bandwidth; the model is in disttrain/cluster/model.py):
+`all_reduce(t, algorithm="ring", group=g)` sums `t` in place over `g`, bitwise identical
+on every rank (each element is summed on exactly one rank, then copied). Algorithms:
+`ring` (Patarasuk & Yuan 2009; Baidu 2017), `halving-doubling` (Rabenseifner 2004;
+Thakur, Rabenseifner & Gropp 2005), `tree` (binomial reduce + broadcast, small
+messages), `hierarchical` (Horovod's; one ring per local rank as NCCL's channels; ranks
+must be node-major), `native` (the backend's own) and `auto` (cheapest under the
+alpha-beta model of cluster/model.py). Costs and measurements: docs/cluster.md,
+"Allreduce algorithms".
 
-- `ring`: reduce-scatter then all-gather around a ring, N-1 steps each, every step
-  sending one 1/N chunk right while receiving one from the left (Patarasuk & Yuan
-  2009; Baidu's ring allreduce, 2017): 2(N-1) alpha + 2(N-1)/N S/B.
-- `halving-doubling`: recursive halving reduce-scatter then recursive doubling
-  all-gather (Rabenseifner 2004; Thakur, Rabenseifner & Gropp 2005); a non-power of
-  two folds its extra ranks into neighbours first: 2 log2 N alpha + 2(N-1)/N S/B.
-- `tree`: binomial-tree reduce to the first rank, then binomial broadcast:
-  2 log2 N (alpha + S/B); for small messages.
-- `hierarchical`: reduce-scatter inside each node, one ring per local rank across the
-  nodes on that rank's 1/L share, all-gather inside the node (Horovod's hierarchical
-  allreduce; NCCL's rings per channel): 2(L-1) fast local steps + 2(M-1) steps across
-  M nodes carrying 2(M-1)/M S in total per node link.
-- `native`: the backend's own all_reduce (gloo's ring, NCCL's rings/trees).
-- `auto`: picks one of the above from the cluster's alpha-beta model and the size.
-
-Blocks until done. The whole call is one entry in the flight recorder (comm/ops.py),
-so a hang names `all_reduce[ring]` and the user's line, not an inner send.
-Ranks must be node-major for `hierarchical` (global rank = node * L + local rank), as
-torchrun and `disttrain run` number them.
+Who talks to whom: DataParallel and ZeRO (through comm/reducer.py) and users call
+`all_reduce`; it blocks until done and is one flight-recorder entry (comm/ops.py), so a
+hang names `all_reduce[ring]` and the user's line, not an inner send.
 """
 
 from __future__ import annotations

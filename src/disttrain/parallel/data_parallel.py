@@ -1,27 +1,17 @@
 """Synchronous data parallelism: bucketed gradient all-reduce overlapped with backward.
 
 Follows Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training" (VLDB 2020), i.e. what torch DDP does, written out in Python:
+Training" (VLDB 2020), i.e. what torch DDP does, written out in Python: broadcast from
+rank 0 on wrap; in backward, per-parameter hooks put `grad / world` into flat buckets
+(gradients are views of them) and launch each full bucket's all-reduce while autograd
+goes on; at the end of backward, wait and leave the average in `param.grad`.
+Step by step, zero copy, unused parameters, auto-tuning: docs/design/data-parallel.md.
 
-1. wrap: parameters and buffers are broadcast from the group's rank 0, so every
-   replica starts equal; gradients are assigned to flat buckets in reverse
-   registration order (comm/buckets.py).
-2. backward: a post-accumulate-grad hook per parameter copies its gradient, already
-   scaled by 1/world, into its bucket slot (or finds it already there: gradients are
-   views of the bucket, zero copy) and, once a bucket is full, launches its all-reduce
-   asynchronously while autograd keeps computing earlier layers.
-3. end of backward (an autograd engine callback queued by the first hook): launch what
-   is left (unused parameters, when allowed), wait for every bucket, decompress, and
-   leave the averaged gradient in `param.grad`; `loss.backward(); opt.step()` just works.
-
-The hooks, the launch order and the end-of-backward wait are the shared
-`comm.reducer.BucketReducer` (ZeRO stages 0-2 use it too); `_GradSync` here gives it
-DataParallel's parts: bucket views, grad / world, compression, unused parameters.
-
-Who talks to whom: the user's autograd backward -> the reducer's hooks -> `_GradSync` ->
-recorded collectives (comm/ops.py: a hang names the bucket's all-reduce and its call
-site; `algorithm=` other than native: comm/algorithms.py) -> torch.distributed on
-`group` (gloo or NCCL; tensors stay on their own device).
+Who talks to whom: the user's autograd backward -> the shared `comm.reducer.BucketReducer`
+(hooks, launch order, end-of-backward wait; ZeRO stages 0-2 use it too) -> `_GradSync`
+here (bucket views, grad / world, compression, unused parameters) -> recorded
+collectives (comm/ops.py; `algorithm=` other than native: comm/algorithms.py) ->
+torch.distributed on `group` (gloo or NCCL; tensors stay on their own device).
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """Activation recomputation: run chosen layers so that only their inputs are kept.
 
 Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), as Megatron-LM's
-`--recompute-granularity full --recompute-method uniform` (one layer per checkpoint) and
-DeepSpeed's activation checkpointing apply it to transformer layers: each layer's forward
-runs under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which saves the
-layer's input only; backward runs the layer's forward again to rebuild what it needs.
+`--recompute-granularity full --recompute-method uniform` and DeepSpeed's activation
+checkpointing: each layer's forward runs under
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which saves the layer's
+input only; backward runs the layer's forward again.
 
-`apply_recompute(model, layers)` swaps each named layer for a `Recompute` that holds the
-same submodules and parameters under the same names (so checkpoints, TP plans and
-`full_state_dict` see the model unchanged) and reruns the layer in backward.
-
-NOTE (tensor parallel): a recomputed TP layer issues its forward collectives (Megatron's
-g after attention and after the MLP) again inside backward, so a layer costs 2 all-reduces
-forward and 2 + 2 backward. Every tp rank runs the same backward in the same order (the
-same schedule, the same layers), so the re-issued all-reduces pair up and nothing
-deadlocks; the recomputation consumes no random numbers here (the GPT has no dropout;
-checkpoint restores the RNG state anyway).
-
-Pure: no process talks to another here (the layers' own collectives aside).
+`apply_recompute(model, layers)` (called by `parallelize`) swaps each named layer for a
+`Recompute` holding the same submodules and parameters under the same names, so
+checkpoints, TP plans and `full_state_dict` see the model unchanged. No process talks to
+another here; a recomputed TP layer re-issues its own forward collectives in backward
+(counts and why they pair up: docs/design/model-parallelism.md, "Activation
+recomputation").
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """BatchNorm whose batch statistics span the data-parallel group (CPU and GPU).
 
-Under data parallelism each replica's BatchNorm normalizes with its own batch's mean and
-variance and updates its own running statistics, so the replicas compute what one
-process would compute on dp separate "ghost" batches, and their running statistics
-drift apart unless they are broadcast (DataParallel and Zero re-broadcast group rank 0's
-buffers before each training forward, as DDP's `broadcast_buffers=True` does).
-`SyncBatchNorm` computes the statistics of the whole global batch instead, as torch's
-`nn.SyncBatchNorm` does (which refuses CPU tensors): forward all-reduces each channel's
-(sum, sum of squares, count) over the group, normalizes with the global mean and biased
-variance and updates the running statistics with the unbiased global variance, so every
-replica holds the same running statistics; backward all-reduces each channel's
-(sum dy, sum dy * xhat) and returns
-`dx = w / sigma * (dy - mean(dy) - xhat * mean(dy * xhat))` over the global batch.
-With equal local batches, training mode, DataParallel (or ZeRO) over the group equals one
-process on the global batch (tests/dist/test_resnet.py).
+Plain BatchNorm under data parallelism normalizes each replica's batch on its own (dp
+"ghost" batches). `SyncBatchNorm` computes the statistics of the whole global batch, as
+torch's `nn.SyncBatchNorm` does (which refuses CPU tensors): forward all-reduces each
+channel's (sum, sum of squares, count), backward each channel's (sum dy, sum dy * xhat),
+so every replica holds the same running statistics and, with equal local batches, DP
+(or ZeRO) over the group equals one process on the global batch (tests/dist/
+test_resnet.py). Math and buffer policy: docs/design/model-parallelism.md, "BatchNorm".
 
-Who talks to whom: one blocking all-reduce over `group` per SyncBatchNorm forward and one
-per backward (comm/ops.py, so a hang names it). Every rank of the group must run the
-same forward and backward, as with DataParallel itself.
+Who talks to whom: `convert_sync_batchnorm` / `Parallelism(sync_batchnorm=True)` swap it
+in; one blocking all-reduce over `group` per forward and one per backward (comm/ops.py,
+so a hang names it). Every rank of the group must run the same forward and backward.
 """
 
 from __future__ import annotations

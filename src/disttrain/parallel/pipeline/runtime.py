@@ -1,27 +1,17 @@
 """Execute a pipeline schedule: this stage's F/B(/W) actions with point-to-point send/recv.
 
-Who talks to whom: stage s receives activations from the owner of the previous
-virtual stage and sends its outputs to the owner of the next one (chunk c of stage s is
-virtual stage c*p + s, so stage p-1 feeds stage 0 between chunks); gradients flow the
-other way. Sends are asynchronous (`isend`, waited at the end of the step); receives
-block when the action that needs them starts. Every message carries a tag made of
-(micro-batch, virtual stage, activation or gradient), so two stages may exchange both
-kinds in any order (gloo matches by tag). In the first step, each activation is preceded
-by a small header with its shape; the receiver remembers the shape of each edge, so
-later steps send bare tensors and every receive can be posted before it is needed
-(as torch.distributed.pipelining infers shapes once). NOTE: stage output shapes must
-therefore stay the same from step to step (a sender that sees a change raises).
-Gradient shapes are known: those of the activation sent.
+Who talks to whom: `Pipeline.step` runs this stage's list from schedules.py. Stage s
+receives activations from the owner of the previous virtual stage and sends its outputs
+to the owner of the next (chunk c of stage s is virtual stage c*p + s); gradients flow
+the other way. Sends are `isend`s waited at the end of the step; every message is tagged
+(micro-batch, virtual stage, kind), so two stages may exchange both kinds in any order.
+The first step sends a shape header per edge; later steps send bare tensors, so stage
+output shapes must stay the same (a change raises). A schedule with W actions (ZB-H1)
+calls split_backward.py for B and W; ZeRO 3 and recompute are refused there.
 
-A schedule with W actions (ZB-H1, schedules.py; run by split_backward.py) splits each backward: B computes only
-the gradient w.r.t. the stage input (sent at once), keeping the graph and the gradients
-where weight branches leave the input's path; W later walks only those branches. A W
-whose hooks must see one whole backward (a ZeRO 1/2 chunk, DataParallel's synced last W)
-walks the graph again from the output instead. ZeRO 3 and recompute are refused.
-NOTE: track_memory counts a saved tensor until B first reads it (not what W keeps).
-
-Each action's compute span (after its receive, before its send) is recorded (measured
-bubbles, for disttrain.trace too); saved-for-backward bytes are counted (peak memory).
+Each action's compute span is recorded (measured bubbles, for disttrain.trace too) and
+saved-for-backward bytes are counted (peak memory). Details: docs/design/
+model-parallelism.md, "Pipeline".
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Pipeline schedules as pure functions: per-stage ordered lists of F/B(/W) actions.
 
-A schedule says, for each pipeline stage, in which order it runs the forward (F) and
-backward (B) of each micro-batch on each of its model chunks. Nothing here talks to
-another process; `runtime.py` executes the lists with point-to-point send/recv, and
-`simulate()` computes their timing from the same dependencies, so bubble formulas can
-be checked in unit tests.
+Nothing here talks to another process: runtime.py executes the lists with point-to-point
+send/recv, and `simulate()` computes their timing from the same dependencies, so bubble
+formulas are checked in unit tests (docs/design/model-parallelism.md, "Pipeline").
 
-- GPipe (Huang et al. 2019, https://arxiv.org/abs/1811.06965): all forwards, then all
-  backwards. Bubble (p-1)/(m+p-1) of total time; every stage holds m activations.
-- 1F1B (PipeDream-Flush, Narayanan et al. 2021, https://arxiv.org/abs/2006.09503):
-  stage i warms up with p-i-1 forwards, then alternates one F and one B. Same bubble as
-  GPipe, but stage i holds at most p-i micro-batches' activations.
-- Interleaved 1F1B (Narayanan et al. 2021, https://arxiv.org/abs/2104.04473, Megatron-LM
-  `forward_backward_pipelining_with_interleaving`): each stage holds v chunks; chunk c of
-  stage s is virtual stage c*p + s. Bubble (p-1)/(v*m) of the ideal time.
-
-- ZB-H1 (Qi et al. 2023, https://arxiv.org/abs/2401.10241): the backward split into B
-  (input gradient, sent upstream) and W (weight gradients), W deferred into the
-  cool-down bubble; (p-1)(F+B-W) idle per stage instead of (p-1)(F+B+W). Stage i keeps
-  1F1B's F/B order and runs W(k) right after B(k+i), so it holds at most p micro-batches
-  between F and W (1F1B's stage-0 peak). split_backward.py runs B and W.
-
-Dataflow: F of virtual stage j needs F of j-1 (same micro-batch); B of j needs B of j+1,
-and B of the last virtual stage needs its own F (the loss); W of j needs B of j (same stage).
-A schedule either has a W for every B (split backward) or none (B is the whole backward).
+- GPipe (Huang et al. 2019, arXiv 1811.06965): all forwards, then all backwards.
+- 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv 2006.09503): stage i warms up with
+  p-i-1 forwards, then alternates one F and one B; holds at most p-i activations.
+- Interleaved 1F1B (Narayanan et al. 2021, arXiv 2104.04473, as Megatron-LM): v chunks
+  per stage, chunk c of stage s is virtual stage c*p + s; bubble (p-1)/(v*m).
+- ZB-H1 (Qi et al. 2023, arXiv 2401.10241): backward split into B (input gradient) and
+  W (weight gradients), W deferred into the cool-down; split_backward.py runs them.
 """
 
 from __future__ import annotations

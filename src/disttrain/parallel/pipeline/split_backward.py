@@ -1,24 +1,16 @@
 """The split backward that runs the zero-bubble schedule ZB-H1 (schedules.py has the schedule).
 
-Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (https://arxiv.org/abs/2401.10241),
-as torch.distributed.pipelining runs it (separate BACKWARD_INPUT and BACKWARD_WEIGHT
-actions): the backward of a micro-batch is split into
-- B: the gradient w.r.t. the stage input, on the critical path (sent upstream at once);
-- W: the gradients w.r.t. the stage's weights, needed by nobody else until the step ends.
+Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), as
+torch.distributed.pipelining runs it (BACKWARD_INPUT / BACKWARD_WEIGHT): B computes the
+gradient w.r.t. the stage input (on the critical path, sent upstream at once) and records
+the gradients reaching the nodes where weight branches leave the input's path; W later
+walks only those branches for the weight gradients.
 
-ZB-H1 keeps 1F1B's warm-up (stage i runs p-i-1 forwards first) and 1F1B's F/B order, so
-stage i still holds at most p-i micro-batches between F and B; stage i lets its W run i
-micro-batches behind its B (the last stage most), so the B chain back to stage 0 is not
-delayed by W, and the deferred W fill the cool-down, where 1F1B waits for gradients. A
-stage holds at most p micro-batches between F and W: 1F1B's peak (stage 0's p). With
-equal F, B, W times the idle time per stage drops from (p-1)(F+B+W) to (p-1)(F+B-W): a
-third of 1F1B's.
-
-backward_input/backward_weight are local autograd calls
-that runtime.py makes for B and W (torch's stage_backward_input/_weight idea: B records
-the gradients reaching the nodes where weight branches leave the input's path; W starts
-there), except that W accumulates through AccumulateGrad so DataParallel's and ZeRO's
-post-accumulate-grad hooks fire once per parameter per micro-batch.
+Who talks to whom: runtime.py calls `backward_input` for B and `backward_weight` for W;
+both are local autograd calls (no communication). Unlike torch's, W accumulates through
+AccumulateGrad, so DataParallel's and ZeRO's post-accumulate-grad hooks fire once per
+parameter per micro-batch. Schedule and bubble: docs/design/model-parallelism.md,
+"Pipeline".
 """
 
 from __future__ import annotations

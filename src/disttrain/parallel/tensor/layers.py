@@ -1,27 +1,17 @@
 """Tensor (intra-layer model) parallelism: the math of Megatron-LM's sharded layers.
 
-Follows Shoeybi et al. 2019 (https://arxiv.org/abs/1909.08053). A weight `w` of a
-matmul is split across the ranks of a tensor-parallel group:
+Follows Shoeybi et al. 2019 (arXiv 1909.08053). A matmul's weight is split across the
+ranks of a tensor-parallel group: `ColumnParallelLinear` on its output dim (the output
+stays sharded and feeds a `RowParallelLinear`, as Megatron's MLP and attention),
+`RowParallelLinear` on its input dim (partial outputs summed by g, an all-reduce);
+`VocabParallelEmbedding` splits the vocabulary rows and `vocab_parallel_cross_entropy`
+takes the loss from vocabulary-sharded logits without gathering them.
 
-- `ColumnParallelLinear` splits `w` on its output dim: each rank computes a slice of
-  the output features. By default the output stays sharded, so it feeds a
-  `RowParallelLinear` directly (Megatron's MLP: fc colwise -> GeLU -> proj rowwise; and
-  attention: qkv colwise, whole heads per rank -> proj rowwise).
-- `RowParallelLinear` splits `w` on its input dim: each rank multiplies its slice of the
-  input and the partial outputs are summed by g (all-reduce).
-- `VocabParallelEmbedding` splits the vocabulary rows; `vocab_parallel_cross_entropy`
-  computes the loss from vocabulary-sharded logits, so full logits are never gathered.
-
-`apply_tp(model, mesh_or_group, plan)` (apply.py) swaps a model's nn.Linear (or Hugging
-Face Conv1D, whose (in, out) weight layout the shards keep) / nn.Embedding modules for
-these, from a plan that is data: {"attn.qkv": "colwise", "attn.proj": "rowwise"}.
-Communication lives in comm.py (Megatron's f and g).
-
-`apply_tp(..., sequence_parallel=True)` adds sequence parallelism (Korthikanti et al.
-2022; sequence.py): column-parallel layers take a sequence shard and all-gather
-it, row-parallel layers reduce-scatter along the sequence, and the plan's "sequence*"
-entries say where the region starts (the embedding's output is scattered), which modules
-run on shards (LayerNorms) and, if needed, where it ends.
+Who talks to whom: `apply_tp(model, mesh_or_group, plan)` (apply.py) swaps a model's
+nn.Linear / Hugging Face Conv1D / nn.Embedding for these from a plan that is data
+({"attn.qkv": "colwise", ...}); the communication (Megatron's f and g) is in comm.py,
+sequence parallelism (Korthikanti et al. 2022) in sequence.py. Details:
+docs/design/model-parallelism.md, "Tensor parallel" and "Sequence parallelism".
 """
 
 from __future__ import annotations

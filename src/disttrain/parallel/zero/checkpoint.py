@@ -1,22 +1,13 @@
 """ZeRO optimizer state as per-parameter pieces, so checkpoints reshard.
 
-`disttrain.Checkpointer` (docs/design/checkpoints.md) saves state that differs per
-rank through `sharded_state_dict()`: tensors returned as `ShardedTensor(local,
-global_shape, offsets)`. A ZeRO rank's optimizer state covers flat chunks that cut
-across parameters, and the chunking depends on the stage, the world size and the
-buckets. Here every state tensor is re-described per *parameter name*: for Adam,
-`state.<name>.exp_avg` has global shape (numel,) (the parameter flattened) and this
-rank's piece is the part of its shard that falls inside that parameter (a view of the
-real state, so loading writes in place; empty when the shard does not touch it).
-Scalar state (Adam's `step`) is replicated per name. A checkpoint saved at world 2,
-stage 1 thus loads at world 4, stage 3, or into a plain optimizer's layout (the tree
-is marked `format: FLAT_BY_NAME`; the reader views each flat piece as its parameter). In mixed
-precision the fp32 master is one more per-name piece (`state.<name>.master`), and the
-loss scaler's scale and counters are saved under `loss_scaler` (equal on every rank).
-
-NOTE: a fresh optimizer has no state tensors to load into. `materialize` creates them
-with one step of zero gradients at lr 0 (parameters unchanged) and then zeroes them
-and their step counts, which is what Adam/AdamW/SGD-momentum start from anyway.
+A ZeRO rank's optimizer state covers flat chunks that cut across parameters, chunked by
+stage, world size and buckets. For `disttrain.Checkpointer`'s `sharded_state_dict()`
+protocol (docs/design/checkpoints.md) every state tensor is re-described per parameter
+name (`state.<name>.exp_avg`, global shape (numel,), this rank's piece a view of the real
+state), plus `state.<name>.master` and `loss_scaler` in mixed precision, so a checkpoint
+saved at world 2, stage 1 loads at world 4, stage 3 or into a plain optimizer.
+`materialize` gives a fresh optimizer state tensors to load into (one zero-gradient step
+at lr 0, then zeroed). Details: docs/design/zero.md, "Optimizer state".
 
 Who talks to whom: ZeroOptimizer delegates here; the engines say which parameter
 ranges each shard parameter holds (`segments()`); no communication.

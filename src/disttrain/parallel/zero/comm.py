@@ -1,23 +1,15 @@
 """The three collectives ZeRO needs, each counting the bytes this rank sends.
 
-ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054, sec. 7) prices communication in
-bytes each rank sends under bandwidth-optimal (ring) algorithms on a group of N:
+ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054, sec. 7) prices communication in bytes
+each rank sends under ring algorithms on a group of N: all-reduce 2 (N-1)/N B,
+reduce-scatter and all-gather (N-1)/N B, broadcast (N-1)/N B (setup). `CommStats` adds
+those up from the calls actually issued, so tests check the paper's claim (stages 1-2
+move what data parallelism moves, stage 3 1.5x). Algorithmic bytes, not socket bytes.
+On gloo an all-gather is issued as one broadcast per owner; a torch without flat
+reduce-scatter falls back to all-reduce + slice (docs/design/zero.md, "Gloo").
 
-    all_reduce(B bytes)       2 (N-1)/N B     (= reduce-scatter + all-gather)
-    reduce_scatter(in B)        (N-1)/N B
-    all_gather(out B)           (N-1)/N B
-    broadcast(B)                (N-1)/N B     (pipelined; counted as setup, not per step)
-
-`CommStats` adds those numbers up from the calls actually issued, so a test can check
-the paper's claim: stages 1-2 move what data parallelism moves (2 Psi per step), stage 3
-1.5x (3 Psi). They are algorithmic bytes, not socket bytes: gloo may pick another
-algorithm internally. On a torch without reduce-scatter/all-gather into a flat tensor,
-`reduce_scatter` falls back to all_reduce + slice and is counted as the all_reduce it is.
-
-The calls go through `disttrain.comm.ops` (recorded in the flight recorder, so a hang
-names the op, group, shapes and call site instead of waiting silently).
-
-Who talks to whom: flat.py and stage3.py call these; these call disttrain.comm.ops,
+Who talks to whom: flat.py and stage3.py call these; these call disttrain.comm.ops
+(recorded in the flight recorder, so a hang names the op, group, shapes and call site),
 which calls torch.distributed.
 """
 

@@ -1,29 +1,17 @@
 """ZeRO mixed precision: fp32 master shards and a dynamic loss scaler.
 
 The recipe of Micikevicius et al. 2018 ("Mixed Precision Training", arXiv 1710.03740)
-as ZeRO uses it (Rajbhandari et al. 2019, arXiv 1910.02054, sec. 3.1) and DeepSpeed
-implements it: the module's parameters and gradients are bf16 or fp16 (2 Psi + 2 Psi
-bytes); the optimizer steps an fp32 *master* copy of this rank's shard (4 Psi / N at
-stages 1-3), whose states it also holds in fp32. One step:
-
-    backward            low-precision gradients (fp16: of loss * scale), reduced in
-                        the low precision by the engine (flat.py / stage3.py), and
-                        averaged (/ N) in it
-    to_master           master.grad = shard.grad (fp32) / scale
-    found_inf (fp16)    any inf/nan in any rank's master gradient? one all-reduce over
-                        the overflow group (the dp group; under parallelize the whole
-                        job: every pp stage and tp rank, as Megatron/DeepSpeed reduce
-                        found_inf over the model-parallel world), so every rank takes
-                        the same decision and the loss scales stay equal
-    step or skip        skip: scale *= backoff; else inner.step() on the masters and
-                        every `growth_interval` good steps scale *= growth
-    copy_down           shard <- master (cast), then the engine all-gathers (stages 1-2)
-
-`LossScaler` follows DeepSpeed's DynamicLossScaler / torch.amp.GradScaler without
-hysteresis: initial scale 2**16, x2 after 1000 overflow-free steps, x0.5 on overflow.
+as ZeRO uses it (Rajbhandari et al. 2019, sec. 3.1) and DeepSpeed implements it: bf16 or
+fp16 parameters and gradients, an fp32 master copy of this rank's shard that the
+optimizer steps. One step: to_master (master.grad = shard.grad / scale), found_inf
+(fp16: one all-reduce so every rank skips or steps alike), step or skip, copy_down
+(shard <- master, then the engine all-gathers at stages 1-2). `LossScaler` is
+DeepSpeed's DynamicLossScaler / torch GradScaler without hysteresis (2**16, x2 after
+1000 clean steps, x0.5 on overflow). Details: docs/design/zero.md, "Mixed precision".
 
 Who talks to whom: api.ZeroOptimizer owns a `MasterWeights` and a `LossScaler`; the
-overflow vote goes through comm.py on the overflow group (default: the ZeRO group).
+overflow vote goes through comm.py on the overflow group (default: the ZeRO group;
+under parallelize the whole job).
 """
 
 from __future__ import annotations
