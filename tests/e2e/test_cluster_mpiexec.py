@@ -2,6 +2,7 @@
 from the `mpich` wheel in the dev extra) and the environment `srun` gives its tasks."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -32,7 +33,9 @@ def clean_env():
 
 
 def rank_lines(text):
-    return sorted(line for line in text.splitlines() if line.startswith("rank"))
+    # NOTE: mpiexec forwards the ranks' stdout unsynchronised, so two ranks' lines can
+    # arrive joined ("...sum 3rank 1 of 2..."): find the records, not the lines.
+    return sorted(re.findall(r"rank \d+ of \d+ local \d+ sum \d+", text))
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: `pip install mpich` (in the dev extra)")
