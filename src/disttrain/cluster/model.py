@@ -1,15 +1,17 @@
-"""The alpha-beta (Hockney) cost model of the allreduce algorithms, and `auto`'s choice.
+"""The cost model of the allreduce algorithms (alpha-beta plus a CPU term), and `auto`'s choice.
 
 A message of m bytes costs alpha + m / B on a link of B bytes/s (Hockney 1994; the
 form used by Thakur, Rabenseifner & Gropp 2005 and by NCCL's tuner). The cluster is
 M nodes of L ranks each (node-major ranks, N = M L); every node has one link of
-`link_Bps` that its L ranks share, and ranks on one node talk at `local_Bps` with
-latency `local_alpha`. Each step of an algorithm costs the slowest transfer of that
-step; the per-algorithm formulas (ring, hierarchical, halving-doubling, tree) and a
-worked 4 x 2 example: docs/cluster.md ("Notes from cluster/model.py").
+`link_Bps` that its L ranks share. Each algorithm is a list of steps (`steps`); a step
+costs its latency (alpha, plus `step_alpha` per sender) and then its slowest link or the
+CPU pool that moves the step's bytes (`cpu_Bps`), whichever is slower. The pool is a
+node's cores, or all nodes' when they share one machine, as emulated clusters do.
+Without the CPU terms (the defaults) it is the plain alpha-beta model. Formulas, the
+fit and a worked 4 x 2 example: docs/cluster.md ("Notes from cluster/model.py").
 
-Who talks to whom: comm/algorithms.py's `auto` and benchmarks/allreduce.py ask it for
-predictions. Pure functions: no processes, no torch.
+Who talks to whom: comm/algorithms.py's `auto`, benchmarks/allreduce.py and
+benchmarks/scaling.py ask it for predictions. Pure functions: no processes, no torch.
 """
 
 from __future__ import annotations
@@ -18,9 +20,24 @@ import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["Links", "predict", "choose_algorithm", "links_from_env", "MODELLED"]
+__all__ = ["Links", "Step", "steps", "predict", "choose_algorithm", "links_from_env", "MODELLED"]
 
 MODELLED = ("ring", "halving-doubling", "tree", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of an algorithm: each of its senders sends one message of `nbytes`."""
+
+    nbytes: float
+    remote: bool
+    """Whether the step's slowest message crosses a node link."""
+    sharing: int = 1
+    """Ranks of one node whose messages cross that node's link at once."""
+    remote_senders: int = 1
+    """Senders (all nodes) whose message crosses a node link."""
+    local_senders: int = 0
+    """Senders whose message stays inside its node."""
 
 
 @dataclass(frozen=True)
@@ -35,59 +52,86 @@ class Links:
     """Seconds per message between two ranks of one node."""
     local_Bps: float = 2e9
     """Bytes/s between two ranks of one node (loopback, bounded by CPU)."""
+    step_alpha: float = 0.0
+    """CPU pool seconds per sender per step (waking it, posting its messages)."""
+    cpu_Bps: float = math.inf
+    """Bytes/s of messages across nodes the CPU pool moves for all its senders together."""
+    cpu_local_Bps: float = math.inf
+    """The same for messages inside a node (no bridge, no shaping: cheaper)."""
+    shared_cpu: bool = False
+    """True when all nodes share one CPU pool (emulated clusters); else one pool per node."""
 
-    def step(self, nbytes: float, remote: bool, sharing: int = 1) -> float:
-        """One step: `sharing` ranks of a node send `nbytes` each over the same link."""
-        if remote:
-            return self.alpha + sharing * nbytes / self.link_Bps
-        return self.local_alpha + nbytes / self.local_Bps
+    def cost(self, s: Step, nodes: int) -> float:
+        """Seconds of one step: latency, then the link or the CPU pool, whichever is slower."""
+        share = 1 if self.shared_cpu else 1 / max(nodes, 1)
+        senders = (s.remote_senders + s.local_senders) * share
+        cpu = share * s.nbytes * (s.remote_senders / self.cpu_Bps + s.local_senders / self.cpu_local_Bps)
+        if s.remote:
+            return self.alpha + self.step_alpha * senders + max(s.sharing * s.nbytes / self.link_Bps, cpu)
+        return self.local_alpha + self.step_alpha * senders + max(s.nbytes / self.local_Bps, cpu)
+
+
+def steps(algorithm: str, nbytes: float, world: int, local: int) -> list[Step]:
+    """The steps of one allreduce of `nbytes` over `world` ranks, `local` per node."""
+    if world == 1:
+        return []
+    nodes = world // local
+    if algorithm in ("ring", "native"):  # NOTE: node-major: one hop per node crosses its link
+        cross = nodes if nodes > 1 else 0
+        return [Step(nbytes / world, nodes > 1, 1, cross, world - cross)] * (2 * (world - 1))
+    if algorithm == "hierarchical":
+        inside = [Step(nbytes / local, False, 1, 0, world)] * (2 * (local - 1))
+        return inside + [Step(nbytes / world, True, local, world, 0)] * (2 * (nodes - 1))
+    if algorithm == "halving-doubling":
+        return _halving_doubling(nbytes, world, local)
+    if algorithm == "tree":
+        out = []
+        for k in range(math.ceil(math.log2(world))):
+            pairs = len(range(1 << k, world, 2 << k))  # ranks r with r % 2^(k+1) == 2^k send
+            remote = (1 << k) >= local
+            out.append(Step(nbytes, remote, 1, pairs if remote else 0, 0 if remote else pairs))
+        return out + out[::-1]
+    raise ValueError(f"no model for algorithm {algorithm!r}; modelled: {', '.join(MODELLED)}")
+
+
+def _halving_doubling(nbytes: float, world: int, local: int) -> list[Step]:
+    p = 1 << (world.bit_length() - 1)
+    extra, far = world - p, local == 1
+    fold = [Step(nbytes, far, 1, extra if far else 0, 0 if far else extra)] if extra else []
+    half, size, dist = [], nbytes, p // 2
+    while dist:
+        size /= 2
+        remote = dist >= local
+        half.append(Step(size, remote, local if remote else 1, p if remote else 0, 0 if remote else p))
+        dist //= 2
+    return fold + half + half[::-1] + fold
 
 
 def predict(algorithm: str, nbytes: float, world: int, local: int, links: Links) -> float:
     """Predicted seconds of one allreduce of `nbytes` over `world` ranks, `local` per node."""
-    if world == 1:
-        return 0.0
-    nodes = world // local
-    if algorithm in ("ring", "native"):
-        return 2 * (world - 1) * links.step(nbytes / world, remote=nodes > 1)
-    if algorithm == "hierarchical":
-        inside = 2 * (local - 1) * links.step(nbytes / local, remote=False)
-        return inside + 2 * (nodes - 1) * links.step(nbytes / world, remote=True, sharing=local)
-    if algorithm == "halving-doubling":
-        return _halving_doubling(nbytes, world, local, links)
-    if algorithm == "tree":
-        levels = math.ceil(math.log2(world))
-        remote = sum(1 for k in range(levels) if (1 << k) >= local)
-        return 2 * (remote * links.step(nbytes, True) + (levels - remote) * links.step(nbytes, False))
-    raise ValueError(f"no model for algorithm {algorithm!r}; modelled: {', '.join(MODELLED)}")
-
-
-def _halving_doubling(nbytes: float, world: int, local: int, links: Links) -> float:
-    p = 1 << (world.bit_length() - 1)
-    total = 0.0
-    if p != world:  # fold in and out: one whole-message step each way, across a node pair
-        total += 2 * links.step(nbytes, remote=local == 1)
-    size, dist = nbytes, p // 2
-    while dist:
-        size /= 2
-        remote = dist >= local
-        total += 2 * links.step(size, remote, sharing=local if remote else 1)
-        dist //= 2
-    return total
+    return sum(links.cost(s, world // local) for s in steps(algorithm, nbytes, world, local))
 
 
 def links_from_env(environ=os.environ) -> Links:
     """The cluster's links as `disttrain run --cluster` exports them (defaults otherwise).
 
     DISTTRAIN_LINK_GBPS (Gbit/s), DISTTRAIN_ALPHA_US (microseconds); the local ones
-    DISTTRAIN_LOCAL_GBPS and DISTTRAIN_LOCAL_ALPHA_US.
+    DISTTRAIN_LOCAL_GBPS and DISTTRAIN_LOCAL_ALPHA_US; the CPU pool's
+    DISTTRAIN_STEP_US, DISTTRAIN_CPU_GBPS, DISTTRAIN_CPU_LOCAL_GBPS and DISTTRAIN_SHARED_CPU
+    (1: one pool for all nodes).
     """
     d = Links()
+    get = environ.get
+    cpu = float(get("DISTTRAIN_CPU_GBPS", "inf"))
     return Links(
-        alpha=float(environ.get("DISTTRAIN_ALPHA_US", d.alpha * 1e6)) * 1e-6,
-        link_Bps=float(environ.get("DISTTRAIN_LINK_GBPS", d.link_Bps * 8e-9)) * 1e9 / 8,
-        local_alpha=float(environ.get("DISTTRAIN_LOCAL_ALPHA_US", d.local_alpha * 1e6)) * 1e-6,
-        local_Bps=float(environ.get("DISTTRAIN_LOCAL_GBPS", d.local_Bps * 8e-9)) * 1e9 / 8,
+        alpha=float(get("DISTTRAIN_ALPHA_US", d.alpha * 1e6)) * 1e-6,
+        link_Bps=float(get("DISTTRAIN_LINK_GBPS", d.link_Bps * 8e-9)) * 1e9 / 8,
+        local_alpha=float(get("DISTTRAIN_LOCAL_ALPHA_US", d.local_alpha * 1e6)) * 1e-6,
+        local_Bps=float(get("DISTTRAIN_LOCAL_GBPS", d.local_Bps * 8e-9)) * 1e9 / 8,
+        step_alpha=float(get("DISTTRAIN_STEP_US", 0)) * 1e-6,
+        cpu_Bps=cpu * 1e9 / 8,
+        cpu_local_Bps=float(get("DISTTRAIN_CPU_LOCAL_GBPS", "inf")) * 1e9 / 8,
+        shared_cpu=get("DISTTRAIN_SHARED_CPU", "0") == "1",
     )
 
 

@@ -57,7 +57,9 @@ def node_env(c: spec.Cluster, node: int, environ: dict[str, str], secret: str,
     env = {**environ, "DISTTRAIN_SECRET": secret, "GLOO_SOCKET_IFNAME": c.ifname,
            "DISTTRAIN_PS_HOST": c.addr(node), "DISTTRAIN_CLUSTER": c.name,
            "DISTTRAIN_CLUSTER_NODE": str(node), "DISTTRAIN_LINK_GBPS": environ.get(
-               "DISTTRAIN_LINK_GBPS", repr(gbps))}
+               "DISTTRAIN_LINK_GBPS", repr(gbps)),
+           # NOTE: every node's ranks run on this one machine's cores: one CPU pool (model.py)
+           "DISTTRAIN_SHARED_CPU": environ.get("DISTTRAIN_SHARED_CPU", "1")}
     if "OMP_NUM_THREADS" not in environ:
         # NOTE: the node's share of the cores (its quota, or the machine split over the
         # nodes), not the machine: each node's `disttrain run` would otherwise give every
