@@ -82,9 +82,16 @@ def test_one_process_window_hooks_installed_only_while_on(tmp_path):
     batches = [(torch.randn(5, 4), torch.randn(5, 1)) for _ in range(6)]
     trace.start(str(tmp_path), steps="2:4")
     assert hooks.active is not None and _hook_counts() == tuple(n + 1 for n in before)
-    _train(6, model, opt, trace.data(batches))
+    loader = trace.data(batches)
+    _train(2, model, opt, loader)
+    # once the first step has ended the module hooks are the model's own, not torch's global
+    # ones (which send every submodule call through torch's slow path)
+    assert _hook_counts() == (*before[:2], before[2] + 1, before[3] + 1)
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    _train(4, model, opt, loader)
     path = trace.stop()  # no launcher: this (rank 0) process merges
     assert hooks.active is None and _hook_counts() == before
+    assert not model._forward_pre_hooks and not model._forward_hooks
     assert trace.data(batches) is batches  # off: the iterable itself
     with open(path) as fp:
         tr = json.load(fp)

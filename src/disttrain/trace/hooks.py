@@ -8,6 +8,7 @@ nothing.
 What it installs (torch's public global hooks: no user class is patched):
 - module forward pre/post hooks: the outermost forward on a thread is one "forward" span
   (DataParallel, Zero, a pipeline stage or the user's own module, whichever is called);
+  torch's global ones only until the first step ends, then the outermost modules' own;
   a hook on its output's gradient marks the start of "backward", and a callback queued
   on the autograd engine its end;
 - optimizer step pre/post hooks: "optimizer.step"; a step of the job ends at the first
@@ -106,19 +107,49 @@ class Tracer:
         self._opt_depth, self._opt_t0 = 0, 0.0
         self._step_t0: float | None = None
         self._opt_done, self._last_end = False, 0.0  # end of the last span counted in a step
+        self._global: list = []  # torch's global module hooks, until the first step ends
+        self._roots: dict[int, tuple] = {}  # id(module) -> its own hooks, for outermost modules
 
     def install(self) -> None:
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(self._fwd_pre),
-            nn_module.register_module_forward_hook(self._fwd_post, always_call=True),
-            optim_module.register_optimizer_step_pre_hook(self._opt_pre),
-            optim_module.register_optimizer_step_post_hook(self._opt_post),
-        ]
+        self._global = [nn_module.register_module_forward_pre_hook(self._global_pre),
+                        nn_module.register_module_forward_hook(self._global_post, always_call=True)]
+        self._handles = [optim_module.register_optimizer_step_pre_hook(self._opt_pre),
+                         optim_module.register_optimizer_step_post_hook(self._opt_post)]
 
     def remove(self) -> None:
-        for handle in self._handles:
+        self._drop_global()
+        for handle in self._handles + [h for pair in self._roots.values() for h in pair]:
             handle.remove()
-        self._handles = []
+        self._handles, self._roots = [], {}
+
+    def _drop_global(self) -> None:
+        """Hand over to the outermost modules' own hooks (NOTE: while any global module
+        hook exists torch calls every submodule through its slow path: measured 10-15 %
+        of a small GPT's step, so they only last until the first step has shown the roots)."""
+        for handle in self._global:
+            handle.remove()
+        self._global = []
+
+    def _global_pre(self, module, args) -> None:
+        if getattr(self._tl, "depth", 0) == 0 and id(module) not in self._roots:
+            self._roots[id(module)] = (module.register_forward_pre_hook(self._root_pre),
+                                       module.register_forward_hook(self._root_post, always_call=True))
+        self._fwd_pre(module, args)
+        if not self._global:  # NOTE: dropped in this call: torch runs the root's own pre-hook next
+            self._tl.counted = module
+
+    def _global_post(self, module, args, out) -> None:
+        self._fwd_post(module, args, out)
+
+    def _root_pre(self, module, args) -> None:
+        if getattr(self._tl, "counted", None) is module:
+            self._tl.counted = None
+        elif not self._global:
+            self._fwd_pre(module, args)
+
+    def _root_post(self, module, args, out) -> None:
+        if not self._global:
+            self._fwd_post(module, args, out)
 
     # ---- steps ----
 
@@ -147,6 +178,7 @@ class Tracer:
             rec.complete(f"step {step}", "step", self._step_t0, t, args, MAIN_TID)
         self._opt_done = False
         rec.enter_step(step + 1)
+        self._drop_global()
 
     def finish(self) -> None:
         """Close the last step (where its last span ended) and remove the hooks."""
