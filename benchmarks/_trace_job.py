@@ -89,14 +89,15 @@ def run_ps():
 
 
 step = {"dp": run_dp, "pp": run_pp, "ps": run_ps}[args.mode]()
-times = []
+times, cpu = [], []
 for _ in range(args.steps):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
     times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)  # NOTE: this process's threads, the trace writer's too
 if disttrain.rank() == 0:
     with open(args.out, "w") as fp:
-        json.dump(times, fp)
+        json.dump({"wall": times, "cpu": cpu}, fp)
 if args.mode == "ps":
     conn.close()
 disttrain.shutdown()

@@ -1,12 +1,14 @@
 """Step time with tracing on vs off: DataParallel, pipeline and parameter-server jobs.
 
-    python benchmarks/trace_overhead.py [--rounds 3] [--steps 40] [--modes dp,pp,ps]
+    python benchmarks/trace_overhead.py [--rounds 4] [--steps 40] [--modes dp,pp,ps]
 
 Each round runs every mode twice through `disttrain run`, once with `--trace DIR` and once
 without, in alternating order (so a slow phase of a shared machine hits both); each job
 (benchmarks/_trace_job.py) times its own steps on rank 0, loader included. Per job: the
 median step after the first 5 (warm-up); per mode: the median over rounds of off and on,
-and the median of the rounds' on/off ratios. Jobs: dp = 2 ranks DataParallel MLP
+and the geometric mean of the rounds' on/off ratios, of wall time and of rank 0's CPU
+time per step (all its threads: the trace writer's too; CPU time is what tracing adds,
+and what other jobs on a shared machine disturb least). Jobs: dp = 2 ranks DataParallel MLP
 (64-256-256-10, 64 samples per rank); pp = 2 stages 1F1B, 4 micro-batches of a 2-layer
 GPT; ps = 2 workers + 1 server, Sync, the same MLP.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,12 +39,13 @@ def job(mode: str, steps: int, trace_dir: str | None, out: str) -> float:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}")
     with open(out) as fp:
         times = json.load(fp)
-    return statistics.median(times[WARMUP:])
+    return statistics.median(times["wall"][WARMUP:]), statistics.median(times["cpu"][WARMUP:])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="even: each order (off first, on first) "
+                   "as often; the second job of a pair ran faster here, whichever it was")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--modes", default="dp,pp,ps")
     args = p.parse_args()
@@ -55,14 +59,20 @@ def main() -> None:
                     trace_dir = os.path.join(tmp, f"trace-{m}-{r}") if kind == "on" else None
                     t = job(m, args.steps, trace_dir, os.path.join(tmp, "times.json"))
                     got[m][kind].append(t)
-                    print(f"round {r} {m} trace {kind}: median step {1e3 * t:.2f} ms", flush=True)
-    print(f"\n| job | off: median step (ms) | on: median step (ms) | on/off (median of {args.rounds} rounds' ratios) |")
-    print("| --- | --- | --- | --- |")
+                    print(f"round {r} {m} trace {kind}: median step {1e3 * t[0]:.2f} ms, "
+                          f"CPU {1e3 * t[1]:.2f} ms", flush=True)
+    print("\n| job | off: step ms (CPU ms) | on: step ms (CPU ms) | on/off step | on/off CPU |")
+    print("| --- | --- | --- | --- | --- |")
     for m in modes:
         off, on = got[m]["off"], got[m]["on"]
-        ratio = statistics.median(b / a for a, b in zip(off, on))
-        print(f"| {m} | {1e3 * statistics.median(off):.2f} | {1e3 * statistics.median(on):.2f} | {ratio:.3f} |")
+        cells = [f"{1e3 * statistics.median(x[k] for x in v):.2f}" for v in (off, on) for k in (0, 1)]
+        ratios = [_geomean(b[k] / a[k] for a, b in zip(off, on)) for k in (0, 1)]
+        print(f"| {m} | {cells[0]} ({cells[1]}) | {cells[2]} ({cells[3]}) | {ratios[0]:.3f} | {ratios[1]:.3f} |")
 
+
+def _geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 if __name__ == "__main__":
     main()
