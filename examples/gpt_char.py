@@ -105,6 +105,7 @@ def main(argv=None):
         if args.clip > 0:  # the whole model's norm over every shard (fp16: unscaled masters)
             model.clip_grad_norm_(args.clip)
         opt.step()
+        disttrain.log(loss=loss, tokens=x.numel())  # the trace's metrics (--trace): tokens/s
         first = loss if first is None else first
         if step == 1 or step % args.log_every == 0 or step == args.steps:
             rate = step * args.batch_size * args.dp * args.block_size / (time.perf_counter() - t0)

@@ -69,6 +69,7 @@ def main(argv=None):
         loss = model.train_step(x, x).item()
         model.clip_grad_norm_(1.0)
         opt.step()
+        disttrain.log(loss=loss, tokens=x.numel())  # the trace's metrics (--trace): tokens/s
         first = loss if first is None else first
         if step == 1 or step % 10 == 0:
             disttrain.print0(f"step {step:4d}  loss {loss:.3f}")

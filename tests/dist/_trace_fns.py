@@ -10,8 +10,9 @@ import disttrain
 from disttrain import comm, trace
 
 
-def traced_training(directory: str, steps: int) -> dict:
-    """DataParallel steps plus a blocking all_reduce each, a send 0 -> 1 after; traced."""
+def traced_training(directory: str, steps: int, ring_directory: str = "") -> dict:
+    """DataParallel steps plus a blocking all_reduce each, a send 0 -> 1 after; traced.
+    Then, with `ring_directory`, `traced_ring` into it (a second trace, same processes)."""
     rank, world = disttrain.rank(), disttrain.world_size()
     trace.start(directory)
     torch.manual_seed(0)
@@ -39,4 +40,31 @@ def traced_training(directory: str, steps: int) -> dict:
         comm.send(msg, 1)
     elif rank == 1:
         comm.recv(msg, 0)
-    return {"times": times, "path": trace.stop()}
+    out = {"times": times, "path": trace.stop()}
+    if ring_directory:
+        out["ring"] = traced_ring(ring_directory, steps)
+    return out
+
+
+def traced_ring(directory: str, steps: int) -> dict:
+    """DataParallel with the ring algorithm (its own thread) and one late 3 MB bucket; traced.
+
+    The injected cause: bucket_mb=100 puts every weight but the last layer's (DDP's 1 MiB
+    first bucket) into one bucket that is ready only when backward ends.
+    """
+    trace.start(directory)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = disttrain.DataParallel(nn.Sequential(
+        nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512),
+        nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4)), bucket_mb=100, algorithm="ring")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g))
+               for _ in range(steps)]
+    for x, y in trace.data(batches):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        disttrain.log(loss=loss.item(), tokens=x.shape[0] * 8)
+    return {"path": trace.stop(), "buckets": model.num_buckets}

@@ -6,6 +6,7 @@ from collections import defaultdict
 import pytest
 
 from disttrain import testing, trace
+from disttrain.trace import analysis, commstats
 from tests.dist._trace_fns import traced_training
 
 STEPS = 4
@@ -13,9 +14,18 @@ WORLD = 3
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("trace")
-    results = testing.spawn(traced_training, WORLD, str(directory), STEPS, timeout=240)
+def jobs(tmp_path_factory):
+    """Two traced jobs in one spawn: native DataParallel, then DataParallel with
+    algorithm='ring' and one late 3 MB bucket, the ranks told of a 10 Gbit/s link."""
+    directory, ring_dir = tmp_path_factory.mktemp("trace"), tmp_path_factory.mktemp("ring")
+    results = testing.spawn(traced_training, WORLD, str(directory), STEPS, str(ring_dir),
+                            timeout=240, env={"DISTTRAIN_LINK_GBPS": "10"})
+    return directory, ring_dir, results
+
+
+@pytest.fixture(scope="module")
+def traced(jobs):
+    directory, _, results = jobs
     with open(directory / "trace.json") as fp:
         events = json.load(fp)
     with open(directory / "metrics.jsonl") as fp:
@@ -37,11 +47,24 @@ def test_trace_is_valid_nested_and_has_every_rank(traced):
         for name in ("data", "forward", "backward", "optimizer.step"):
             assert spans[(pid, name)] == STEPS, (pid, name, dict(spans))
         assert all(spans[(pid, f"step {s}")] == 1 for s in range(STEPS))
-    for pid in range(WORLD):  # DataParallel's bucket: ready, then reduce start, then done
-        marks = sorted((e["ts"], e["name"]) for e in tr["traceEvents"] if e["pid"] == pid and e.get("cat") == "dp")
-        assert [n for _, n in marks] == ["bucket ready", "bucket reduce start", "bucket done"] * STEPS
+    for pid in range(WORLD):  # DataParallel's bucket: a span ready -> done, its reduce inside
+        _check_buckets(tr["traceEvents"], pid, "all_reduce", STEPS)
     flows = [e for e in tr["traceEvents"] if e["ph"] in ("s", "f")]
     assert sorted((e["ph"], e["pid"]) for e in flows) == [("f", 1), ("s", 0)]
+
+
+def _check_buckets(events, pid, op, steps):
+    """Each bucket a span on a communication lane, `reduce` inside it on the same lane, the
+    bucket's collective issued inside `reduce`; one bucket per step here."""
+    dp = sorted((e for e in events if e["pid"] == pid and e.get("cat") == "dp"), key=lambda e: (e["ts"], -e["dur"]))
+    assert [e["name"] for e in dp] == ["bucket 0", "reduce"] * steps, [e["name"] for e in dp]
+    comm = [e for e in events if e["pid"] == pid and e["ph"] == "X" and e["name"] == op]
+    for bucket, reduce in zip(dp[::2], dp[1::2]):
+        assert bucket["tid"] == reduce["tid"] >= 100 and bucket["args"]["bytes"] > 0
+        assert bucket["ts"] <= reduce["ts"]
+        assert reduce["ts"] + reduce["dur"] == pytest.approx(bucket["ts"] + bucket["dur"], abs=0.002)
+        assert any(reduce["ts"] <= c["ts"] <= reduce["ts"] + reduce["dur"] and c["args"]["bytes"] == bucket["args"]["bytes"]
+                   for c in comm), (bucket, comm)
 
 
 def test_same_all_reduce_overlaps_on_every_rank_in_aligned_time(traced):
@@ -95,3 +118,49 @@ def test_compute_exposed_comm_data_idle_add_up_to_the_step_time(traced):
         traced_time = sum(m["step_time"] for m in metrics
                           if m["rank"] == rank and 1 <= m["step"] < STEPS - 1)
         assert traced_time == pytest.approx(mine, rel=0.02)
+
+
+@pytest.fixture(scope="module")
+def ring(jobs):
+    _, directory, results = jobs
+    return [r["ring"] for r in results], analysis.load(str(directory))
+
+
+def test_ring_algorithm_waits_are_exposed_communication_and_the_parts_add_up(ring):
+    results, run = ring
+    events, metrics = run["events"], run["metrics"]
+    assert trace.problems({"traceEvents": events}) == [] and results[0]["buckets"] == 2
+    assert sorted((m["rank"], m["step"]) for m in metrics) == [(r, s) for r in range(WORLD) for s in range(STEPS)]
+    for m in metrics:
+        assert m["exposed_comm"] > 0 and m["bytes"]["all_reduce[ring]"] > 3e6, m  # waited on its future
+        derived = _breakdown_from_trace(events, m["rank"], m["step"])
+        for key in ("step_time", "compute", "exposed_comm", "data", "idle"):
+            assert abs(derived[key] - m[key]) <= 0.02 * m["step_time"], (key, derived, m)
+        assert m["tokens"] == 16 * 8 and m["tokens_per_s"] == pytest.approx(128 / m["step_time"])
+    waits = [e for e in events if e["ph"] == "X" and e["name"] == "wait all_reduce[ring]"]
+    assert waits and all(e["tid"] == 0 and e["cat"] == "comm.exposed" for e in waits)
+
+
+def test_ring_buckets_are_spans_and_the_late_one_gets_a_computed_bucket_mb(ring):
+    _, run = ring
+    events = run["events"]
+    for pid in range(WORLD):
+        dp = sorted((e for e in events if e["pid"] == pid and e.get("cat") == "dp"), key=lambda e: e["ts"])
+        assert [e["name"] for e in dp if e["name"] != "reduce"] == ["bucket 0", "bucket 1"] * STEPS
+    timing = commstats.bucket_timing(events)
+    assert timing["ready_at"] > 0.75 and timing["largest"] > 3e6 and timing["rate"] > 0, timing
+    advice = commstats.bucket_advice(events)
+    mb = float(advice.split("bucket_mb=")[1].split()[0])
+    assert advice.startswith("buckets fire late: ") and 0 < mb * 2**20 <= 1.05 * timing["bytes"] / 4, advice
+    lines = analysis.diagnose(run)  # named unless a straggler (load noise) explains the waits
+    assert any(advice in x for x in lines) or lines[0].startswith("rank "), lines
+
+
+def test_collectives_are_compared_with_the_link_the_ranks_were_given(ring):
+    _, run = ring
+    assert run["meta"]["link_gbps"] == 10.0
+    assert all(p["link_gbps"] == 10.0 for p in run["meta"]["processes"])
+    (row,) = [r for r in commstats.collectives(run["events"], run["meta"]) if r["op"] == "all_reduce[ring]"]
+    assert row["n"] == WORLD and row["bus_gbps"] > 0
+    assert row["link_share"] == pytest.approx(row["bus_gbps"] / 10.0)
+    assert row["bus_gbps"] == pytest.approx(8e-3 * row["bytes"] * 4 / 3 / row["median_us"])  # 2(n-1)/n

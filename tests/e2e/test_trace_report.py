@@ -81,6 +81,11 @@ def test_ps_straggler_worker_is_named(tmp_path):
     assert trace.problems(tr) == []  # flows included: every arrow has both ends, inside spans
     ids = {e["id"] for e in tr["traceEvents"] if e["ph"] == "f"}
     assert any(i.startswith("push s0 w1 ") for i in ids) and any(i.startswith("apply s0 v") for i in ids)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    later = [m for m in lines if m["step"] > 0]  # a worker's first push has no previous one
+    assert later and all(m["ps_updates_per_s"] > 0 and m["ps_staleness"] >= 0 for m in later), later[:3]
+    # async, 3 workers: between two pulls of a worker the others' pushes were applied too
+    assert max(m["ps_staleness"] for m in later) >= 1, [m["ps_staleness"] for m in later]
 
 
 @pytest.mark.timeout(300)
@@ -92,3 +97,6 @@ def test_pipeline_with_too_few_microbatches_is_named(tmp_path):
     assert bubble and "1 micro-batch over 2 stages" in bubble[0] and "use more micro-batches" in bubble[0]
     assert lines.index(bubble[0]) <= 1, lines
     assert (out / "report" / "pipeline.png").exists()
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 8 and all(m["tokens"] == 16 * 64 and m["loss"] > 0 for m in steps)  # B x T
+    assert all(m["tokens_per_s"] == pytest.approx(m["tokens"] / m["step_time"]) for m in steps)

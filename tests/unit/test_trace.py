@@ -1,6 +1,8 @@
 """Tracing in one process: the format checker, hooks on and off, the step window, cut files."""
 
 import json
+import shutil
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ from torch.optim import optimizer as optim_module
 
 import disttrain
 from disttrain import trace
-from disttrain.trace import hooks
+from disttrain.trace import analysis, commstats, hooks
+from disttrain.trace.metrics import StepMetrics
 
 GOOD = {"traceEvents": [
     {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "rank 0"}},
@@ -137,3 +140,94 @@ def test_merge_drops_flow_ends_whose_partner_is_missing(tmp_path):
         tr = json.load(fp)
     assert sorted(e["id"] for e in tr["traceEvents"] if e["ph"] in ("s", "f")) == ["kept", "kept"]
     assert trace.problems(tr) == []
+
+
+def _x(name, cat, pid, ts, dur, tid=0, **args):
+    return {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts, "dur": dur,
+            **({"args": args} if args else {})}
+
+
+def test_collectives_bus_bandwidth_against_the_link_only_for_groups_across_nodes():
+    procs = [{"rank": r, "pid": r, "node": r // 2, "link_gbps": 10.0} for r in range(4)]
+    meta = {"processes": procs, "link_gbps": 10.0}
+    events = [_x("all_reduce", "comm", r, 0, 1000, 100, group="world", n=4, bytes=10**6) for r in range(4)]
+    events += [_x("all_gather", "comm", r, 0, 500, 100, group="group [0-1]", n=2, bytes=10**5) for r in (0, 1)]
+    rows = {r["op"]: r for r in commstats.collectives(events, meta)}
+    ar, ag = rows["all_reduce"], rows["all_gather"]
+    # 1 MB in 1 ms is 8 Gbit/s of tensor; a ring all-reduce moves 2(n-1)/n = 1.5 of it per rank
+    assert ar["bus_gbps"] == pytest.approx(12.0) and ar["link_share"] == pytest.approx(1.2)
+    assert ar["crosses_nodes"] is True and ar["calls"] == 4 and ar["mb_per_s"] == pytest.approx(1000)
+    assert ag["crosses_nodes"] is False and ag["link_share"] is None  # ranks 0-1 share node 0
+    assert ag["bus_gbps"] == pytest.approx(8e-3 * 10**5 / 500)  # all-gather: (n-1) x the input
+    unknown = commstats.collectives(events, {"link_gbps": 10.0})  # no node known: compared
+    assert all(r["crosses_nodes"] is None and r["link_share"] for r in unknown)
+    assert all(r["link_share"] is None for r in commstats.collectives(events))  # no cluster
+    assert commstats.bus_factor("barrier", 4) == 0 and commstats.bus_factor("send", 2) == 1
+
+
+def _bucket_trace(ready_late_at: float):
+    """One backward [0, 1000] µs; a 1 MB bucket ready at 100 µs, a 3 MB one at `ready_late_at`;
+    each reduced at 500 MB/s (500 bytes per µs)."""
+    ev = [_x("backward", "compute", 0, 0, 1000)]
+    for b, (ready, nbytes) in enumerate([(100, 10**6), (ready_late_at, 3 * 10**6)]):
+        ev.append(_x(f"bucket {b}", "dp", 0, ready, nbytes / 500 + 50, 100, bucket=b, bytes=nbytes))
+        ev.append(_x("all_reduce", "comm", 0, ready + 10, nbytes / 500, 101, bytes=nbytes, group="world", n=2))
+    return ev
+
+
+def test_bucket_advice_is_computed_from_the_trace_when_buckets_fire_late():
+    late = commstats.bucket_timing(_bucket_trace(995))
+    assert late == {"bytes": 4 * 10**6, "ready_at": pytest.approx((0.1 + 3 * 0.995) / 4),
+                    "backward_us": 1000, "largest": 3 * 10**6, "rate": 500.0}
+    advice = commstats.bucket_advice(_bucket_trace(995))
+    # 0.1 x 1000 µs x 500 B/µs = 50 kB, below 1/16 of the 4 MB of gradients: 250 kB = 0.24 MiB
+    assert advice.startswith("buckets fire late: the 4.00 MB of gradients per step are ready "
+                             "for reduction on average 77% of the way") and "bucket_mb=0.24 " in advice
+    assert "500 MB/s the bucket reductions achieved is 0.048 MiB; at least 1/16" in advice
+    assert commstats.bucket_advice(_bucket_trace(500)) is None  # on average 40% through: in time
+    run = {"metrics": [{"rank": 0, "step": s, "step_time": 0.01, "compute": 0.004, "exposed_comm": 0.006,
+                        "data": 0.0, "idle": 0.0, "bytes": {"all_reduce": 4e6}} for s in range(3)],
+           "events": _bucket_trace(995)}
+    assert analysis.diagnose(run)[0] == f"exposed communication is 60% of the median step (per step and rank: all_reduce 4.00 MB): {advice}"
+
+
+def test_step_metrics_tokens_add_up_and_ps_versions_give_staleness(tmp_path):
+    m = StepMetrics(str(tmp_path), 0, 0, 1)
+    m.log({"tokens": 100.0, "loss": 2.0})
+    m.log({"tokens": 28.0, "loss": 1.5})  # two micro-steps in one step: tokens add up
+    m.ps_pushed([3, 3])  # the first push: no previous version to compare with
+    line = m.close_step(0, 0.0, 2e6, record=True)
+    assert line["tokens"] == 128 and line["tokens_per_s"] == 64 and line["loss"] == 1.5
+    assert line["ps_version"] == 3 and "ps_staleness" not in line
+    m.ps_pushed([6, 7])  # the servers moved 3.5 versions: this worker's push and 2.5 others'
+    line = m.close_step(1, 2e6, 3e6, record=True)
+    assert line["ps_updates"] == 3.5 and line["ps_staleness"] == 2.5 and line["ps_updates_per_s"] == 3.5
+    assert "tokens" not in line
+    m.ps_pushed([-1, 7])  # before a pull (welcome): nothing known
+    assert "ps_version" not in m.close_step(2, 3e6, 4e6, record=False)
+    m.close()
+
+
+def test_tensorboard_has_the_metrics_scalars_per_rank_and_nothing_without_it(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    trace.start(str(tmp_path))
+    _train(3, model, torch.optim.SGD(model.parameters(), lr=0.1),
+           trace.data([(torch.randn(2, 3), torch.randn(2, 1))] * 3))
+    trace.stop()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    pytest.importorskip("tensorboard", reason="pip install 'disttrain[tensorboard]' (in dev)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "rank0"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"step_time", "compute", "exposed_comm", "idle", "samples_per_s", "loss",
+            "peak_memory_bytes"} <= tags, tags
+    for tag in ("step_time", "loss", "samples_per_s"):
+        got = [(e.step, e.value) for e in acc.Scalars(tag)]
+        assert got == [(m["step"], pytest.approx(m[tag], rel=1e-6)) for m in lines], tag
+    shutil.rmtree(tmp_path / "tensorboard")
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    assert trace.merge(str(tmp_path))["tensorboard"] is None
+    assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").exists()

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
+from disttrain.trace import events as trace_events
+from disttrain.trace import hooks as trace_hooks
 
 __all__ = ["ALGORITHMS", "all_reduce", "AsyncAllReduce"]
 
@@ -58,6 +60,9 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
     rec = ops.recorder()
     entry = rec.start(f"all_reduce[{algorithm}]", _group_name(group, ranks), ranks,
                       [list(tensor.shape)], str(tensor.dtype).replace("torch.", ""))
+    tracer = trace_hooks.active  # NOTE: None unless tracing is on (disttrain.trace)
+    if tracer is not None:
+        tracer.issued(entry)
     try:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         _RUN[algorithm](flat, ranks, ranks.index(dist.get_rank()), local)
@@ -67,6 +72,8 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
         message = rec.fail(entry, err)
         raise ops.CollectiveError(message, entry, rec.status == "timeout") from err
     rec.end(entry)
+    if tracer is not None:  # blocking: the calling thread waited for all of it
+        tracer.finished(entry, exposed=tracer.on_main())
 
 
 class AsyncAllReduce:
@@ -91,7 +98,7 @@ class AsyncAllReduce:
         """Start summing `tensor` in place; returns a Future (`.wait()` is `.result()`)."""
         fut = self._pool.submit(all_reduce, tensor, self.algorithm, self.group,
                                 local_size=self.local_size)
-        fut.wait = fut.result  # NOTE: the handle shape DataParallel waits on (torch Work.wait)
+        fut.wait = trace_events.waiting(fut.result, f"all_reduce[{self.algorithm}]")  # Work.wait
         return fut
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from disttrain.comm import ops
 from disttrain.trace import events as trace_events
+from disttrain.trace import hooks as trace_hooks
 
 __all__ = ["BucketReducer", "all_reduce_async", "check_algorithm", "ring_reduce_scatter_async"]
 
@@ -46,10 +47,10 @@ def check_algorithm(algorithm: str, owner: str) -> str:
     return algorithm
 
 
-def _submit(group, fn, *args):
+def _submit(group, op: str, fn, *args):
     """Run fn(*args) on `group`'s algorithm thread (one per group, calls in submission
     order, so two reducers on one group never interleave their point-to-point messages);
-    returns a Future whose `wait()` blocks and re-raises."""
+    returns a Future whose `wait()` blocks and re-raises (traced as waiting for `op`)."""
     key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     with _pools_lock:
         pool = _pools.get(key)
@@ -57,7 +58,7 @@ def _submit(group, fn, *args):
             pool = _pools[key] = ThreadPoolExecutor(max_workers=1,
                                                     thread_name_prefix="disttrain-reduce")
     fut = pool.submit(fn, *args)
-    fut.wait = fut.result  # NOTE: the handle shape the reducer waits on (torch Work.wait)
+    fut.wait = trace_events.waiting(fut.result, op)  # NOTE: the shape of torch's Work.wait
     return fut
 
 
@@ -71,14 +72,14 @@ def all_reduce_async(tensor: torch.Tensor, algorithm: str = "native", group=None
         return ops.all_reduce(tensor, group=group, async_op=True)
     from disttrain.comm.algorithms import all_reduce
 
-    return _submit(group, all_reduce, tensor, algorithm, group)
+    return _submit(group, f"all_reduce[{algorithm}]", all_reduce, tensor, algorithm, group)
 
 
 def ring_reduce_scatter_async(tensor: torch.Tensor, group=None):
     """Start a ring reduce-scatter of `tensor` (1-D, numel a multiple of N) in place:
     chunk r of N equal chunks ends holding the sum on group rank r (the other chunks hold
     partial sums). Runs on the group's algorithm thread; returns a Future (`wait()`)."""
-    return _submit(group, _ring_reduce_scatter, tensor, group)
+    return _submit(group, "reduce_scatter[ring]", _ring_reduce_scatter, tensor, group)
 
 
 def _ring_reduce_scatter(tensor: torch.Tensor, group) -> None:
@@ -95,6 +96,9 @@ def _ring_reduce_scatter(tensor: torch.Tensor, group) -> None:
     entry = rec.start("reduce_scatter[ring]", "world" if group in (None, dist.group.WORLD)
                       else f"group [{','.join(map(str, ranks))}]", ranks,
                       [list(tensor.shape)], str(tensor.dtype).replace("torch.", ""))
+    tracer = trace_hooks.active
+    if tracer is not None:
+        tracer.issued(entry)
     try:
         # NOTE: ring_reduce_scatter leaves index i holding chunk i+1; renumbering the same
         # ring one place back makes rank r hold chunk r, as ZeRO's shards are laid out.
@@ -103,6 +107,8 @@ def _ring_reduce_scatter(tensor: torch.Tensor, group) -> None:
         message = rec.fail(entry, err)
         raise ops.CollectiveError(message, entry, rec.status == "timeout") from err
     rec.end(entry)
+    if tracer is not None:
+        tracer.finished(entry, exposed=tracer.on_main())
 
 
 class BucketReducer:
@@ -156,6 +162,8 @@ class BucketReducer:
         self.pending = [len(m) for m in self.members]
         self.works: list[tuple | None] = [None] * len(self.members)
         self.next_launch = 0
+        self.t_ready: list = [None] * len(self.members)  # trace stamps (None: tracing off)
+        self.t_launch: list = [None] * len(self.members)
 
     def remove(self) -> None:
         """Remove the hooks (the reducer is no longer used)."""
@@ -187,7 +195,7 @@ class BucketReducer:
         b = self.bucket_of[i]
         self.pending[b] -= 1
         if self.pending[b] == 0:
-            trace_events.instant("bucket ready", "dp", bucket=b)
+            self.t_ready[b] = trace_events.stamp()
             self._launch_ready()
 
     def _launch_ready(self, final: bool = False) -> None:
@@ -200,9 +208,11 @@ class BucketReducer:
                 if self.works[b] is not None:  # NOTE: never twice in flight: finish the first
                     self._wait(b)
                 tensor, ctx = self.prepare(b)
+                self.t_launch[b] = trace_events.stamp()
+                if self.t_ready[b] is None:  # NOTE: completed in finish() (missing params)
+                    self.t_ready[b] = self.t_launch[b]
                 self.works[b] = (self.reduce(tensor), tensor, ctx)
                 self.events.append(("launch", b))
-                trace_events.instant("bucket reduce start", "dp", bucket=b)
                 self._bound_inflight(b)
             elif not final:
                 return
@@ -221,7 +231,8 @@ class BucketReducer:
         work.wait()
         self.complete(b, tensor, ctx)
         self.events.append(("wait", b))
-        trace_events.instant("bucket done", "dp", bucket=b)
+        trace_events.bucket(b, self.t_ready[b], self.t_launch[b],
+                            tensor.numel() * tensor.element_size())
 
     def wait_launched(self) -> None:
         """Wait for (and complete) every launched bucket. Blocks."""

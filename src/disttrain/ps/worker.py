@@ -121,7 +121,7 @@ class Worker:
         self._attempt, self._sent = None, set()
         self._clock += 1
         self.pushes += 1
-        trace_events.ps_pushed(h, self.rank, self._clock - 1, len(self.addresses))  # ends the step
+        trace_events.ps_pushed(h, self.rank, self._clock - 1, self._version)  # ends the step
         return h.seal()
 
     def wire_stats(self) -> dict:

@@ -55,11 +55,13 @@ def parse_steps(text: str | None) -> tuple[int, int | None]:
 def clear(directory: str) -> None:
     """Create `directory` and remove a previous run's trace files from it (the launcher's job)."""
     import glob
+    import shutil
 
     os.makedirs(directory, exist_ok=True)
     for pattern in ("rank*.jsonl", "metrics.rank*.jsonl", "trace.json", "metrics.jsonl"):
         for path in glob.glob(os.path.join(directory, pattern)):
             os.remove(path)
+    shutil.rmtree(os.path.join(directory, "tensorboard"), ignore_errors=True)
 
 
 def is_active() -> bool:
@@ -149,10 +151,14 @@ def end_step() -> None:
 
 
 def log(**values) -> None:
-    """Attach scalars (loss=..., tokens=...) to this step's metrics line (ignored when off)."""
+    """Attach scalars (loss=..., tokens=...) to this step's metrics line (ignored when off).
+
+    `tokens`: tokens this rank's step processed (add up if logged more than once in a
+    step); the line then has tokens_per_s. Other names: the last value of the step.
+    """
     tracer = hooks.active
     if tracer is None:
         return
     scalars = {k: float(v.detach() if hasattr(v, "detach") else v) for k, v in values.items()}
-    tracer.m.logged.update(scalars)
+    tracer.m.log(scalars)
     tracer.rec.counter("logged", hooks.now_us(), scalars)

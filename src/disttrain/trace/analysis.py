@@ -6,12 +6,13 @@ per step; `diagnose(run)` returns sentences, the most important first:
 - a straggler: ranks of a synchronous job all show the same step time (the others wait
   for the slow one in exposed communication), so ranks are compared by their *own* time
   per step, `step_time - exposed_comm` (compute, data waits and idle). The slowest rank
-  more than 10% above the median is named with the share of its gap that each part
+  more than 25% above the median is named with the share of its gap that each part
   explains (`rank 3 is 41% slower than the median: 80% of the gap is data loading`), the
   named part of idle when one dominates (an injected delay, a checkpoint save);
 - a pipeline bubble above 25%, with the stages and micro-batches the trace shows and the
   ideal bubble (p-1)/(m+p-1) of more micro-batches;
-- exposed communication above 25% of the median step, with the bytes per collective;
+- exposed communication above 25% of the median step, with the bytes per collective and,
+  when gradient buckets fire late, a bucket_mb computed from the trace (commstats.py);
 - PS staleness (from the servers' final stats) and per-server load (applied updates).
 
 Standard library only; report.py draws the charts.
@@ -24,6 +25,8 @@ import os
 import statistics
 from collections import defaultdict
 
+from disttrain.trace.commstats import bucket_advice, collectives
+
 __all__ = ["load", "summarize", "diagnose", "pipeline_shape", "ps_servers", "collectives"]
 
 PARTS = ("compute", "exposed_comm", "data", "idle")
@@ -35,19 +38,20 @@ EXPOSED = 0.25
 
 
 def load(directory: str) -> dict:
-    """{"dir", "metrics": [lines], "events": [trace events]} of a trace folder."""
+    """{"dir", "metrics": [lines], "events": [trace events], "meta": otherData} of a trace folder."""
     metrics_path = os.path.join(directory, "metrics.jsonl")
     trace_path = os.path.join(directory, "trace.json")
     if not os.path.exists(trace_path):
         raise FileNotFoundError(f"{trace_path} not found: trace a job first (disttrain run "
                                 f"--trace {directory} ...), or merge with disttrain.trace.merge")
     with open(trace_path, encoding="utf-8") as fp:
-        events = json.load(fp)["traceEvents"]
+        tr = json.load(fp)
+    events, meta = tr["traceEvents"], tr.get("otherData", {})
     metrics = []
     if os.path.exists(metrics_path):
         with open(metrics_path, encoding="utf-8") as fp:
             metrics = [json.loads(line) for line in fp if line.strip()]
-    return {"dir": directory, "metrics": metrics, "events": events}
+    return {"dir": directory, "metrics": metrics, "events": events, "meta": meta}
 
 
 def summarize(run: dict) -> dict[int, dict]:
@@ -135,7 +139,7 @@ def _bubble(rows: dict[int, dict], events: list[dict]) -> str | None:
             f"{100 * (p - 1) / (better + p - 1):.0f}%")
 
 
-def _exposed(rows: dict[int, dict]) -> str | None:
+def _exposed(rows: dict[int, dict], events: list[dict]) -> str | None:
     share = statistics.median(r["exposed_comm"] / r["step_time"] for r in rows.values()
                               if r["step_time"] > 0)
     if share < EXPOSED:
@@ -147,7 +151,10 @@ def _exposed(rows: dict[int, dict]) -> str | None:
     ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
     top = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in ranked[:3])
     first = ranked[0][0] if ranked else ""
-    if first in ("send", "recv", "isend", "irecv"):
+    buckets = bucket_advice(events)
+    if buckets:
+        hint = buckets
+    elif first in ("send", "recv", "isend", "irecv"):
         hint = "stages wait for each other's activations and gradients (see the pipeline bubble)"
     elif first:
         hint = ("overlap it with compute (DataParallel buckets fire during backward; a smaller "
@@ -156,22 +163,6 @@ def _exposed(rows: dict[int, dict]) -> str | None:
         hint = "workers wait for the parameter servers' answers (push/pull)"
     return (f"exposed communication is {100 * share:.0f}% of the median step"
             + (f" (per step and rank: {top})" if top else "") + f": {hint}")
-
-
-def collectives(events: list[dict]) -> list[dict]:
-    """Per collective kind: calls, bytes per call, median time issue -> completion and the
-    achieved rate (bytes of the tensor / median time: algorithm bandwidth, not the link's)."""
-    by_op: dict[str, list[tuple[float, int]]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "comm" and "bytes" in e.get("args", {}):
-            by_op[e["name"]].append((e["dur"], e["args"]["bytes"]))
-    out = []
-    for op, calls in sorted(by_op.items()):
-        dur = statistics.median(d for d, _ in calls)
-        nbytes = statistics.median(b for _, b in calls)
-        out.append({"op": op, "calls": len(calls), "bytes": nbytes, "median_us": dur,
-                    "mb_per_s": nbytes / dur if dur > 0 else 0.0})
-    return out
 
 
 def ps_servers(events: list[dict]) -> dict[int, dict]:
@@ -210,7 +201,7 @@ def diagnose(run: dict) -> list[str]:
                 "call disttrain.trace.end_step())"]
     slow = _straggler(rows)
     # NOTE: behind a straggler the others' exposed communication is waiting for it
-    lines = [x for x in (slow, _bubble(rows, run["events"]), None if slow else _exposed(rows)) if x]
+    lines = [x for x in (slow, _bubble(rows, run["events"]), None if slow else _exposed(rows, run["events"])) if x]
     if not lines:
         med = statistics.median(r["step_time"] for r in rows.values())
         comp = statistics.median(r["compute"] / r["step_time"] for r in rows.values() if r["step_time"])

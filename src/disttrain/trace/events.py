@@ -13,7 +13,8 @@ site costs one function call with tracing off. Who calls what:
   waited for; ps/worker.py: `ps_cancelled(rank)`, `ps_sleep(...)` around an injected
   straggler delay; ps/server.py: `span("apply" / "receive" / "answer", "ps")`, and
   `ps_server_stats(stats)` once at the end (staleness histogram, updates).
-- checkpoint: `span("checkpoint.save")`, `span("checkpoint.load")`.
+- checkpoint: `span("checkpoint.save")`, `span("checkpoint.load")`; comm/reducer.py:
+  `stamp()`s and `bucket(...)` per bucket, `waiting(...)` around algorithm futures.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from disttrain.trace import hooks
 from disttrain.trace.hooks import now_us
 from disttrain.trace.recorder import MAIN_TID, perf_us
 
-__all__ = ["now_us", "begin_work", "end_step", "span", "traced", "instant", "ps_pushed",
+__all__ = ["now_us", "begin_work", "end_step", "span", "traced", "instant", "stamp", "bucket",
+           "waiting", "ps_pushed",
            "ps_pulling", "ps_received", "ps_applied", "pipeline_step", "ps_issued", "ps_done", "ps_waited",
            "ps_cancelled", "ps_server_stats"]
 
@@ -88,6 +90,39 @@ def instant(name: str, cat: str = "user", **args) -> None:
         tracer.rec.instant(name, cat, args or None)
 
 
+def stamp() -> float | None:
+    """now_us() while tracing is on, else None (comm/reducer.py's bucket times)."""
+    return None if hooks.active is None else now_us()
+
+
+def bucket(b: int, ready: float | None, start: float | None, nbytes: int) -> None:
+    """Bucket `b` of DataParallel or ZeRO (comm/reducer.py) was waited for now: its last
+    gradient arrived at `ready`, its reduction launched at `start` (`stamp()`s). One span
+    `bucket b` [ready, now] on a communication lane with `reduce` [start, now] inside."""
+    tracer = hooks.active
+    if tracer is None or ready is None or start is None or not tracer.rec.recording:
+        return
+    t = now_us()
+    tid = tracer.rec.lane(ready, t)
+    tracer.rec.complete(f"bucket {b}", "dp", ready, t, {"bucket": b, "bytes": nbytes}, tid)
+    tracer.rec.complete("reduce", "dp", start, t, None, tid)
+
+
+def waiting(result, op: str):
+    """A future's blocking `result()` whose waits count as exposed communication `wait {op}`
+    (comm/algorithms.py's futures: their collective runs on its own thread)."""
+    def wait(timeout=None):
+        tracer = hooks.active
+        if tracer is None:
+            return result(timeout)
+        t0 = now_us()
+        try:
+            return result(timeout)
+        finally:
+            tracer.exposed(f"wait {op}", t0, now_us(), {"op": op})
+    return wait
+
+
 def pipeline_step(spans, t0: float, stage: int) -> None:
     """The pipeline runtime's actions of one step (F/B/W, micro-batch, chunk; seconds from `t0`)."""
     tracer = hooks.active
@@ -128,10 +163,12 @@ def ps_done(handle) -> None:
 _received: dict[tuple[int, int], tuple[int, int]] = {}  # (server, push id) -> (worker, clock)
 
 
-def ps_pushed(handle, worker: int, clock: int, servers: int) -> None:
-    """A worker's push (and its step) ends; its span will start an arrow to each server."""
+def ps_pushed(handle, worker: int, clock: int, versions: list[int]) -> None:
+    """A worker's push (and its step) ends; its span will start an arrow to each server.
+    `versions`: per server, the parameter version its gradient was computed on."""
     if hooks.active is not None:
-        handle.trace_flows = lambda: [("s", f"push s{s} w{worker} c{clock}") for s in range(servers)]
+        handle.trace_flows = lambda: [("s", f"push s{s} w{worker} c{clock}") for s in range(len(versions))]
+        hooks.active.m.ps_pushed(versions)
         hooks.active.end_step()
 
 

@@ -6,7 +6,8 @@ skipped and counted). Each process becomes one Chrome process (pid = global rank
 10000 x the restart attempt) named `rank R` or `rank R (server)`; timestamps get the
 file's measured clock offset (clock.py) and are shifted so the trace starts at 0 (the
 wall-clock start is kept in `otherData.start_unix_us`). Written to a temporary file and
-renamed, so `trace.json` is either the old complete file or the new complete one.
+renamed, so `trace.json` is either the old complete file or the new complete one. With
+tensorboard installed, the metrics also become event files in DIR/tensorboard/ (tboard.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import glob
 import json
 import os
 
+from disttrain.trace import tboard
 from disttrain.trace.recorder import EPOCH_S
 
 __all__ = ["merge", "read_rank_file"]
@@ -57,7 +59,7 @@ def _process_name(header: dict) -> str:
     return name
 
 
-def _merge_metrics(directory: str, shifts: dict[tuple[int, int], float]) -> int:
+def _merge_metrics(directory: str, shifts: dict[tuple[int, int], float]) -> list[dict]:
     lines = []
     for path in glob.glob(os.path.join(directory, "metrics.rank*.jsonl")):
         with open(path, encoding="utf-8", errors="replace") as fp:
@@ -73,7 +75,7 @@ def _merge_metrics(directory: str, shifts: dict[tuple[int, int], float]) -> int:
     lines.sort(key=lambda o: (o.get("attempt", 0), o["step"], o.get("rank", 0)))
     _write_atomic(os.path.join(directory, "metrics.jsonl"),
                   "".join(json.dumps(o, separators=(",", ":")) + "\n" for o in lines))
-    return len(lines)
+    return lines
 
 
 def _paired_flows(events: list[dict]) -> list[dict]:
@@ -95,7 +97,8 @@ def _write_atomic(path: str, text: str) -> None:
 def merge(directory: str) -> dict:
     """Write `directory/trace.json` and `metrics.jsonl` from the rank files; return a summary.
 
-    The summary: path, processes, events, skipped lines, max clock error (µs) and metric lines.
+    The summary: path, processes, events, skipped lines, max clock error (µs), metric lines
+    and the TensorBoard folder (None without tensorboard: tboard.py).
     """
     files = sorted(glob.glob(os.path.join(directory, "rank*.jsonl")))
     read = [read_rank_file(path) for path in files]
@@ -111,11 +114,15 @@ def merge(directory: str) -> dict:
         shift = shifts[(rank, attempt)] = _anchor(header) - base
         max_error = max(max_error, float(clock.get("error_us", 0.0)))
         procs.append({"pid": pid, "rank": rank, "role": header.get("role", "worker"),
-                      "attempt": attempt, "host": header.get("host"), "clock": clock})
+                      "attempt": attempt, "host": header.get("host"), "clock": clock,
+                      **{k: header[k] for k in ("link_gbps", "node", "local_world_size") if k in header}})
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                        "args": {"name": _process_name(header)}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
+        if "node" in header:  # `disttrain run --cluster`: Perfetto shows it under the name
+            events.append({"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
+                           "args": {"labels": f"node {header['node']}"}})
         for e in evs:
             e["pid"] = pid
             if "ts" in e:
@@ -127,8 +134,12 @@ def merge(directory: str) -> dict:
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
              "otherData": {"producer": "disttrain", "start_unix_us": base + EPOCH_S * 1e6, "processes": procs,
                            "max_clock_error_us": max_error}}
+    links = [p["link_gbps"] for p in procs if "link_gbps" in p]
+    if links:  # NOTE: `disttrain run --cluster`'s link rate (Gbit/s), the report's reference
+        trace["otherData"]["link_gbps"] = min(links)
     path = os.path.join(directory, "trace.json")
     _write_atomic(path, json.dumps(trace, separators=(",", ":")))
-    n_metrics = _merge_metrics(directory, shifts)
+    lines = _merge_metrics(directory, shifts)
+    board = tboard.write(directory, lines, trace["otherData"]["start_unix_us"] / 1e6)
     return {"path": path, "processes": len(procs), "events": len(events), "skipped_lines": skipped,
-            "max_clock_error_us": max_error, "metric_lines": n_metrics}
+            "max_clock_error_us": max_error, "metric_lines": len(lines), "tensorboard": board}

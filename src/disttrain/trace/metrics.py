@@ -45,16 +45,37 @@ class StepMetrics:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.path = os.path.join(directory, f"metrics.rank{rank}.a{attempt}.jsonl")
         self._fp = None
+        self._ps_prev: float | None = None  # the parameter version of the previous push
         self.reset()
 
     def reset(self) -> None:
         self.data = self.compute = self.exposed = self.exposed_in_compute = 0.0
-        self.samples = 0
+        self.samples = self.tokens = 0
+        self.ps: dict = {}
         self.pipeline_busy = self.pipeline_wall = 0.0
         self.waits: dict[str, float] = {}
         self.bytes: dict[str, int] = {}
         self.counts: dict[str, int] = {}
         self.logged: dict = {}
+
+    def log(self, values: dict) -> None:
+        """`disttrain.log(...)`'s scalars: `tokens` add up over the step, others replace."""
+        for k, v in values.items():
+            if k == "tokens":
+                self.tokens += v
+            else:
+                self.logged[k] = v
+
+    def ps_pushed(self, versions) -> None:
+        """A PS worker pushed the gradient it computed on `versions` (one per server): the
+        servers' updates since its previous push, beyond its own, bound the staleness."""
+        if not versions or min(versions) < 0:
+            return
+        v = sum(versions) / len(versions)
+        self.ps = {"ps_version": v}
+        if self._ps_prev is not None:
+            self.ps.update(ps_updates=v - self._ps_prev, ps_staleness=max(0.0, v - self._ps_prev - 1))
+        self._ps_prev = v
 
     def collective(self, op: str, nbytes: int) -> None:
         self.bytes[op] = self.bytes.get(op, 0) + nbytes
@@ -70,9 +91,14 @@ class StepMetrics:
     def close_step(self, step: int, t0: float, t1: float, record: bool) -> dict:
         """Write the line of the step [t0, t1] (µs, this clock) when `record`; start the next."""
         line = {"step": step, "rank": self.rank, "attempt": self.attempt, "t0_us": t0, **self.breakdown(t1 - t0)}
+        secs = max(1e-9, line["step_time"])
         if self.samples:
-            line["samples"] = self.samples
-            line["samples_per_s"] = self.samples / max(1e-9, line["step_time"])
+            line.update(samples=self.samples, samples_per_s=self.samples / secs)
+        if self.tokens:
+            line.update(tokens=self.tokens, tokens_per_s=self.tokens / secs)
+        line.update(self.ps)
+        if "ps_updates" in self.ps:
+            line["ps_updates_per_s"] = self.ps["ps_updates"] / secs
         if self.waits:  # named parts of idle (an injected delay, a checkpoint save)
             line["idle_named"] = {k: v / 1e6 for k, v in self.waits.items()}
         if self.pipeline_wall > 0:

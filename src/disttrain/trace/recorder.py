@@ -28,7 +28,7 @@ import time
 
 from disttrain.trace.metrics import StepMetrics
 
-__all__ = ["Recorder", "now_us", "perf_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US"]
+__all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US"]
 
 MAIN_TID = 0
 COMM_TID = 100
@@ -42,6 +42,20 @@ WALL0_US = (time.time() - EPOCH_S) * 1e6
 def perf_us(perf: float) -> float:
     """A `time.perf_counter()` reading on the `now_us()` scale."""
     return (perf - _PERF0) * 1e6
+
+
+def cluster_meta(environ=os.environ) -> dict:
+    """The cluster this rank runs on, when `disttrain run --cluster` said (its env): the
+    link rate in Gbit/s, the node, ranks per node (the report compares bandwidth with it)."""
+    out: dict = {}
+    for key, var, kind in (("link_gbps", "DISTTRAIN_LINK_GBPS", float),
+                           ("node", "DISTTRAIN_CLUSTER_NODE", int),
+                           ("local_world_size", "LOCAL_WORLD_SIZE", int)):
+        try:
+            out[key] = kind(environ[var])
+        except (KeyError, ValueError):
+            pass
+    return out if "link_gbps" in out else {}
 
 
 def now_us() -> float:
@@ -76,7 +90,7 @@ class Recorder:
         self._write_now({"disttrain_trace": 1, "rank": rank, "world_size": world_size,
                          "role": role, "attempt": attempt, "host": socket.gethostname(),
                          "os_pid": self.os_pid, "steps": [self.first, self.last], "epoch_s": EPOCH_S, "wall0_us": WALL0_US,
-                         "started_us": now_us()})
+                         "started_us": now_us(), **cluster_meta()})
         self._meta_thread(MAIN_TID, "compute (training thread)")
         self._stop = threading.Event()
         self._closed = False
@@ -118,10 +132,12 @@ class Recorder:
             event["args"] = args
         self._emit(event)
 
-    def comm_span(self, name: str, t0: float, t1: float, args: dict, flows=()) -> None:
-        """A collective from issue to completion on the first communication lane it fits."""
-        if not self.recording:
-            return
+    def lane(self, t0: float, t1: float) -> int:
+        """The track of the first communication lane free from `t0`, taken until `t1`.
+
+        NOTE: a lane's end only grows (a span goes where the last one ended before it
+        starts), so spans on a lane never overlap, whatever order they are recorded in.
+        """
         with self._lock:
             for lane, end in enumerate(self._lanes):
                 if end <= t0:
@@ -130,9 +146,15 @@ class Recorder:
             else:
                 lane, new = len(self._lanes), True
                 self._lanes.append(t1)
-        tid = COMM_TID + lane
         if new:
-            self._meta_thread(tid, "comm" if lane == 0 else f"comm {lane + 1}")
+            self._meta_thread(COMM_TID + lane, "comm" if lane == 0 else f"comm {lane + 1}")
+        return COMM_TID + lane
+
+    def comm_span(self, name: str, t0: float, t1: float, args: dict, flows=()) -> None:
+        """A collective from issue to completion on the first communication lane it fits."""
+        if not self.recording:
+            return
+        tid = self.lane(t0, t1)
         self.complete(name, "comm", t0, t1, args, tid)
         for phase, fid in flows:  # (phase "s"/"f", id): bound to this span
             self.flow(phase, fid, t0 if phase == "s" else t1 - min(1.0, (t1 - t0) / 2), tid)

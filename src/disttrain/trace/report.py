@@ -146,17 +146,31 @@ def _table(rows) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _comm_table(events) -> str:
-    rows = analysis.collectives(events)
+def _comm_table(events, meta) -> str:
+    rows = analysis.collectives(events, meta)
     if not rows:
         return ""
-    head = "".join(f"<th>{h}</th>" for h in ("collective", "calls", "bytes per call", "median ms",
-                                              "achieved MB/s"))
-    body = "".join(f"<tr><td>{r['op']}</td><td>{r['calls']}</td><td>{r['bytes']:,.0f}</td>"
-                   f"<td>{r['median_us'] / 1e3:.3f}</td><td>{r['mb_per_s']:,.1f}</td></tr>"
-                   for r in rows)
+    link = meta.get("link_gbps")
+    heads = ["collective", "ranks", "calls", "bytes per call", "median ms", "achieved MB/s",
+             "bus Gbit/s"] + ([f"of the {link:g} Gbit/s link"] if link else [])
+    body = []
+    for r in rows:
+        cells = [r["op"], str(r["n"]), str(r["calls"]), f"{r['bytes']:,.0f}",
+                 f"{r['median_us'] / 1e3:.3f}", f"{r['mb_per_s']:,.1f}", f"{r['bus_gbps']:.3f}"]
+        if link:
+            cells.append("one node" if r["crosses_nodes"] is False else
+                         f"{100 * r['link_share']:.0f}%" if r["link_share"] is not None else "-")
+        body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    note = ("<p>Bus bandwidth: what each rank moved over its link per second (nccl-tests' "
+            "convention: all-reduce 2(n-1)/n of the tensor, all-gather n-1, reduce-scatter "
+            "(n-1)/n, broadcast and point-to-point 1), from issue to completion, so it includes "
+            "waiting for the last rank to join."
+            + (" Compared with the link rate `disttrain run --cluster` gave the ranks "
+               "(DISTTRAIN_LINK_GBPS); groups inside one node do not use the link." if link else "")
+            + "</p>")
     return ("<h2>Collectives (issue to completion, every rank)</h2>"
-            f"<table><tr>{head}</tr>{body}</table>")
+            f"<table><tr>{head}</tr>{''.join(body)}</table>{note}")
 
 
 PAGE = """<!doctype html>
@@ -200,7 +214,7 @@ def write_report(directory: str, out: str | None = None) -> tuple[str, list[str]
                       f'src="{uri}">')
     page = PAGE.format(title=html.escape(os.path.abspath(directory)),
                        diagnosis="".join(f"<li>{html.escape(d)}</li>" for d in diagnosis),
-                       table=_table(analysis.summarize(run)), comm=_comm_table(run["events"]),
+                       table=_table(analysis.summarize(run)), comm=_comm_table(run["events"], run["meta"]),
                        charts="\n".join(charts))
     path = out or os.path.join(directory, "report.html")
     with open(path, "w", encoding="utf-8") as fp:
