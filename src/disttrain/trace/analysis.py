@@ -38,7 +38,7 @@ EXPOSED = 0.25
 
 
 def load(directory: str) -> dict:
-    """{"dir", "metrics": [lines], "events": [trace events], "meta": otherData} of a trace folder."""
+    """{"dir", "metrics": [lines], "events": [trace events], "other": otherData} of a trace folder."""
     metrics_path = os.path.join(directory, "metrics.jsonl")
     trace_path = os.path.join(directory, "trace.json")
     if not os.path.exists(trace_path):
@@ -46,12 +46,12 @@ def load(directory: str) -> dict:
                                 f"--trace {directory} ...), or merge with disttrain.trace.merge")
     with open(trace_path, encoding="utf-8") as fp:
         tr = json.load(fp)
-    events, meta = tr["traceEvents"], tr.get("otherData", {})
+    events, other = tr["traceEvents"], tr.get("otherData") or {}
     metrics = []
     if os.path.exists(metrics_path):
         with open(metrics_path, encoding="utf-8") as fp:
             metrics = [json.loads(line) for line in fp if line.strip()]
-    return {"dir": directory, "metrics": metrics, "events": events, "meta": meta}
+    return {"dir": directory, "metrics": metrics, "events": events, "other": other}
 
 
 def summarize(run: dict) -> dict[int, dict]:

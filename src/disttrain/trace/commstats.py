@@ -1,6 +1,6 @@
 """What the communication achieved, from a merged trace: per collective and per bucket.
 
-`collectives(events, meta)` is the report's table: per collective kind the calls, bytes,
+`collectives(events, other)` is the report's table: per collective kind the calls, bytes,
 median time from issue to completion, achieved rate and bus bandwidth (nccl-tests'
 convention), and its share of the cluster's link when `disttrain run --cluster` recorded
 one (trace.json's otherData.link_gbps; groups inside one node do not use the link).
@@ -55,27 +55,27 @@ def _members(group: str, ranks: list[int]) -> list[int]:
     return ranks
 
 
-def _crosses(meta: dict) -> Callable[[str], bool | None]:
+def _crosses(other: dict) -> Callable[[str], bool | None]:
     """group name -> True (spans nodes: uses the link), False (one node), None (unknown)."""
-    node = {p["rank"]: p["node"] for p in meta.get("processes", []) if "node" in p}
+    node = {p["rank"]: p["node"] for p in other.get("processes", []) if "node" in p}
     ranks = sorted(node)
     if not node:
         return lambda group: None
     return lambda group: len({node[r] for r in _members(group, ranks) if r in node}) > 1
 
 
-def collectives(events: list[dict], meta: dict | None = None) -> list[dict]:
+def collectives(events: list[dict], other: dict | None = None) -> list[dict]:
     """Per collective kind: calls, bytes per call, median time issue -> completion, the
     achieved rate (tensor bytes / median time), the bus bandwidth (`bus_factor`) and, when
-    the trace knows the cluster's link (`meta`: trace.json's otherData), its share of it
+    the trace knows the cluster's link (`other`: trace.json's otherData), its share of it
     (None for groups inside one node, which do not use the link)."""
-    meta = meta or {}
-    link, crosses = meta.get("link_gbps"), _crosses(meta)
+    other = other or {}
+    link, crosses = other.get("link_gbps"), _crosses(other)
     by_op: dict[tuple, list[tuple[float, int, int]]] = defaultdict(list)
     for e in events:
         a = e.get("args", {})
         if e.get("ph") == "X" and e.get("cat") == "comm" and "bytes" in a:
-            by_op[(e["name"], crosses(a.get("group", "")))].append((e["dur"], a["bytes"], a.get("n", 0)))
+            by_op[(e["name"], crosses(a.get("group", "")))].append((e["dur"], a["bytes"], a.get("ranks", 0)))
     out = []
     for (op, cross), calls in sorted(by_op.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         dur = statistics.median(d for d, _, _ in calls)

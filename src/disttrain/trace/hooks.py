@@ -277,7 +277,7 @@ class Tracer:
         if t0 is None:
             return
         t1 = now_us()
-        args = {"op": entry.op, "group": entry.group, "n": len(entry.ranks), "seq": entry.seq,
+        args = {"op": entry.op, "group": entry.group, "ranks": len(entry.ranks), "seq": entry.seq,
                 "bytes": _nbytes(entry), "site": entry.site}
         self.rec.comm_span(entry.op, t0, t1, args, _flow(entry))
         if exposed:

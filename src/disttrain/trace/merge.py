@@ -3,7 +3,9 @@
 Standard library only: `disttrain run` calls it after the job, whatever its outcome, and
 it must work on files a killed rank left half-written (a line that does not parse is
 skipped and counted). Each process becomes one Chrome process (pid = global rank, plus
-10000 x the restart attempt) named `rank R` or `rank R (server)`; timestamps get the
+10000 x the restart attempt) named `rank R` or `rank R (server)`, with ` on nK` when it ran
+on node K of a multi-node job (`otherData.processes` keeps each one's node and
+`otherData.link_gbps` the cluster's link rate when known); timestamps get the
 file's measured clock offset (clock.py) and are shifted so the trace starts at 0 (the
 wall-clock start is kept in `otherData.start_unix_us`). Written to a temporary file and
 renamed, so `trace.json` is either the old complete file or the new complete one. With
@@ -54,6 +56,8 @@ def _process_name(header: dict) -> str:
     name = f"rank {header.get('rank', '?')}"
     if header.get("role") == "server":
         name += " (server)"
+    if header.get("node") is not None:
+        name += f" on n{header['node']}"
     if header.get("attempt"):
         name += f" (attempt {header['attempt']})"
     return name
@@ -115,14 +119,11 @@ def merge(directory: str) -> dict:
         max_error = max(max_error, float(clock.get("error_us", 0.0)))
         procs.append({"pid": pid, "rank": rank, "role": header.get("role", "worker"),
                       "attempt": attempt, "host": header.get("host"), "clock": clock,
-                      **{k: header[k] for k in ("link_gbps", "node", "local_world_size") if k in header}})
+                      **{k: header[k] for k in ("node", "link_gbps") if k in header}})
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                        "args": {"name": _process_name(header)}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
-        if "node" in header:  # `disttrain run --cluster`: Perfetto shows it under the name
-            events.append({"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
-                           "args": {"labels": f"node {header['node']}"}})
         for e in evs:
             e["pid"] = pid
             if "ts" in e:

@@ -1,7 +1,7 @@
 """This process's trace: Chrome trace events as JSON lines in its own file, flushed as it goes.
 
 One `Recorder` per traced process writes `DIR/rank{R}.a{A}.p{PID}.jsonl`: a header line
-(rank, role, host, attempt), then one JSON object per line: trace events without their
+(rank, role, host, attempt, node and link rate when known), then one JSON object per line: trace events without their
 `pid` (the merge adds it), thread names, and the measured clock offset. Events are kept in
 a small buffer that a daemon thread appends to the file every `flush_s` seconds (and any
 thread does when it holds `max_buffer` events), so memory stays bounded and a rank that
@@ -45,17 +45,20 @@ def perf_us(perf: float) -> float:
 
 
 def cluster_meta(environ=os.environ) -> dict:
-    """The cluster this rank runs on, when `disttrain run --cluster` said (its env): the
-    link rate in Gbit/s, the node, ranks per node (the report compares bandwidth with it)."""
+    """Where this process runs, for the merge and the report: its node (`run --cluster`'s
+    DISTTRAIN_CLUSTER_NODE, else its agent's GROUP_RANK in a multi-node job) and the link
+    rate in Gbit/s that `run --cluster` exports (DISTTRAIN_LINK_GBPS), each when known."""
     out: dict = {}
-    for key, var, kind in (("link_gbps", "DISTTRAIN_LINK_GBPS", float),
-                           ("node", "DISTTRAIN_CLUSTER_NODE", int),
-                           ("local_world_size", "LOCAL_WORLD_SIZE", int)):
-        try:
-            out[key] = kind(environ[var])
-        except (KeyError, ValueError):
-            pass
-    return out if "link_gbps" in out else {}
+    try:
+        if environ.get("DISTTRAIN_CLUSTER_NODE"):
+            out["node"] = int(environ["DISTTRAIN_CLUSTER_NODE"])
+        elif int(environ.get("GROUP_WORLD_SIZE") or 1) > 1 and environ.get("GROUP_RANK"):
+            out["node"] = int(environ["GROUP_RANK"])
+        if environ.get("DISTTRAIN_LINK_GBPS"):
+            out["link_gbps"] = float(environ["DISTTRAIN_LINK_GBPS"])
+    except ValueError:
+        pass
+    return out
 
 
 def now_us() -> float:

@@ -146,11 +146,11 @@ def _table(rows) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _comm_table(events, meta) -> str:
-    rows = analysis.collectives(events, meta)
+def _comm_table(events, other) -> str:
+    rows = analysis.collectives(events, other)
     if not rows:
         return ""
-    link = meta.get("link_gbps")
+    link = other.get("link_gbps")
     heads = ["collective", "ranks", "calls", "bytes per call", "median ms", "achieved MB/s",
              "bus Gbit/s"] + ([f"of the {link:g} Gbit/s link"] if link else [])
     body = []
@@ -214,7 +214,7 @@ def write_report(directory: str, out: str | None = None) -> tuple[str, list[str]
                       f'src="{uri}">')
     page = PAGE.format(title=html.escape(os.path.abspath(directory)),
                        diagnosis="".join(f"<li>{html.escape(d)}</li>" for d in diagnosis),
-                       table=_table(analysis.summarize(run)), comm=_comm_table(run["events"], run["meta"]),
+                       table=_table(analysis.summarize(run)), comm=_comm_table(run["events"], run["other"]),
                        charts="\n".join(charts))
     path = out or os.path.join(directory, "report.html")
     with open(path, "w", encoding="utf-8") as fp:
