@@ -11,9 +11,10 @@ the step closes, its line says, in seconds:
 where compute excludes the exposed communication inside it and idle is what no span
 covered (the loop's own Python, logging, a loader disttrain does not see). Also: bytes
 and counts per collective kind (from any thread), samples and samples/s (from the batches
-`disttrain.trace.data` / `shard_loader` delivered), peak memory, and what the script gave
-`disttrain.log(...)` during the step (loss, ...). The merge (merge.py) joins every rank's
-file into `DIR/metrics.jsonl`, sorted by step then rank.
+`disttrain.trace.data` / `shard_loader` delivered), peak memory, what the script gave
+`disttrain.log(...)` during the step (loss, ...; `tokens` add up: tokens/s), and on PS
+workers the versions pulled (staleness bound, updates/s). The merge (merge.py) joins every
+rank's file into `DIR/metrics.jsonl`, sorted by step then rank.
 """
 
 from __future__ import annotations
