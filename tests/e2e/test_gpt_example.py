@@ -31,6 +31,9 @@ def _run(cmd, timeout):
                           timeout=timeout)
 
 
+# NOTE: slow-marked for suite time: the interleaved schedule is checked against the
+# unpipelined model in tests/dist/test_pipeline.py; this example runs with 1F1B below.
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_interleaved_pipeline_run_lowers_loss_and_samples():
     # tied embedding/head (copies on stage 0 chunk 0 and stage 1 chunk 1) and recompute

@@ -15,6 +15,9 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# NOTE: slow-marked for suite time: the traced HF GPT-2 pipeline is checked against one
+# process, every schedule, in tests/dist/test_any_model.py.
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hf_gpt2_example_traced_pipeline_lowers_loss():
     cmd = [sys.executable, "-m", "disttrain", "run", "--nproc", "2",

@@ -41,7 +41,7 @@ def final_version(out: str) -> int:
 
 
 @pytest.mark.timeout(100)
-@pytest.mark.parametrize("mode,every", [("sync", 5), ("async", 4)])
+@pytest.mark.parametrize("mode,every", [("sync", 5), pytest.param("async", 4, marks=pytest.mark.slow)])
 def test_killed_server_restores_its_snapshot_and_reports_lost_updates(tmp_path, mode, every):
     out = launch(tmp_path, mode, every)
     m = RESTORED.search(out)
