@@ -4,6 +4,7 @@
 Real namespaces and shaped links; skipped, saying why, without root.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -12,11 +13,14 @@ import sys
 import textwrap
 import time
 import uuid
+from collections import defaultdict
 
 import pytest
 import torch
 
+from disttrain import trace
 from disttrain.cluster import net
+from disttrain.trace import analysis, report
 
 ROOT_CAPS = os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
 pytestmark = pytest.mark.skipif(not ROOT_CAPS, reason="needs root and iproute2 to make network namespaces")
@@ -39,7 +43,13 @@ for step in range(5):
     opt.step()
 if r == 0:
     torch.save([p.detach() for p in model.parameters()], sys.argv[1])
-print(f"rank {r} of {n} on", __import__("os").environ.get("DISTTRAIN_CLUSTER_NODE"), flush=True)
+import datetime, os, torch.distributed as dist
+if "TORCHELASTIC_RUN_ID" in os.environ:  # under `disttrain run --cluster`, not alone
+    # c10d keeps the rendezvous' state under this key in node 0's store (the static one has none)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], 29500, is_master=False, timeout=datetime.timedelta(seconds=20))
+    key = "torch.rendezvous." + os.environ["TORCHELASTIC_RUN_ID"]
+    print(f"rank {r} of {n} on {os.environ['DISTTRAIN_CLUSTER_NODE']} (group rank {os.environ['GROUP_RANK']}); "
+          f"{key} in the store: {store.check([key])}", flush=True)
 disttrain.shutdown()
 """
 
@@ -139,23 +149,68 @@ def script(tmp_path, name, text):
     return str(path)
 
 
-def test_data_parallel_across_two_nodes_equals_one_process(cluster, tmp_path):
-    dp = script(tmp_path, "dp.py", DP)
-    alone = subprocess.run([sys.executable, dp, str(tmp_path / "one.pt")], capture_output=True,
+@pytest.fixture(scope="module")
+def dp_job(cluster, tmp_path_factory):
+    """The data-parallel job on both nodes, traced: (its result, its folder)."""
+    folder = tmp_path_factory.mktemp("dp")
+    dp = script(folder, "dp.py", DP)
+    job = run_cli("run", "--cluster", cluster, "--nproc-per-node", "1", "--trace", str(folder / "trace"),
+                  dp, str(folder / "two.pt"))
+    return job, folder
+
+
+def test_data_parallel_across_two_nodes_equals_one_process(cluster, dp_job, tmp_path):
+    job, folder = dp_job
+    alone = subprocess.run([sys.executable, str(folder / "dp.py"), str(tmp_path / "one.pt")], capture_output=True,
                            text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "RANK"})
     assert alone.returncode == 0, alone.stderr
-    job = run_cli("run", "--cluster", cluster, "--nproc-per-node", "1", dp, str(tmp_path / "two.pt"))
     assert job.returncode == 0, job.stdout + job.stderr
-    assert "[n1] [rank1]: rank 1 of 2 on 1" in job.stdout and "[n0] rank 0 of 2 on 0" in job.stdout
-    for a, b in zip(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")):
+    # met through c10d (its state in node 0's store, under this job's own run id); node i holds rank i
+    key = f"torch.rendezvous.{cluster}-"
+    assert f"[n0] rank 0 of 2 on 0 (group rank 0); {key}" in job.stdout, job.stdout
+    assert f"[n1] [rank1]: rank 1 of 2 on 1 (group rank 1); {key}" in job.stdout, job.stdout
+    assert job.stdout.count(" in the store: True") == 2
+    for a, b in zip(torch.load(tmp_path / "one.pt"), torch.load(folder / "two.pt")):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_the_trace_across_nodes_is_one_aligned_timeline_with_nodes_and_the_link(dp_job):
+    job, folder = dp_job
+    assert job.returncode == 0, job.stdout + job.stderr
+    out = folder / "trace"
+    assert "[n0] disttrain trace: clocks of 2 ranks aligned to rank 0" in job.stdout
+    assert "disttrain run --cluster: trace of 2 processes" in job.stdout and str(out / "trace.json") in job.stdout
+    run = analysis.load(str(out))
+    tr = json.loads((out / "trace.json").read_text())
+    assert trace.problems(tr) == []
+    assert analysis.nodes(run) == {0: 0, 1: 1} and run["other"]["link_gbps"] == 1.0
+    spans = defaultdict(dict)  # the same all_reduce, one span per rank, on the two nodes' clocks
+    for e in run["events"]:
+        if e["ph"] == "X" and e["cat"] == "comm" and e["name"] == "all_reduce":
+            spans[(e["args"]["group"], e["args"]["seq"])][e["pid"]] = (e["ts"], e["ts"] + e["dur"])
+    err = run["other"]["max_clock_error_us"]
+    assert len(spans) == 5 and all(len(s) == 2 for s in spans.values()), spans  # a bucket per step
+    for call, s in spans.items():
+        assert max(a for a, _ in s.values()) <= min(b for _, b in s.values()) + err, (call, s)
+    (row,) = [r for r in analysis.collectives(run["events"], run["other"]) if r["op"] == "all_reduce"]
+    assert row["crosses_nodes"] and row["bus_gbps"] > 0 and row["link_share"] == pytest.approx(row["bus_gbps"] / 1.0)
+    # the report's tables (the page itself: test_trace_report.py) name each rank's node and the link
+    assert "<td>1</td><td>n1</td>" in report._table(analysis.summarize(run), analysis.nodes(run))
+    assert "of the 1 Gbit/s link" in report._comm_table(run["events"], run["other"])
+    assert sorted({(m["rank"], m["step"]) for m in run["metrics"]}) == [(r, s) for r in (0, 1) for s in range(5)]
+
+
 def test_parameter_servers_on_one_node_serve_workers_on_the_other(cluster, tmp_path):
-    job = run_cli("run", "--cluster", cluster, "--workers", "2", "--servers", "2",
-                  script(tmp_path, "ps.py", PS))
+    job = run_cli("run", "--cluster", cluster, "--workers", "2", "--servers", "2", "--trace",
+                  str(tmp_path / "trace"), script(tmp_path, "ps.py", PS))
     assert job.returncode == 0, job.stdout + job.stderr
     assert "[n0] worker 0 done" in job.stdout and "[n0] [rank1]: worker 1 done" in job.stdout
+    # the servers traced on their node too: one timeline of all four processes
+    tr = json.loads((tmp_path / "trace" / "trace.json").read_text())
+    assert trace.problems(tr) == []
+    names = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"rank 0 on n0", "rank 1 on n0", "rank 2 (server) on n1", "rank 3 (server) on n1"}
+    assert {e["pid"] for e in tr["traceEvents"] if e["name"] == "ps server stats"} == {2, 3}
 
 
 def test_a_rank_raising_on_node_1_is_reported_first_and_the_job_exits_1(cluster, tmp_path):

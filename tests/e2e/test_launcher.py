@@ -222,14 +222,18 @@ def free_port() -> int:
 
 @pytest.mark.timeout(60)
 def test_two_nodes_rendezvous_at_the_given_master():
-    """Two launchers on this machine play node 0 and node 1 of one 4-rank job."""
+    """Two launchers on this machine play node 0 and node 1 of one 4-rank job (c10d rendezvous).
+
+    Node 1 names its own address (another loopback one): c10d orders the nodes by it.
+    """
     port = str(free_port())
 
     def node(rank: int) -> subprocess.Popen:
+        local = ["--local-addr", "127.0.0.2"] if rank else []  # node 0's: --master-addr
         return subprocess.Popen(
             [sys.executable, "-m", "disttrain", "run", "--nnodes", "2", "--node-rank", str(rank),
-             "--master-addr", "127.0.0.1", "--master-port", port, "--nproc", "2",
-             str(SCRIPTS / "env_only.py")],
+             "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-id", "job-7", *local,
+             "--nproc", "2", str(SCRIPTS / "env_only.py")],
             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
 
@@ -250,7 +254,9 @@ def test_two_nodes_rendezvous_at_the_given_master():
     assert [seen[r][0] for r in range(4)] == ["", "[rank1]: ", "[rank2]: ", "[rank3]: "]
     for rank, (_, env) in seen.items():
         assert (env["WORLD_SIZE"], env["GROUP_RANK"], env["LOCAL_RANK"]) == ("4", str(rank // 2), str(rank % 2))
-        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", port)
+        assert (env["MASTER_ADDR"], env["TORCHELASTIC_RUN_ID"]) == ("127.0.0.1", "job-7")
+        # the ranks' own store: a port c10d's first node picked, not the rendezvous store's
+        assert env["MASTER_PORT"] == seen[0][1]["MASTER_PORT"] != port
 
 
 @pytest.mark.timeout(60)
@@ -296,6 +302,9 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
         (["run", "--nnodes", "2", "S"], "needs --master-addr"),
         (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "S"], "--node-rank 2 must be in 0..1"),
         (["run", "--max-restarts", "-1", "S"], "--max-restarts must be >= 0"),
+        (["run", "--nnodes", "2", "--master-addr", "h", "--rdzv-id", "", "S"], "--rdzv-id must not be empty"),
+        (["run", "--cluster", "c", "--rdzv-id", "x", "S"], "drop --nnodes, --node-rank, --master-addr, --local-addr"),
+        (["run", "--cluster", "c", "--trace-steps", "1:2", "S"], "--trace-steps needs --trace DIR"),
         (["run", "--timeout", "0", "S"], "--timeout must be > 0"),
     ],
 )

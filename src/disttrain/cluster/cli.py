@@ -16,7 +16,7 @@ examples:
   disttrain cluster show lab
   disttrain cluster down lab                                        idempotent
 
-Nodes are network namespaces dt-NAME-n0.. with addresses 10.213.K.1.. (a range used
+Nodes are network namespaces dt-NAME-n0.. with addresses 10.213.K.100.. (a range used
 only inside them). Rates are tc rates: 100mbit, 1gbit, 10gbit. Needs root.
 """
 
@@ -53,6 +53,7 @@ def add_cluster_parser(subparsers) -> None:
     run.add_argument("--servers", type=int, help="parameter server: servers in the job")
     run.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
     run.add_argument("--timeout", type=float, help="collective timeout in seconds (as disttrain run)")
+    run.add_argument("--trace", metavar="DIR", help="trace every node's ranks into DIR/trace.json (as disttrain run)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(handler=_run)
@@ -68,7 +69,8 @@ def _run(args: argparse.Namespace) -> int:
         return run_in_cluster(args.name, args.script, args.script_args,
                               nproc_per_node=args.nproc_per_node, workers=args.workers,
                               servers=args.servers, master_port=args.master_port,
-                              run_args=["--timeout", str(args.timeout)] if args.timeout else [])
+                              run_args=["--timeout", str(args.timeout)] if args.timeout else [],
+                              trace=args.trace)
     except ValueError as err:
         return _fail(err, 2)
 

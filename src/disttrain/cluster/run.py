@@ -1,10 +1,13 @@
 """`disttrain run --cluster NAME`: one ordinary multi-node `disttrain run` per emulated node.
 
-Node i runs `python -m disttrain run --nnodes N --node-rank i --master-addr <n0> ...`
-inside its network namespace (`ip netns exec`) and cgroup, so the job meets through the
-usual static rendezvous and every byte between nodes crosses a shaped link. Each node
-gets the job's DISTTRAIN_SECRET, GLOO_SOCKET_IFNAME, DISTTRAIN_PS_HOST and the link model
-for `all_reduce(algorithm="auto")`; its lines are printed as `[n<i>] line`.
+Node i runs `python -m disttrain run --nnodes N --node-rank i --master-addr <n0>
+--local-addr <ni> --rdzv-id <one id per job> ...` inside its network namespace (`ip netns
+exec`) and cgroup, so the job meets through torch's c10d rendezvous in node 0's store
+(the addresses sort in node order, so node i gets ranks i*K..) and every byte between
+nodes crosses a shaped link. Each node gets the job's DISTTRAIN_SECRET,
+GLOO_SOCKET_IFNAME, DISTTRAIN_PS_HOST and the link model for `all_reduce(algorithm=
+"auto")`; its lines are printed as `[n<i>] line`. With `trace=DIR` every node's ranks
+trace into DIR, which this driver clears before and merges once after the job.
 
 Who talks to whom: cluster/cli.py calls `run_in_cluster`; it starts one launcher
 (launch/) per node, which write their failure reports into one shared folder
@@ -25,23 +28,27 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 
 from disttrain.cluster import cgroups, net, spec
 from disttrain.comm.flight import EXIT_HANG
 from disttrain.launch.failures import CAUSES
 from disttrain.launch.hang_report import collective_report
+from disttrain.trace import clear as clear_trace
+from disttrain.trace.merge import merge_and_tell
 
 __all__ = ["run_in_cluster", "node_command"]
 
 
 def node_command(c: spec.Cluster, node: int, script: str, script_args, *, nproc_per_node=None,
-                 workers=None, servers=None, master_port: int = 29500, run_args=()) -> list[str]:
+                 workers=None, servers=None, master_port: int = 29500, run_args=(),
+                 rdzv_id: str = "disttrain") -> list[str]:
     """The command line that starts node `node`'s agent inside the cluster."""
     size = (["--workers", str(workers), "--servers", str(servers)] if workers is not None
             else ["--nproc", str(nproc_per_node or 1)])
     inner = [sys.executable, "-u", "-m", "disttrain", "run", "--nnodes", str(c.nodes),
              "--node-rank", str(node), "--master-addr", c.addr(0), "--master-port", str(master_port),
-             *size, *run_args, script, *script_args]
+             "--local-addr", c.addr(node), "--rdzv-id", rdzv_id, *size, *run_args, script, *script_args]
     cmd = ["ip", "netns", "exec", c.ns(node), *inner]
     if c.cpus_per_node:  # NOTE: join the cgroup first; everything the agent starts inherits it
         tasks = os.path.join(cgroups.path(c.ns(node)), "tasks")
@@ -80,11 +87,13 @@ def _pump(stream, prefix: str, out, lock: threading.Lock) -> None:
 
 def run_in_cluster(name: str, script: str, script_args=(), *, nproc_per_node: int | None = None,
                    workers: int | None = None, servers: int | None = None, master_port: int = 29500,
-                   run_args=(), grace: float = 15.0, out=None, log_dir: str | None = None) -> int:
+                   run_args=(), grace: float = 15.0, out=None, log_dir: str | None = None,
+                   trace: str | None = None) -> int:
     """Run `script` on every node of cluster `name`; blocks; returns the job's exit code.
 
     `run_args`: further `disttrain run` flags for every node (e.g. ["--timeout", "30"]);
-    `log_dir`: keep node i's rank logs in `log_dir/n<i>`.
+    `log_dir`: keep node i's rank logs in `log_dir/n<i>`; `trace`: trace every rank into
+    this folder and merge it into `trace/trace.json` after the job, whatever its outcome.
     Raises ValueError when the cluster is not up or the sizes do not fit.
     """
     c = spec.load(name)
@@ -97,16 +106,21 @@ def run_in_cluster(name: str, script: str, script_args=(), *, nproc_per_node: in
         raise ValueError(f"--workers {workers} + --servers {servers} must be spread evenly over "
                          f"the {c.nodes} nodes of cluster {name!r}")
     secret = os.environ.get("DISTTRAIN_SECRET") or secrets.token_hex(32)
+    rdzv_id = f"{name}-{uuid.uuid4().hex[:12]}"  # NOTE: the c10d rendezvous of this job alone
     lock = threading.Lock()
     procs, pumps = [], []
     reports = tempfile.mkdtemp(prefix=f"disttrain-{name}-")
     environ = {**os.environ, "DISTTRAIN_CLUSTER_REPORTS": reports}
+    if trace is not None:
+        trace = os.path.abspath(trace)
+        clear_trace(trace)
+        run_args = [*run_args, "--trace", trace]
     try:
         for i in range(c.nodes):
             logs = ["--log-dir", os.path.join(log_dir, f"n{i}")] if log_dir else []
             cmd = node_command(c, i, script, list(script_args), nproc_per_node=nproc_per_node,
                                workers=workers, servers=servers, master_port=master_port,
-                               run_args=[*run_args, *logs])
+                               run_args=[*run_args, *logs], rdzv_id=rdzv_id)
             per_node = (workers + servers) // c.nodes if workers is not None else nproc_per_node or 1
             p = subprocess.Popen(cmd, env=node_env(c, i, environ, secret, per_node), text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -125,6 +139,8 @@ def run_in_cluster(name: str, script: str, script_args=(), *, nproc_per_node: in
         for t in pumps:
             t.join(5)
         shutil.rmtree(reports, ignore_errors=True)
+        if trace is not None:  # NOTE: once every node's ranks have ended: their files are complete
+            merge_and_tell(trace, out, "disttrain run --cluster")
 
 
 def _report(folder: str, first: tuple[int, int], out) -> int:

@@ -4,7 +4,8 @@ A `Cluster` is pure data, validated on construction; net.py builds it, run.py st
 jobs in it. Everything it names carries the project prefix `dt-` (namespaces
 `dt-NAME-n0`.., the switch `dt-NAME-sw`, cgroups `dt-NAME-n0`..) and addresses come from
 the project's own range 10.213.0.0/16, used only inside those namespaces: cluster k
-gives node i the address 10.213.k.(i+1).
+gives node i the address 10.213.k.(100+i) (three digits, so the addresses sort as text in
+node order, the order in which c10d's rendezvous gives the nodes their ranks).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Cluster:
     cpus_per_node: float | None = None
     """CPU quota every process of a node shares (cgroup cpu.cfs_quota_us), cores."""
     index: int = 0
-    """Third octet of the node addresses: 10.213.index.(i+1)."""
+    """Third octet of the node addresses: 10.213.index.(100+i)."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -103,7 +104,7 @@ class Cluster:
 
     def addr(self, node: int) -> str:
         """The node's own address: what gloo binds and what other nodes connect to."""
-        return f"10.213.{self.index}.{node + 1}"
+        return f"10.213.{self.index}.{100 + node}"  # NOTE: 3 digits: text order = node order
 
     ifname = "eth0"
     """The interface that holds each node's address (GLOO_SOCKET_IFNAME)."""

@@ -5,7 +5,8 @@
 - entry.py: what each rank runs (the user's script as `__main__`, its failure recorded;
   standard library only, started by path);
 - failures.py: which rank caused a failure, and what the launcher prints;
-- hang_report.py: one merged report from every rank's flight-recorder state.
+- hang_report.py: one merged report from every rank's flight-recorder state;
+- rendezvous.py: several nodes meet through torch's c10d rendezvous.
 
 Importing this package is cheap; `RunConfig` and `run` load torch's elastic agent on
 first use.

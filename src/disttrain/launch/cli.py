@@ -13,7 +13,7 @@ examples:
   disttrain run --nproc 4 train.py --lr 3e-4          data parallel, 4 processes
   disttrain run --workers 4 --servers 2 train.py       parameter server: ranks 0-3 workers, 4-5 servers
   disttrain run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc 8 train.py   (on node 0)
-  disttrain run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc 8 train.py   (on node 1)
+  disttrain run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --local-addr 10.0.0.2 --nproc 8 train.py
   disttrain run --cluster lab --nproc-per-node 2 train.py  every node of an emulated cluster
   disttrain run --cluster lab --workers 4 --servers 2 train.py   ranks spread evenly over its nodes
 
@@ -29,9 +29,15 @@ disttrain (disttrain.comm.all_reduce, DataParallel, ...).
 Ranks get DISTTRAIN_SECRET (a fresh per-job secret unless already set: multi-node
 jobs must export the same value on every node), DISTTRAIN_SERVERS and, with several
 processes per node, OMP_NUM_THREADS = cores / processes unless set.
+Several machines meet through torch elastic's c10d rendezvous at --master-addr:
+--master-port (node 0 hosts its store; every node gives the same --nnodes and
+--rdzv-id). Each node gets a block of consecutive ranks; c10d orders the nodes by
+--local-addr as text (10.0.0.10 before 10.0.0.2), so give each node its address there
+to have node i hold ranks i*K...
 With --cluster NAME (see `disttrain cluster up`) one agent runs inside every node of
-the emulated cluster, lines start with [nI] as well, and a failure is reported as on
-one node: the cause's traceback first, whichever node it ran on.
+the emulated cluster (node i holds ranks i*K..), lines start with [nI] as well, a
+failure is reported as on one node: the cause's traceback first, whichever node it ran
+on, and --trace DIR traces every node's ranks into one DIR/trace.json.
 """
 
 
@@ -53,6 +59,10 @@ def add_run_parser(subparsers) -> None:
     nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index (default 0)")
     nodes.add_argument("--master-addr", help="address of node 0, reachable from every node")
     nodes.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
+    nodes.add_argument("--rdzv-id", default="disttrain", help="rendezvous id, the same on every node of "
+                       "the job (default disttrain)")
+    nodes.add_argument("--local-addr", help="this node's address as the other nodes reach it (default: "
+                       "--master-addr on node 0, the host name elsewhere); nodes get their ranks in its order")
     nodes.add_argument("--cluster", metavar="NAME", help="run on every node of the emulated cluster NAME "
                        "(`disttrain cluster up`): one agent per node, in its namespace")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the ranks up to K times after a failure (default 0)")
@@ -83,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
             node_rank=args.node_rank,
             master_addr=args.master_addr,
             master_port=args.master_port,
+            rdzv_id=args.rdzv_id,
+            local_addr=args.local_addr,
             max_restarts=args.max_restarts,
             timeout=args.timeout,
             log_dir=args.log_dir,
@@ -96,23 +108,28 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_in_cluster(args: argparse.Namespace) -> int:
+    from disttrain import trace
     from disttrain.cluster.run import run_in_cluster
 
     try:
-        if args.trace:
-            raise ValueError("--trace does not combine with --cluster yet: trace a run on one node")
-        if args.nnodes != 1 or args.node_rank or args.master_addr:
-            raise ValueError("--cluster places the nodes itself: drop --nnodes, --node-rank and "
-                             "--master-addr")
+        if args.nnodes != 1 or args.node_rank or args.master_addr or args.local_addr or \
+                args.rdzv_id != "disttrain":
+            raise ValueError("--cluster places the nodes itself: drop --nnodes, --node-rank, "
+                             "--master-addr, --local-addr and --rdzv-id")
         if args.nproc is not None and (args.workers is not None or args.servers is not None):
             raise ValueError("--nproc-per-node and --workers/--servers are mutually exclusive")
         if not os.path.isfile(args.script):
             raise ValueError(f"script {args.script!r} not found; give the path of a .py file")
+        if args.trace_steps is not None:
+            if not args.trace:
+                raise ValueError("--trace-steps needs --trace DIR")
+            trace.parse_steps(args.trace_steps)
         flags = [*(["--timeout", str(args.timeout)] if args.timeout else []),
-                 *(["--max-restarts", str(args.max_restarts)] if args.max_restarts else [])]
+                 *(["--max-restarts", str(args.max_restarts)] if args.max_restarts else []),
+                 *(["--trace-steps", args.trace_steps] if args.trace_steps else [])]
         return run_in_cluster(args.cluster, args.script, args.script_args, nproc_per_node=args.nproc,
-                              workers=args.workers, servers=args.servers,
-                              master_port=args.master_port, run_args=flags, log_dir=args.log_dir)
+                              workers=args.workers, servers=args.servers, master_port=args.master_port,
+                              run_args=flags, log_dir=args.log_dir, trace=args.trace)
     except ValueError as err:
         print(f"disttrain run: error: {err}", file=sys.stderr)
         return 2

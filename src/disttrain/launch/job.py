@@ -9,9 +9,10 @@ TORCHELASTIC_ERROR_FILE; `run()` prints it with that rank's prefix (failures.py)
 `run()` also creates the report folder (DISTTRAIN_REPORT_DIR) where each rank's flight
 recorder and faulthandler write, for failures.py and hang_report.py.
 
-Rendezvous, output prefixes, hangs and the exit codes: docs/design/launcher.md
-("Launcher", "Hangs and bad input"). Parameter-server jobs (`--workers W --servers S`)
-start W+S ranks and set DISTTRAIN_SERVERS=S; the last S global ranks are servers.
+Rendezvous (several nodes: c10d at MASTER_ADDR:MASTER_PORT, rendezvous.py), output
+prefixes, hangs and the exit codes: docs/design/launcher.md ("Launcher", "Hangs and bad
+input"). Parameter-server jobs (`--workers W --servers S`) start W+S ranks and set
+DISTTRAIN_SERVERS=S; the last S global ranks are servers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from disttrain import trace
+from disttrain.launch import rendezvous
 from disttrain.launch.failures import PREFIX_TEMPLATE, node_report, rank_prefix, report_failures
+from disttrain.trace.merge import merge_and_tell
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
 
@@ -61,11 +64,18 @@ class RunConfig:
     nnodes: int = 1
     """Machines in the job; each runs `disttrain run` with its own node_rank."""
     node_rank: int = 0
-    """This machine's index, 0..nnodes-1; node 0 hosts the rendezvous store."""
+    """This machine's index, 0..nnodes-1; node 0 hosts the rendezvous store (c10d's node
+    order, not this, gives the ranks: see `local_addr`)."""
     master_addr: str | None = None
     """Address of node 0, reachable from every node (needed when nnodes > 1)."""
     master_port: int = 29500
     """Port of the rendezvous store on node 0 (multi-node or with master_addr)."""
+    rdzv_id: str = "disttrain"
+    """Rendezvous id, the same on every node of a job (several nodes or master_addr)."""
+    local_addr: str | None = None
+    """This node's address as the others reach it (default: master_addr on node 0, the host
+    name elsewhere). c10d sorts the nodes by it and gives the k-th node ranks k*nproc..;
+    the first node's is the ranks' MASTER_ADDR."""
     max_restarts: int = 0
     """Times the whole group of ranks is restarted after a failure before giving up."""
     timeout: float | None = None
@@ -111,6 +121,8 @@ class RunConfig:
                 f"a {self.nnodes}-node job needs --master-addr: the address of node 0 that "
                 "every node can reach (and the same --master-port on every node)"
             )
+        if not self.rdzv_id:
+            raise ValueError("--rdzv-id must not be empty: give every node of the job the same id")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
         if self.max_restarts < 0:
@@ -181,10 +193,11 @@ def launch_config(cfg: RunConfig, log_dir: str) -> LaunchConfig:
     n = cfg.nproc_per_node
     if cfg.nnodes == 1 and cfg.master_addr is None:
         backend, endpoint, run_id, rdzv_configs = "c10d", "localhost:0", uuid.uuid4().hex, {}
-    else:
-        backend, endpoint = "static", f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port}"
-        run_id, rdzv_configs = "disttrain", {"rank": cfg.node_rank}
-    # Global rank 0 (local rank 0 of node 0) keeps the terminal; all others are prefixed.
+    else:  # NOTE: c10d (rendezvous.py); node 0 hosts the store: no guess from host names
+        rendezvous.register()
+        backend, endpoint = rendezvous.BACKEND, f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port}"
+        run_id, rdzv_configs = cfg.rdzv_id, {"is_host": cfg.node_rank == 0}
+    # Local rank 0 of node 0 (global rank 0 when node 0 sorts first) keeps the terminal.
     first_teed = 1 if cfg.node_rank == 0 else 0
     tee = {local: Std.ALL for local in range(first_teed, n)}
     return LaunchConfig(
@@ -200,6 +213,7 @@ def launch_config(cfg: RunConfig, log_dir: str) -> LaunchConfig:
         monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
         log_line_prefix_template=PREFIX_TEMPLATE,
+        local_addr=cfg.local_addr or (cfg.master_addr if cfg.node_rank == 0 else None),
         shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 10)),
     )
 
@@ -217,12 +231,12 @@ def run(cfg: RunConfig) -> int:
     report_dir = os.environ.get(CLUSTER_REPORTS) or os.path.join(log_dir, "reports")
     os.makedirs(report_dir, exist_ok=True)
     env["DISTTRAIN_REPORT_DIR"] = report_dir
-    if cfg.trace is not None:
-        trace.clear(cfg.trace)
+    if cfg.trace is not None and not os.environ.get(CLUSTER_REPORTS):
+        trace.clear(cfg.trace)  # NOTE: under `run --cluster` the driver clears it, once
     if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
         print(
             f"disttrain run: node {cfg.node_rank} of {cfg.nnodes}: meeting the other nodes at "
-            f"{cfg.master_addr}:{cfg.master_port}",
+            f"{cfg.master_addr}:{cfg.master_port} (c10d rendezvous {cfg.rdzv_id!r})",
             file=sys.stderr,
             flush=True,
         )
@@ -250,7 +264,7 @@ def run(cfg: RunConfig) -> int:
             f"disttrain run: error: the nodes could not meet at {where}: {err}\n"
             "Check that --master-addr is node 0's address as every node sees it, that "
             "--master-port is free on node 0 and open between the nodes, and that every node "
-            "runs the same --nnodes.",
+            "runs the same --nnodes and --rdzv-id.",
             file=sys.stderr,
         )
         return 1
@@ -264,24 +278,10 @@ def run(cfg: RunConfig) -> int:
         print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
         return 128 + int(sig.sigval)
     finally:
-        if cfg.trace is not None:
-            _merge_trace(cfg.trace)
+        if cfg.trace is not None and not os.environ.get(CLUSTER_REPORTS):
+            merge_and_tell(cfg.trace)  # NOTE: under `run --cluster` the driver merges once
         if cfg.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _merge_trace(directory: str) -> None:
-    """Merge the ranks' trace files (after any outcome) and say where the result is."""
-    try:
-        done = trace.merge(directory)
-    except OSError as err:
-        print(f"disttrain run: could not merge the trace in {directory}: {err}", file=sys.stderr)
-        return
-    cut = f"; {done['skipped_lines']} cut lines skipped" if done["skipped_lines"] else ""
-    print(f"disttrain run: trace of {done['processes']} processes ({done['events']} events{cut}) "
-          f"in {done['path']} (open it in Perfetto's UI or chrome://tracing); "
-          f"{done['metric_lines']} step lines in {os.path.join(directory, 'metrics.jsonl')}",
-          file=sys.stderr, flush=True)
 
 
 def _signal_in_chain(err: BaseException) -> SignalException | None:

@@ -27,7 +27,7 @@ from collections import defaultdict
 
 from disttrain.trace.commstats import bucket_advice, collectives
 
-__all__ = ["load", "summarize", "diagnose", "pipeline_shape", "ps_servers", "collectives"]
+__all__ = ["load", "summarize", "diagnose", "pipeline_shape", "ps_servers", "collectives", "nodes"]
 
 PARTS = ("compute", "exposed_comm", "data", "idle")
 WORDS = {"compute": "compute", "exposed_comm": "exposed communication", "data": "data loading",
@@ -52,6 +52,12 @@ def load(directory: str) -> dict:
         with open(metrics_path, encoding="utf-8") as fp:
             metrics = [json.loads(line) for line in fp if line.strip()]
     return {"dir": directory, "metrics": metrics, "events": events, "other": other}
+
+
+def nodes(run: dict) -> dict[int, int]:
+    """rank -> the node it ran on, for a multi-node job's trace (else empty)."""
+    return {p["rank"]: p["node"] for p in run.get("other", {}).get("processes", [])
+            if p.get("node") is not None}
 
 
 def summarize(run: dict) -> dict[int, dict]:

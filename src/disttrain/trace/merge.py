@@ -17,11 +17,12 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 from disttrain.trace import tboard
 from disttrain.trace.recorder import EPOCH_S
 
-__all__ = ["merge", "read_rank_file"]
+__all__ = ["merge", "read_rank_file", "merge_and_tell"]
 
 
 def read_rank_file(path: str) -> tuple[dict, list[dict], int]:
@@ -144,3 +145,18 @@ def merge(directory: str) -> dict:
     board = tboard.write(directory, lines, trace["otherData"]["start_unix_us"] / 1e6)
     return {"path": path, "processes": len(procs), "events": len(events), "skipped_lines": skipped,
             "max_clock_error_us": max_error, "metric_lines": len(lines), "tensorboard": board}
+
+
+def merge_and_tell(directory: str, out=None, who: str = "disttrain run") -> None:
+    """Merge (the launcher's part, after any outcome) and say where the result is."""
+    out = out or sys.stderr
+    try:
+        done = merge(directory)
+    except OSError as err:
+        print(f"{who}: could not merge the trace in {directory}: {err}", file=out, flush=True)
+        return
+    cut = f"; {done['skipped_lines']} cut lines skipped" if done["skipped_lines"] else ""
+    print(f"{who}: trace of {done['processes']} processes ({done['events']} events{cut}) "
+          f"in {done['path']} (open it in Perfetto's UI or chrome://tracing); "
+          f"{done['metric_lines']} step lines in {os.path.join(directory, 'metrics.jsonl')}",
+          file=out, flush=True)

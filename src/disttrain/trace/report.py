@@ -132,12 +132,13 @@ def _figures(run) -> list[tuple[str, str, object]]:
     return [(name, title, fig) for name, title, fig in figs if fig is not None]
 
 
-def _table(rows) -> str:
-    head = "".join(f"<th>{h}</th>" for h in ("rank", "steps", "step ms", "compute", "exposed comm",
-                                              "data", "idle", "own ms", "bubble"))
+def _table(rows, nodes) -> str:
+    head = "".join(f"<th>{h}</th>" for h in ("rank", *(["node"] if nodes else []), "steps", "step ms",
+                                              "compute", "exposed comm", "data", "idle", "own ms", "bubble"))
     body = []
     for r, row in sorted(rows.items()):
-        cells = [str(r), str(row["steps"]), f"{1e3 * row['step_time']:.2f}"]
+        cells = [str(r), *([f"n{nodes[r]}" if r in nodes else "-"] if nodes else []), str(row["steps"]),
+                 f"{1e3 * row['step_time']:.2f}"]
         cells += [f"{100 * row[p] / row['step_time']:.0f}%" if row["step_time"] else "-"
                   for p in analysis.PARTS]
         cells += [f"{1e3 * row['own']:.2f}",
@@ -214,7 +215,7 @@ def write_report(directory: str, out: str | None = None) -> tuple[str, list[str]
                       f'src="{uri}">')
     page = PAGE.format(title=html.escape(os.path.abspath(directory)),
                        diagnosis="".join(f"<li>{html.escape(d)}</li>" for d in diagnosis),
-                       table=_table(analysis.summarize(run)), comm=_comm_table(run["events"], run["other"]),
+                       table=_table(analysis.summarize(run), analysis.nodes(run)), comm=_comm_table(run["events"], run["other"]),
                        charts="\n".join(charts))
     path = out or os.path.join(directory, "report.html")
     with open(path, "w", encoding="utf-8") as fp:
