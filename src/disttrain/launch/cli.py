@@ -56,7 +56,8 @@ def add_run_parser(subparsers) -> None:
     size.add_argument("--servers", type=int, help="parameter server: server processes in the job")
     nodes = p.add_argument_group("several machines")
     nodes.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
-    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index (default 0)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index (default 0); node 0 "
+                       "hosts the rendezvous store (the ranks follow --local-addr's order)")
     nodes.add_argument("--master-addr", help="address of node 0, reachable from every node")
     nodes.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
     nodes.add_argument("--rdzv-id", default="disttrain", help="rendezvous id, the same on every node of "

@@ -196,7 +196,7 @@ def launch_config(cfg: RunConfig, log_dir: str) -> LaunchConfig:
     else:  # NOTE: c10d (rendezvous.py); node 0 hosts the store: no guess from host names
         rendezvous.register()
         backend, endpoint = rendezvous.BACKEND, f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port}"
-        run_id, rdzv_configs = cfg.rdzv_id, {"is_host": cfg.node_rank == 0}
+        run_id, rdzv_configs = cfg.rdzv_id, {"is_host": cfg.node_rank == 0, "watch": cfg.max_restarts > 0}
     # Local rank 0 of node 0 (global rank 0 when node 0 sorts first) keeps the terminal.
     first_teed = 1 if cfg.node_rank == 0 else 0
     tee = {local: Std.ALL for local in range(first_teed, n)}

@@ -6,14 +6,15 @@ C10dRendezvousBackend, built by torch's own `create_backend` / `create_handler`,
 TCPStore that node 0's agent hosts (`is_host`; torch's guess by host name fails inside a
 network namespace, where every node has the machine's name).
 
-One difference, registered as the backend BACKEND: while its ranks run, an agent polls
-the store for nodes waiting to join. The store lives in node 0's agent, which after a
-failure exits as soon as its own ranks ended (only success waits for the other nodes),
-and torch's other agents then die of the lost connection, stopping their ranks before
-these could record why they failed, or finish. Here a lost store reads as "nobody
-waiting": every node's ranks run to their own end, as under torch's static rendezvous,
-and each agent reports its own. Joining, restarts (every agent joins the next round)
-and shutdown are torch's.
+What differs, registered as the backend BACKEND, is after the meeting. torch's agent
+keeps polling the store for nodes that wait to join (to restart the group with them) and
+sends heartbeats. The store lives in node 0's agent, which after a failure exits as soon
+as its own ranks ended (only success waits for the other nodes); torch's other agents
+then die of the lost connection, stopping their ranks before these could record why they
+failed, or finish. So: without restarts (`watch=False`, `--max-restarts 0`) an agent
+leaves the store alone once the job has met (no heartbeats, nobody waiting, no closing
+write), as under torch's static rendezvous; with restarts it watches as torch does,
+every agent joins the next round, and a lost store reads as "nobody waiting".
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from torch.distributed.elastic.rendezvous import (
 __all__ = ["BACKEND", "register"]
 
 BACKEND = "disttrain-c10d"
+QUIET_S = 10**9
+"""Heartbeat interval without restarts: none after the meeting (torch's default is 5 s)."""
 
 
 class _Handler(RendezvousHandler):
-    """torch's c10d handler; `num_nodes_waiting` survives the loss of node 0's store."""
+    """torch's c10d handler; after the meeting it needs node 0's store only to restart."""
 
-    def __init__(self, inner: RendezvousHandler):
-        self._inner, self._lost = inner, False
+    def __init__(self, inner: RendezvousHandler, watch: bool):
+        self._inner, self._watch, self._lost = inner, watch, False
 
     def get_backend(self) -> str:
         return BACKEND
@@ -55,7 +58,7 @@ class _Handler(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        if self._lost:  # NOTE: asked every monitor interval; one failed call is enough
+        if not self._watch or self._lost:  # NOTE: the agent asks every monitor interval (0.1 s)
             return 0
         try:
             return self._inner.num_nodes_waiting()
@@ -67,15 +70,20 @@ class _Handler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
-        return self._inner.shutdown()
+        # NOTE: closing tells agents waiting for the next round to give up; without
+        # restarts none waits, and the store may be gone already
+        return self._inner.shutdown() if self._watch and not self._lost else True
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+    watch = bool(params.get_as_bool("watch", True))
+    if not watch:
+        params.config.setdefault("keep_alive_interval", QUIET_S)
     backend, store = create_backend(params)
-    return _Handler(create_handler(store, backend, params))
+    return _Handler(create_handler(store, backend, params), watch)
 
 
 def register() -> None:
