@@ -83,7 +83,8 @@ class Recorder:
         self.path = os.path.join(directory, f"rank{rank}.a{attempt}.p{os.getpid()}.jsonl")
         self.os_pid, self.max_buffer = os.getpid(), max_buffer
         self._fp = open(self.path, "w", encoding="utf-8")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the buffer and tracks (held for an append)
+        self._io = threading.Lock()  # the file: one flush at a time, in order
         self._buf: list[dict] = []
         self._tids: dict[int, int] = {threading.main_thread().ident: MAIN_TID}
         self._lanes: list[float] = []
@@ -196,9 +197,14 @@ class Recorder:
         self._fp.flush()
 
     def flush(self) -> None:
-        """Append the buffered events to the file (any thread; blocks on file I/O only)."""
-        with self._lock:
-            buf, self._buf = self._buf, []
+        """Append the buffered events to the file (any thread; blocks on file I/O only).
+
+        NOTE: the events are encoded outside the buffer's lock: holding it through the
+        encoding stalled every span the training thread emitted meanwhile (pp's traced
+        step time grew much more than its CPU time)."""
+        with self._io:
+            with self._lock:
+                buf, self._buf = self._buf, []
             if self._closed or not buf:
                 return
             try:
@@ -219,7 +225,7 @@ class Recorder:
             return
         self._stop.set()
         self.flush()
-        with self._lock:
+        with self._io:
             self._closed = True
             self._fp.close()
         self.metrics.close()
