@@ -68,10 +68,23 @@ RAISING = [
 ]
 
 
+# NOTE: suite time: the fast suite runs every mode at one world (2 or 4, both worlds for
+# "between") and DISTTRAIN_SLOW=1 the whole matrix; each launch costs a few seconds of imports.
+FAST_WORLD = {"between": None, "backward": 4, "zero3": 4, "pipeline": 2, "ps-worker": 2, "ps-server": 4}
+
+
+def _world(args: list[str]) -> int:
+    return int(args[1]) + (args[0] == "--workers")
+
+
+RAISING = [c if FAST_WORLD[c[0]] in (None, _world(c[1])) else pytest.param(*c, marks=pytest.mark.slow)
+           for c in RAISING]
+
+
 @pytest.mark.timeout((REPEAT + 2) * (LIMIT + 60))
 @pytest.mark.parametrize("mode,args,bad,waits", RAISING,
-                         ids=[f"{m}-{'ps' if a[0] == '--workers' else 'np'}{int(a[1]) + (a[0] == '--workers')}"
-                              for m, a, _, _ in RAISING])
+                         ids=[f"{c[0]}-{'ps' if c[1][0] == '--workers' else 'np'}{_world(c[1])}"
+                              for c in (getattr(x, "values", x) for x in RAISING)])
 def test_raising_rank_is_shown_first_and_the_job_exits_1(mode, args, bad, waits):
     exception = ("FloatingPointError: server optimizer: update 3 is not finite" if mode == "ps-server"
                  else f"ValueError: bad batch on rank {bad} at step 3")

@@ -30,11 +30,11 @@ CASES = {
 }
 
 
-# NOTE: the fast suite runs three modes end to end (a barrier, async with top-k, a K-batch
-# with a straggler); the modes' rules are checked in tests/dist/test_ps_modes.py,
+# NOTE: the fast suite runs two modes end to end (a barrier, a K-batch with a straggler);
+# the modes' rules are checked in tests/dist/test_ps_modes.py,
 # test_ps_sync.py and tests/unit/test_ps_policy.py, and all seven run here with
 # DISTTRAIN_SLOW=1 (suite time).
-FAST = ("sync", "async", "kbatch-sync")
+FAST = ("sync", "kbatch-sync")  # async runs end to end in tests/e2e/test_trace_report.py
 
 
 @pytest.mark.timeout(150)

@@ -62,6 +62,7 @@ def test_killed_server_restores_its_snapshot_and_reports_lost_updates(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["ps0.safetensors", "ps0.safetensors.version"]
 
 
+@pytest.mark.slow  # NOTE: suite time; the restore from a snapshot runs above
 @pytest.mark.timeout(100)
 def test_without_periodic_snapshots_the_restart_says_every_update_was_lost(tmp_path):
     out = launch(tmp_path, "sync", 0)
