@@ -24,6 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["dp", "pp", "ps"])
 parser.add_argument("out")
 parser.add_argument("--steps", type=int, default=60)
+parser.add_argument("--pp-width", type=int, default=32, help="pp: the GPT's n_embd (4 heads above 32)")
 args = parser.parse_args()
 disttrain.init()
 torch.manual_seed(0)
@@ -55,7 +56,8 @@ def run_dp():
 
 
 def run_pp():
-    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    w = args.pp_width
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2 if w <= 32 else 4, n_embd=w)
     mesh = disttrain.Mesh(pp=disttrain.world_size())
     model = disttrain.parallelize(GPT(cfg), mesh, GPT.tp_plan, disttrain.Parallelism(
         schedule="1f1b", microbatches=4, optimizer_factory=lambda p: torch.optim.AdamW(p, lr=1e-3)))

@@ -29,11 +29,11 @@ SIZE = {"dp": ["--nproc", "2"], "pp": ["--nproc", "2"], "ps": ["--workers", "2",
 WARMUP = 5
 
 
-def job(mode: str, steps: int, trace_dir: str | None, out: str) -> float:
+def job(mode: str, steps: int, trace_dir: str | None, out: str, pp_width: int = 32) -> float:
     cmd = [sys.executable, "-m", "disttrain", "run", *SIZE[mode]]
     if trace_dir:
         cmd += ["--trace", trace_dir]
-    cmd += [JOB, mode, out, "--steps", str(steps)]
+    cmd += [JOB, mode, out, "--steps", str(steps), "--pp-width", str(pp_width)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}")
@@ -48,6 +48,8 @@ def main() -> None:
                    "as often; the second job of a pair ran faster here, whichever it was")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--modes", default="dp,pp,ps")
+    p.add_argument("--pp-width", type=int, default=32, help="the pp job's GPT width (n_embd): larger = "
+                   "more compute per traced event")
     args = p.parse_args()
     modes = args.modes.split(",")
     got = {m: {"off": [], "on": []} for m in modes}
@@ -57,7 +59,7 @@ def main() -> None:
                 order = ("off", "on") if r % 2 == 0 else ("on", "off")
                 for kind in order:
                     trace_dir = os.path.join(tmp, f"trace-{m}-{r}") if kind == "on" else None
-                    t = job(m, args.steps, trace_dir, os.path.join(tmp, "times.json"))
+                    t = job(m, args.steps, trace_dir, os.path.join(tmp, "times.json"), args.pp_width)
                     got[m][kind].append(t)
                     print(f"round {r} {m} trace {kind}: median step {1e3 * t[0]:.2f} ms, "
                           f"CPU {1e3 * t[1]:.2f} ms", flush=True)
