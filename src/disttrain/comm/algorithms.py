@@ -16,14 +16,15 @@ hang names `all_reduce[ring]` and the user's line, not an inner send.
 
 from __future__ import annotations
 
+import functools
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
-from disttrain.trace import events as trace_events
 from disttrain.trace import hooks as trace_hooks
 
 __all__ = ["ALGORITHMS", "all_reduce", "AsyncAllReduce"]
@@ -57,17 +58,27 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
         ops.all_reduce(tensor, group=group)
         return
     local = _local_size(local_size, ranks) if algorithm == "hierarchical" else 1
-    rec = ops.recorder()
-    entry = rec.start(f"all_reduce[{algorithm}]", _group_name(group, ranks), ranks,
-                      [list(tensor.shape)], str(tensor.dtype).replace("torch.", ""))
-    tracer = trace_hooks.active  # NOTE: None unless tracing is on (disttrain.trace)
-    if tracer is not None:
-        tracer.issued(entry)
-    try:
+
+    def run() -> None:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         _RUN[algorithm](flat, ranks, ranks.index(dist.get_rank()), local)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
+    run_recorded(f"all_reduce[{algorithm}]", tensor, group, ranks, run)
+
+
+def run_recorded(op: str, tensor: torch.Tensor, group, ranks: list[int], run) -> None:
+    """`run()` (blocking point-to-point work on `tensor`) as one collective `op`: one
+    flight-recorder entry (a failure becomes ops.CollectiveError naming it) and, while
+    tracing, one traced collective the calling thread waited for."""
+    rec = ops.recorder()
+    entry = rec.start(op, _group_name(group, ranks), ranks, [list(tensor.shape)],
+                      str(tensor.dtype).replace("torch.", ""))
+    tracer = trace_hooks.active  # NOTE: None unless tracing is on (disttrain.trace)
+    if tracer is not None:
+        tracer.issued(entry)
+    try:
+        run()
     except Exception as err:  # noqa: BLE001 - becomes the recorded CollectiveError
         message = rec.fail(entry, err)
         raise ops.CollectiveError(message, entry, rec.status == "timeout") from err
@@ -77,10 +88,10 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
 
 
 class AsyncAllReduce:
-    """Runs `all_reduce(t, algorithm, group)` calls one after another on its own thread.
+    """Runs `all_reduce(t, algorithm, group)` calls one after another on the group's
+    algorithm thread (comm/reducer.py: one per group, shared with DataParallel's and
+    ZeRO's reductions on that group, so their point-to-point messages never interleave).
 
-    For callers that overlap communication with compute (DataParallel and ZeRO use
-    comm.reducer.all_reduce_async instead: one thread per group for every algorithm):
     `submit(t)` never blocks and returns a handle whose `wait()` blocks until `t` holds
     the sum (and re-raises the call's error). Calls run in submission order, so ranks
     that submit in the same order run the same algorithms in the same order. The
@@ -92,18 +103,21 @@ class AsyncAllReduce:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; pick one of {', '.join(ALGORITHMS)}")
         self.algorithm, self.group, self.local_size = algorithm, group, local_size
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"allreduce-{algorithm}")
+        self._submitted: list[Future] = []
 
     def submit(self, tensor: torch.Tensor) -> Future:
         """Start summing `tensor` in place; returns a Future (`.wait()` is `.result()`)."""
-        fut = self._pool.submit(all_reduce, tensor, self.algorithm, self.group,
-                                local_size=self.local_size)
-        fut.wait = trace_events.waiting(fut.result, f"all_reduce[{self.algorithm}]")  # Work.wait
+        from disttrain.comm.reducer import submit_on_group_thread
+
+        fut = submit_on_group_thread(self.group, f"all_reduce[{self.algorithm}]", functools.partial(
+            all_reduce, tensor, self.algorithm, self.group, local_size=self.local_size))
+        self._submitted = [f for f in self._submitted if not f.done()] + [fut]
         return fut
 
     def close(self) -> None:
-        """Wait for what was submitted, then stop the thread (blocks)."""
-        self._pool.shutdown(wait=True)
+        """Wait for what was submitted (blocks); errors stay with their handles."""
+        futures.wait(self._submitted)
+        self._submitted = []
 
 
 def _group_name(group, ranks) -> str:

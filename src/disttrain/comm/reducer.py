@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from disttrain.comm import ops
 from disttrain.trace import events as trace_events
-from disttrain.trace import hooks as trace_hooks
 
 __all__ = ["BucketReducer", "all_reduce_async", "check_algorithm", "ring_reduce_scatter_async"]
 
@@ -47,7 +46,7 @@ def check_algorithm(algorithm: str, owner: str) -> str:
     return algorithm
 
 
-def _submit(group, op: str, fn, *args):
+def submit_on_group_thread(group, op: str, fn, *args):
     """Run fn(*args) on `group`'s algorithm thread (one per group, calls in submission
     order, so two reducers on one group never interleave their point-to-point messages);
     returns a Future whose `wait()` blocks and re-raises (traced as waiting for `op`)."""
@@ -72,18 +71,18 @@ def all_reduce_async(tensor: torch.Tensor, algorithm: str = "native", group=None
         return ops.all_reduce(tensor, group=group, async_op=True)
     from disttrain.comm.algorithms import all_reduce
 
-    return _submit(group, f"all_reduce[{algorithm}]", all_reduce, tensor, algorithm, group)
+    return submit_on_group_thread(group, f"all_reduce[{algorithm}]", all_reduce, tensor, algorithm, group)
 
 
 def ring_reduce_scatter_async(tensor: torch.Tensor, group=None):
     """Start a ring reduce-scatter of `tensor` (1-D, numel a multiple of N) in place:
     chunk r of N equal chunks ends holding the sum on group rank r (the other chunks hold
     partial sums). Runs on the group's algorithm thread; returns a Future (`wait()`)."""
-    return _submit(group, "reduce_scatter[ring]", _ring_reduce_scatter, tensor, group)
+    return submit_on_group_thread(group, "reduce_scatter[ring]", _ring_reduce_scatter, tensor, group)
 
 
 def _ring_reduce_scatter(tensor: torch.Tensor, group) -> None:
-    from disttrain.comm.algorithms import ring_reduce_scatter
+    from disttrain.comm.algorithms import ring_reduce_scatter, run_recorded
 
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     n, me = len(ranks), ranks.index(dist.get_rank())
@@ -92,23 +91,10 @@ def _ring_reduce_scatter(tensor: torch.Tensor, group) -> None:
                          f"multiple of the group size {n}; got shape {tuple(tensor.shape)}")
     if n == 1:
         return
-    rec = ops.recorder()
-    entry = rec.start("reduce_scatter[ring]", "world" if group in (None, dist.group.WORLD)
-                      else f"group [{','.join(map(str, ranks))}]", ranks,
-                      [list(tensor.shape)], str(tensor.dtype).replace("torch.", ""))
-    tracer = trace_hooks.active
-    if tracer is not None:
-        tracer.issued(entry)
-    try:
-        # NOTE: ring_reduce_scatter leaves index i holding chunk i+1; renumbering the same
-        # ring one place back makes rank r hold chunk r, as ZeRO's shards are laid out.
-        ring_reduce_scatter(tensor, ranks[1:] + ranks[:1], (me - 1) % n)
-    except Exception as err:  # noqa: BLE001 - becomes the recorded CollectiveError
-        message = rec.fail(entry, err)
-        raise ops.CollectiveError(message, entry, rec.status == "timeout") from err
-    rec.end(entry)
-    if tracer is not None:
-        tracer.finished(entry, exposed=tracer.on_main())
+    # NOTE: ring_reduce_scatter leaves index i holding chunk i+1; renumbering the same
+    # ring one place back makes rank r hold chunk r, as ZeRO's shards are laid out.
+    run_recorded("reduce_scatter[ring]", tensor, group, ranks,
+                 lambda: ring_reduce_scatter(tensor, ranks[1:] + ranks[:1], (me - 1) % n))
 
 
 class BucketReducer:

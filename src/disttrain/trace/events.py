@@ -110,7 +110,7 @@ def bucket(b: int, ready: float | None, start: float | None, nbytes: int) -> Non
 
 def waiting(result, op: str):
     """A future's blocking `result()` whose waits count as exposed communication `wait {op}`
-    (comm/algorithms.py's futures: their collective runs on its own thread)."""
+    (comm/reducer.py's futures: their collective runs on the group's algorithm thread)."""
     def wait(timeout=None):
         tracer = hooks.active
         if tracer is None:

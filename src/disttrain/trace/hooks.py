@@ -112,7 +112,7 @@ class Tracer:
 
     def install(self) -> None:
         self._global = [nn_module.register_module_forward_pre_hook(self._global_pre),
-                        nn_module.register_module_forward_hook(self._global_post, always_call=True)]
+                        nn_module.register_module_forward_hook(self._fwd_post, always_call=True)]
         self._handles = [optim_module.register_optimizer_step_pre_hook(self._opt_pre),
                          optim_module.register_optimizer_step_post_hook(self._opt_post)]
 
@@ -137,9 +137,6 @@ class Tracer:
         self._fwd_pre(module, args)
         if not self._global:  # NOTE: dropped in this call: torch runs the root's own pre-hook next
             self._tl.counted = module
-
-    def _global_post(self, module, args, out) -> None:
-        self._fwd_post(module, args, out)
 
     def _root_pre(self, module, args) -> None:
         if getattr(self._tl, "counted", None) is module:
@@ -268,8 +265,9 @@ class Tracer:
     # ---- collectives (called by comm/ops.py) ----
 
     def issued(self, entry) -> None:
+        entry.extra["trace_bytes"] = nbytes = _nbytes(entry)
         entry.extra["trace_t0"] = now_us()
-        self.m.collective(entry.op, _nbytes(entry))
+        self.m.collective(entry.op, nbytes)
 
     def finished(self, entry, exposed: bool) -> None:
         """`entry` completed; `exposed`: the caller waited for all of it (a blocking call)."""
@@ -278,7 +276,7 @@ class Tracer:
             return
         t1 = now_us()
         args = {"op": entry.op, "group": entry.group, "ranks": len(entry.ranks), "seq": entry.seq,
-                "bytes": _nbytes(entry), "site": entry.site}
+                "bytes": entry.extra["trace_bytes"], "site": entry.site}
         self.rec.comm_span(entry.op, t0, t1, args, _flow(entry))
         if exposed:
             self.exposed(entry.op, t0, t1, args)
