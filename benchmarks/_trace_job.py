@@ -6,10 +6,14 @@
 
 Rank 0 (worker 0) writes its own wall-clock time of every step (perf_counter around the
 whole step, loader included) as JSON to OUT.json: the same measure with tracing on or off.
+With `--toggle K --toggle-dir D` (dp, pp) the job traces itself in alternate blocks of K
+steps (`disttrain.trace.start(D/blockN)` ... `stop()`, off first), and OUT.json says which
+steps were traced.
 """
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -25,6 +29,9 @@ parser.add_argument("mode", choices=["dp", "pp", "ps"])
 parser.add_argument("out")
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--pp-width", type=int, default=32, help="pp: the GPT's n_embd (4 heads above 32)")
+parser.add_argument("--toggle", type=int, default=0, help="blocks of this many steps, tracing "
+                    "off and on in turn (disttrain.trace.start/stop in this process)")
+parser.add_argument("--toggle-dir", default="", help="with --toggle: where the traced blocks go")
 args = parser.parse_args()
 disttrain.init()
 torch.manual_seed(0)
@@ -91,15 +98,21 @@ def run_ps():
 
 
 step = {"dp": run_dp, "pp": run_pp, "ps": run_ps}[args.mode]()
-times, cpu = [], []
-for _ in range(args.steps):
+times, cpu, traced = [], [], []
+for i in range(args.steps):
+    on = bool(args.toggle) and (i // args.toggle) % 2 == 1
+    if args.toggle and i % args.toggle == 0 and on:
+        disttrain.trace.start(os.path.join(args.toggle_dir, f"block{i}"))
     t0, c0 = time.perf_counter(), time.process_time()
     step()
     times.append(time.perf_counter() - t0)
     cpu.append(time.process_time() - c0)  # NOTE: this process's threads, the trace writer's too
+    traced.append(on)
+    if on and (i + 1) % args.toggle == 0:
+        disttrain.trace.stop()
 if disttrain.rank() == 0:
     with open(args.out, "w") as fp:
-        json.dump({"wall": times, "cpu": cpu}, fp)
+        json.dump({"wall": times, "cpu": cpu, "traced": traced}, fp)
 if args.mode == "ps":
     conn.close()
 disttrain.shutdown()

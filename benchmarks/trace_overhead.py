@@ -1,6 +1,7 @@
 """Step time with tracing on vs off: DataParallel, pipeline and parameter-server jobs.
 
     python benchmarks/trace_overhead.py [--rounds 4] [--steps 40] [--modes dp,pp,ps]
+    python benchmarks/trace_overhead.py --in-process 4 [--rounds 2] [--steps 800] [--modes dp,pp]
 
 Each round runs every mode twice through `disttrain run`, once with `--trace DIR` and once
 without, in alternating order (so a slow phase of a shared machine hits both); each job
@@ -11,6 +12,14 @@ time per step (all its threads: the trace writer's too; CPU time is what tracing
 and what other jobs on a shared machine disturb least). Jobs: dp = 2 ranks DataParallel MLP
 (64-256-256-10, 64 samples per rank); pp = 2 stages 1F1B, 4 micro-batches of a 2-layer
 GPT; ps = 2 workers + 1 server, Sync, the same MLP.
+
+`--in-process K` compares inside one job instead (dp and pp): tracing off and on in
+alternate blocks of K steps (`disttrain.trace.start`/`stop` in the job), each traced
+block against the mean of the blocks on either side, the first step of each block left
+out (it still has the global module hooks, and follows a start or a merge). Per mode:
+the geometric mean of those ratios with a 95 % interval (+-2 standard errors of the
+log), of wall and CPU time. Between jobs a run's speed differed by up to 20 % here;
+neighbouring blocks of one job share the machine's phase.
 """
 
 from __future__ import annotations
@@ -42,6 +51,41 @@ def job(mode: str, steps: int, trace_dir: str | None, out: str, pp_width: int = 
     return statistics.median(times["wall"][WARMUP:]), statistics.median(times["cpu"][WARMUP:])
 
 
+def in_process(mode: str, steps: int, block: int, tmp: str, out: str, pp_width: int) -> dict:
+    """Ratios traced/untraced block by block in one job (see the module docstring)."""
+    cmd = [sys.executable, "-m", "disttrain", "run", *SIZE[mode], JOB, mode, out, "--steps",
+           str(steps), "--pp-width", str(pp_width), "--toggle", str(block), "--toggle-dir", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}")
+    with open(out) as fp:
+        got = json.load(fp)
+    result = {}
+    for key in ("wall", "cpu"):
+        blocks = [statistics.mean(got[key][b * block + 1:(b + 1) * block]) for b in range(steps // block)]
+        logs = [math.log(blocks[b] / ((blocks[b - 1] + blocks[b + 1]) / 2))
+                for b in range(1, len(blocks) - 1) if got["traced"][b * block]]
+        mean, se = statistics.mean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
+        result[key] = (math.exp(mean), math.exp(mean - 2 * se), math.exp(mean + 2 * se), len(logs))
+        result[key + "_ms"] = 1e3 * statistics.median(v for v, t in zip(got[key], got["traced"]) if not t)
+    return result
+
+
+def main_in_process(args) -> None:
+    print("| job | off: step ms (CPU ms) | on/off step [95 %] | on/off CPU [95 %] | block pairs |")
+    print("| --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for m in args.modes.split(","):
+                if m == "ps":
+                    raise SystemExit("--in-process: dp and pp only (a PS server traces from its start)")
+                got = in_process(m, args.steps, args.in_process, os.path.join(tmp, f"{m}{r}"),
+                                 os.path.join(tmp, "times.json"), args.pp_width)
+                w, c = got["wall"], got["cpu"]
+                print(f"| {m} (run {r}) | {got['wall_ms']:.2f} ({got['cpu_ms']:.2f}) | {w[0]:.3f} "
+                      f"[{w[1]:.3f}-{w[2]:.3f}] | {c[0]:.3f} [{c[1]:.3f}-{c[2]:.3f}] | {w[3]} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4, help="even: each order (off first, on first) "
@@ -50,7 +94,11 @@ def main() -> None:
     p.add_argument("--modes", default="dp,pp,ps")
     p.add_argument("--pp-width", type=int, default=32, help="the pp job's GPT width (n_embd): larger = "
                    "more compute per traced event")
+    p.add_argument("--in-process", type=int, default=0, metavar="K",
+                   help="compare inside each job: tracing off and on in alternate blocks of K steps")
     args = p.parse_args()
+    if args.in_process:
+        return main_in_process(args)
     modes = args.modes.split(",")
     got = {m: {"off": [], "on": []} for m in modes}
     with tempfile.TemporaryDirectory() as tmp:

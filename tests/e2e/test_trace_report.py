@@ -100,3 +100,14 @@ def test_pipeline_with_too_few_microbatches_is_named(tmp_path):
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 8 and all(m["tokens"] == 16 * 64 and m["loss"] > 0 for m in steps)  # B x T
     assert all(m["tokens_per_s"] == pytest.approx(m["tokens"] / m["step_time"]) for m in steps)
+    # the stage's compute is its F/B spans (the runtime's own timings) plus the optimizer
+    # step: counted once, whatever hooks the stage's modules would have had
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    for m in steps:
+        main = [e for e in events if e["ph"] == "X" and e["pid"] == m["rank"] and e["tid"] == 0]
+        (step,) = [e for e in main if e["name"] == f"step {m['step']}"]
+        inside = [e for e in main if e["cat"] in ("compute", "pipeline") and step["ts"] <= e["ts"]
+                  and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 0.01]
+        assert {e["name"][0] for e in inside} == {"F", "B", "o"}, sorted(e["name"] for e in inside)
+        assert sum(e["dur"] for e in inside) / 1e6 == pytest.approx(m["compute"], abs=0.02 * m["step_time"])
+        assert m["compute"] + m["exposed_comm"] + m["data"] + m["idle"] == pytest.approx(m["step_time"])

@@ -234,3 +234,46 @@ def test_tensorboard_has_the_metrics_scalars_per_rank_and_nothing_without_it(tmp
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
     assert trace.merge(str(tmp_path))["tensorboard"] is None
     assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_rows_of_every_kind_expand_to_valid_events_and_bad_rows_are_counted(tmp_path):
+    from disttrain.comm.flight import Entry
+    from disttrain.trace.merge import read_rank_file
+    from disttrain.trace.recorder import ROWS, Recorder
+
+    rec = Recorder(str(tmp_path), 0, 1)
+    entry = Entry(7, "isend", "p2p 0->1", (0, 1), [[4, 8]], "float32", "train.py:3", "f", 0.0)
+    rec.complete("forward", "compute", 1.0, 9.0, {"module": "Net"}, 0)
+    rec.collective(2.0, 5.0, entry, 128, (("s", 42),), exposed=True)
+    rec.waited("wait irecv", 5.0, 6.0, "irecv", "p2p 1->0", 3)
+    rec.pipeline([("P", 6.0, 2.0, "F0", 0, 0, 1)])
+    rec.instant("mark", "user", {"k": 1})
+    rec.counter("logged", 8.0, {"loss": 0.5})
+    rec.close()
+    with open(rec.path, "a") as fp:
+        fp.write('[["X", 1.0], ["?"], 3]\n')  # a row too short, an unknown kind, not a row
+    header, events, skipped = read_rank_file(rec.path)
+    assert header["rank"] == 0 and skipped == 3
+    by_name = {e["name"]: e for e in events if e["ph"] == "X" and e["cat"] != "comm.exposed"}
+    by_name["wait irecv"] = next(e for e in events if e["name"] == "wait irecv")
+    assert by_name["isend"]["cat"] == "comm" and by_name["isend"]["args"] == {
+        "op": "isend", "group": "p2p 0->1", "ranks": 2, "seq": 7, "bytes": 128, "site": "train.py:3"}
+    assert by_name["wait irecv"]["cat"] == "comm.exposed" and by_name["wait irecv"]["args"]["seq"] == 3
+    assert by_name["F0"]["cat"] == "pipeline" and by_name["F0"]["args"] == {"microbatch": 0, "chunk": 0, "stage": 1}
+    exposed = [e for e in events if e.get("cat") == "comm.exposed" and e["name"] == "isend"]
+    assert len(exposed) == 1 and exposed[0]["tid"] == 0
+    assert {e["ph"] for e in events} >= {"X", "i", "C", "s", "M"} and len(ROWS) == 8
+    done = trace.merge(str(tmp_path))
+    with open(done["path"]) as fp:
+        tr = json.load(fp)
+    kept = [e for e in tr["traceEvents"] if e["ph"] != "s"]  # its receive is not in this trace
+    assert trace.problems({**tr, "traceEvents": kept}) == []
+
+
+@pytest.mark.parametrize("where", ["", "missing", "empty"])
+def test_merge_refuses_a_folder_without_trace_files(tmp_path, where, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="trace"):
+        trace.merge(where)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())

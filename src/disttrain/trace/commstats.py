@@ -95,7 +95,7 @@ def _kind(e: dict) -> str | None:
     if e.get("ph") != "X":
         return None
     cat, name = e.get("cat"), e.get("name", "")
-    if cat == "compute" and name == "backward":
+    if (cat == "compute" and name == "backward") or (cat == "pipeline" and name[:1] in ("B", "W")):
         return "backward"
     if cat == "dp" and name.startswith("bucket "):
         return "bucket"

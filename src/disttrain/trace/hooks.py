@@ -109,6 +109,8 @@ class Tracer:
         self._opt_done, self._last_end = False, 0.0  # end of the last span counted in a step
         self._global: list = []  # torch's global module hooks, until the first step ends
         self._roots: dict[int, tuple] = {}  # id(module) -> its own hooks, for outermost modules
+        self.own_compute = False  # the pipeline runtime times its own actions (pipeline_begin)
+        self._pipe_exposed: list[tuple[float, float]] = []  # exposed waits while it does
 
     def install(self) -> None:
         self._global = [nn_module.register_module_forward_pre_hook(self._global_pre),
@@ -131,6 +133,8 @@ class Tracer:
         self._global = []
 
     def _global_pre(self, module, args) -> None:
+        if self.own_compute and threading.get_ident() == self._main:
+            return  # NOTE: a pipeline stage's modules: the runtime's F/B/W spans say it all
         if getattr(self._tl, "depth", 0) == 0 and id(module) not in self._roots:
             self._roots[id(module)] = (module.register_forward_pre_hook(self._root_pre),
                                        module.register_forward_hook(self._root_post, always_call=True))
@@ -139,6 +143,8 @@ class Tracer:
             self._tl.counted = module
 
     def _root_pre(self, module, args) -> None:
+        if self.own_compute and threading.get_ident() == self._main:
+            return
         if getattr(self._tl, "counted", None) is module:
             self._tl.counted = None
         elif not self._global:
@@ -173,7 +179,7 @@ class Tracer:
         if rec.recording:
             args = {k: line[k] for k in ("step_time", "compute", "exposed_comm", "data", "idle")}
             rec.complete(f"step {step}", "step", self._step_t0, t, args, MAIN_TID)
-        self._opt_done = False
+        self._opt_done, self.own_compute = False, False
         rec.enter_step(step + 1)
         self._drop_global()
 
@@ -207,7 +213,7 @@ class Tracer:
     def _fwd_post(self, module, args, out) -> None:
         tl = self._tl
         depth = getattr(tl, "depth", 0)
-        if depth == 0:  # tracing started inside this forward
+        if depth == 0:  # tracing started inside this forward, or the pipeline times it
             return
         tl.depth = depth - 1
         if depth == 1:
@@ -265,9 +271,7 @@ class Tracer:
     # ---- collectives (called by comm/ops.py) ----
 
     def issued(self, entry) -> None:
-        entry.extra["trace_bytes"] = nbytes = _nbytes(entry)
         entry.extra["trace_t0"] = now_us()
-        self.m.collective(entry.op, nbytes)
 
     def finished(self, entry, exposed: bool) -> None:
         """`entry` completed; `exposed`: the caller waited for all of it (a blocking call)."""
@@ -275,16 +279,17 @@ class Tracer:
         if t0 is None:
             return
         t1 = now_us()
-        args = {"op": entry.op, "group": entry.group, "ranks": len(entry.ranks), "seq": entry.seq,
-                "bytes": entry.extra["trace_bytes"], "site": entry.site}
-        self.rec.comm_span(entry.op, t0, t1, args, _flow(entry))
+        nbytes = _nbytes(entry)
+        self.m.collective(entry.op, nbytes)
+        self.rec.collective(t0, t1, entry, nbytes, _flow(entry), exposed)
         if exposed:
-            self.exposed(entry.op, t0, t1, args)
+            self._exposed_time(t0, t1)
 
     def waited(self, entry, t0: float) -> None:
         """The caller waited on an async handle from `t0` until now."""
-        self.exposed(f"wait {entry.op}", t0, now_us(), {"op": entry.op, "group": entry.group,
-                                                          "seq": entry.seq})
+        t1 = now_us()
+        self.rec.waited(f"wait {entry.op}", t0, t1, entry.op, entry.group, entry.seq)
+        self._exposed_time(t0, t1)
 
     def named_wait(self, name: str, t0: float, t1: float) -> None:
         """A named span of the training thread outside compute (a part of idle) in the step."""
@@ -294,8 +299,24 @@ class Tracer:
     def exposed(self, name: str, t0: float, t1: float, args: dict) -> None:
         """The calling thread waited for communication from t0 to t1 (µs)."""
         self.rec.complete(name, "comm.exposed", t0, t1, args)
+        self._exposed_time(t0, t1)
+
+    def _exposed_time(self, t0: float, t1: float) -> None:
+        """The calling thread's wait [t0, t1] in the step's metrics (training thread only)."""
         if threading.get_ident() == self._main and self._step_t0 is not None:
             self.m.exposed += t1 - t0
             self._last_end = max(self._last_end, t1)
             if self._cdepth > 0:
                 self.m.exposed_in_compute += t1 - t0
+            elif self.own_compute:
+                self._pipe_exposed.append((t0, t1))
+
+    def pipeline_compute(self, spans: list[tuple[float, float]]) -> None:
+        """The pipeline's actions [(t0, t1)] ran on the training thread: its compute, less
+        the exposed waits inside them (a DataParallel sync in the last backward)."""
+        inside = sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in self._pipe_exposed)
+        self.own_compute, self._pipe_exposed = False, []
+        if self._step_t0 is not None and spans:
+            self.m.compute += sum(b - a for a, b in spans)
+            self.m.exposed_in_compute += inside
+            self._last_end = max(self._last_end, max(b for _, b in spans))

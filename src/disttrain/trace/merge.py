@@ -20,13 +20,14 @@ import os
 import sys
 
 from disttrain.trace import tboard
-from disttrain.trace.recorder import EPOCH_S
+from disttrain.trace.recorder import EPOCH_S, expand
 
 __all__ = ["merge", "read_rank_file", "merge_and_tell"]
 
 
 def read_rank_file(path: str) -> tuple[dict, list[dict], int]:
-    """(header with its "clock", events on the process's own clock, lines skipped) of one file."""
+    """(header with its "clock", events on the process's own clock, lines or rows skipped) of
+    one file."""
     header: dict = {}
     events: list[dict] = []
     skipped = 0
@@ -37,14 +38,16 @@ def read_rank_file(path: str) -> tuple[dict, list[dict], int]:
             except ValueError:
                 skipped += 1  # NOTE: the last line of a killed rank may be cut short
                 continue
-            if not isinstance(obj, dict):
-                skipped += 1
-            elif "disttrain_trace" in obj:
-                header = obj
-            elif "clock" in obj:
-                header["clock"] = obj["clock"]
-            else:
-                events.append(obj)
+            for item in obj if isinstance(obj, list) else [obj]:  # a list: one flush (recorder.py)
+                event = expand(item)
+                if event is None:
+                    skipped += 1
+                elif "disttrain_trace" in event:
+                    header = event
+                elif "clock" in event:
+                    header["clock"] = event["clock"]
+                else:
+                    events.append(event)
     return header, events, skipped
 
 
@@ -103,9 +106,16 @@ def merge(directory: str) -> dict:
     """Write `directory/trace.json` and `metrics.jsonl` from the rank files; return a summary.
 
     The summary: path, processes, events, skipped lines, max clock error (µs), metric lines
-    and the TensorBoard folder (None without tensorboard: tboard.py).
+    and the TensorBoard folder (None without tensorboard: tboard.py). Raises
+    FileNotFoundError when `directory` holds no rank file (nothing is written then).
     """
+    if not directory or not os.path.isdir(directory):
+        raise FileNotFoundError(f"trace folder {directory!r} does not exist: give the folder "
+                                "passed to --trace or disttrain.trace.start()")
     files = sorted(glob.glob(os.path.join(directory, "rank*.jsonl")))
+    if not files:
+        raise FileNotFoundError(f"no trace files (rank*.jsonl) in {directory}: no process of "
+                                "the job started tracing there")
     read = [read_rank_file(path) for path in files]
     base = min((_anchor(h) for h, _, _ in read), default=0.0)
     events: list[dict] = []

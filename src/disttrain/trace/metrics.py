@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 __all__ = ["StepMetrics", "peak_memory_bytes"]
 
@@ -46,6 +47,8 @@ class StepMetrics:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.path = os.path.join(directory, f"metrics.rank{rank}.a{attempt}.jsonl")
         self._fp = None
+        self._pending: list[dict] = []  # closed steps' lines not yet written
+        self._lock = threading.Lock()
         self._ps_prev: float | None = None  # the parameter version of the previous push
         self.reset()
 
@@ -113,15 +116,26 @@ class StepMetrics:
         return line
 
     def _write(self, line: dict) -> None:
+        with self._lock:  # NOTE: the recorder's writer thread writes them (flush())
+            self._pending.append(line)
+
+    def flush(self) -> None:
+        """Append the closed steps' lines to the file (the recorder's flush calls it)."""
+        with self._lock:
+            lines, self._pending = self._pending, []
+        if not lines:
+            return
         try:
             if self._fp is None:
                 self._fp = open(self.path, "a", encoding="utf-8")
-            self._fp.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._fp.write("".join(json.dumps(line, separators=(",", ":"), default=repr) + "\n"
+                                   for line in lines))
             self._fp.flush()
         except (OSError, ValueError):
             pass  # the trace file's writer reports a full disk once
 
     def close(self) -> None:
+        self.flush()
         if self._fp is not None:
             self._fp.close()
             self._fp = None

@@ -1,12 +1,18 @@
 """This process's trace: Chrome trace events as JSON lines in its own file, flushed as it goes.
 
 One `Recorder` per traced process writes `DIR/rank{R}.a{A}.p{PID}.jsonl`: a header line
-(rank, role, host, attempt, node and link rate when known), then one JSON object per line: trace events without their
-`pid` (the merge adds it), thread names, and the measured clock offset. Events are kept in
-a small buffer that a daemon thread appends to the file every `flush_s` seconds (and any
-thread does when it holds `max_buffer` events), so memory stays bounded and a rank that
-is killed loses at most the last fraction of a second; a half-written last line is
-skipped by the merge (merge.py), so the merged trace stays valid whatever happened.
+(rank, role, host, attempt, node and link rate when known), the measured clock offset,
+then lines that each hold a JSON array of up to `LINE_EVENTS` events without their `pid`
+(the merge adds it): spans, flow ends, instants and counters as compact rows (`ROWS`
+below; `expand()` makes them Chrome events again), metadata as whole events. Events are
+kept in a small buffer that a daemon thread appends to the file every `flush_s` seconds
+(and any thread does when it holds `max_buffer` events), so memory stays bounded and a
+rank that is killed loses at most the last fraction of a second; a half-written last
+line is skipped by the merge (merge.py), so the merged trace stays valid whatever happened.
+
+NOTE: rows, and one encoding per line rather than per event, because the encoding was
+most of tracing's own cost: `json.dumps` of one span took 6-7 us here (a new encoder per
+call, then the floats), a 512-row array 1.6 us a row.
 
 Tracks (Chrome "threads" of the rank's process): 0 is the training thread (compute,
 data waits, the exposed part of collectives), 100+k the k-th communication lane (each
@@ -25,13 +31,34 @@ import os
 import socket
 import threading
 import time
+from itertools import islice
 
 from disttrain.trace.metrics import StepMetrics
 
-__all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US"]
+__all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "expand", "MAIN_TID", "COMM_TID",
+           "EPOCH_S", "WALL0_US", "ROWS", "LINE_EVENTS"]
 
 MAIN_TID = 0
 COMM_TID = 100
+LINE_EVENTS = 512
+ROWS = {
+    "X": ("ts", "dur", "tid", "name", "cat", "args"),
+    "i": ("ts", "tid", "name", "cat", "args"),
+    "s": ("ts", "tid", "id"),
+    "f": ("ts", "tid", "id"),
+    "C": ("ts", "tid", "name", "args"),
+    "K": ("ts", "dur", "tid", "op", "group", "ranks", "seq", "bytes", "site"),
+    "E": ("ts", "dur", "tid", "name", "op", "group", "seq"),
+    "P": ("ts", "dur", "name", "microbatch", "chunk", "stage"),
+}
+"""Compact rows [kind, *fields]: Chrome phases X, i, s, f, C (`args` may be null: none), and
+three spans without key names, the most frequent ones: K a collective (cat comm, name
+= op), E the caller's wait for one (cat comm.exposed), P a pipeline action (cat
+pipeline, training thread)."""
+_ARGS = {"K": ("op", "group", "ranks", "seq", "bytes", "site"), "E": ("op", "group", "seq"),
+         "P": ("microbatch", "chunk", "stage")}
+_SPAN = {"K": "comm", "E": "comm.exposed", "P": "pipeline"}
+_ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False, default=repr)
 EPOCH_S = 1_700_000_000
 """Wall-clock anchors count from this Unix time (from 1970 a double keeps only 0.25 µs)."""
 _PERF0 = time.perf_counter()
@@ -61,6 +88,30 @@ def cluster_meta(environ=os.environ) -> dict:
     return out
 
 
+def expand(row) -> dict | None:
+    """A Chrome trace event from one element of a line: a row (`ROWS`) or a whole event;
+    None for anything else."""
+    if isinstance(row, dict):
+        return row
+    fields = ROWS.get(row[0]) if isinstance(row, list) and row else None
+    if fields is None or len(row) != len(fields) + 1:
+        return None
+    kind, event = row[0], dict(zip(fields, row[1:]))
+    if kind in _SPAN:
+        event = {"ph": "X", "name": event.get("name", event.get("op")), "cat": _SPAN[kind],
+                 "ts": event["ts"], "dur": event["dur"], "tid": event.get("tid", MAIN_TID),
+                 "args": {k: event[k] for k in _ARGS[kind]}}
+        return event
+    event["ph"] = kind
+    if event.get("args") is None:
+        event.pop("args", None)
+    if kind == "i":
+        event["s"] = "t"
+    elif kind in ("s", "f"):
+        event.update(name="flow", cat="flow", bp="e")
+    return event
+
+
 def now_us() -> float:
     """Microseconds on this process's monotonic clock (0 at import; WALL0_US on the wall clock).
 
@@ -85,7 +136,7 @@ class Recorder:
         self._fp = open(self.path, "w", encoding="utf-8")
         self._lock = threading.Lock()  # the buffer and tracks (held for an append)
         self._io = threading.Lock()  # the file: one flush at a time, in order
-        self._buf: list[dict] = []
+        self._buf: list = []  # rows (ROWS) and whole events
         self._tids: dict[int, int] = {threading.main_thread().ident: MAIN_TID}
         self._lanes: list[float] = []
         self.step, self.recording = 0, self.first <= 0 and (self.last is None or self.last > 0)
@@ -104,7 +155,7 @@ class Recorder:
 
     # ---- events ----
 
-    def _emit(self, event: dict) -> None:
+    def _emit(self, event) -> None:
         with self._lock:
             self._buf.append(event)
             full = len(self._buf) >= self.max_buffer
@@ -128,13 +179,9 @@ class Recorder:
     def complete(self, name: str, cat: str, t0: float, t1: float, args: dict | None = None,
                  tid: int | None = None) -> None:
         """An "X" span [t0, t1] on `tid` (default: the calling thread's track)."""
-        if not self.recording:
-            return
-        event = {"ph": "X", "name": name, "cat": cat, "ts": t0, "dur": max(0.0, t1 - t0),
-                 "tid": self.tid() if tid is None else tid}
-        if args:
-            event["args"] = args
-        self._emit(event)
+        if self.recording:
+            self._emit(("X", t0, max(0.0, t1 - t0), self.tid() if tid is None else tid, name, cat,
+                        args or None))
 
     def lane(self, t0: float, t1: float) -> int:
         """The track of the first communication lane free from `t0`, taken until `t1`.
@@ -155,28 +202,59 @@ class Recorder:
         return COMM_TID + lane
 
     def comm_span(self, name: str, t0: float, t1: float, args: dict, flows=()) -> None:
-        """A collective from issue to completion on the first communication lane it fits."""
-        if not self.recording:
-            return
-        tid = self.lane(t0, t1)
-        self.complete(name, "comm", t0, t1, args, tid)
-        for phase, fid in flows:  # (phase "s"/"f", id): bound to this span
-            self.flow(phase, fid, t0 if phase == "s" else t1 - min(1.0, (t1 - t0) / 2), tid)
+        """A span from issue to completion on the first communication lane it fits."""
+        if self.recording:
+            self.rows(self._comm_rows(("X", t0, max(0.0, t1 - t0), self.lane(t0, t1), name, "comm", args),
+                                      flows))
+
+    def collective(self, t0: float, t1: float, entry, nbytes: int, flows=(), exposed: bool = False) -> None:
+        """A collective of comm/ops.py (a flight-recorder entry) from issue to completion on
+        a communication lane, with its flow ends, and when `exposed` (the caller blocked
+        through all of it) its exposed span on the caller's track: one append."""
+        if self.recording:
+            dur = max(0.0, t1 - t0)
+            rows = self._comm_rows(("K", t0, dur, self.lane(t0, t1), entry.op, entry.group,
+                                    len(entry.ranks), entry.seq, nbytes, entry.site), flows)
+            if exposed:
+                rows.append(("E", t0, dur, self.tid(), entry.op, entry.op, entry.group, entry.seq))
+            self.rows(rows)
+
+    @staticmethod
+    def _comm_rows(span: tuple, flows) -> list:
+        t0, dur, tid = span[1], span[2], span[3]
+        return [span] + [(phase, t0 if phase == "s" else t0 + dur - min(1.0, dur / 2), tid, fid)
+                         for phase, fid in flows]  # (phase "s"/"f", id): bound to this span
+
+    def rows(self, rows: list) -> None:
+        """Append several rows at once (one lock)."""
+        with self._lock:
+            self._buf.extend(rows)
+            full = len(self._buf) >= self.max_buffer
+        if full:
+            self.flush()
+
+    def waited(self, name: str, t0: float, t1: float, op: str, group: str, seq: int) -> None:
+        """The calling thread waited for collective (group, seq) from t0 to t1 (exposed)."""
+        if self.recording:
+            self._emit(("E", t0, max(0.0, t1 - t0), self.tid(), name, op, group, seq))
+
+    def pipeline(self, rows: list) -> None:
+        """Pipeline actions on the training thread: rows ("P", t0, dur, name, mb, chunk, stage)."""
+        if self.recording:
+            self.rows(rows)
 
     def flow(self, phase: str, fid, ts: float, tid: int | None = None) -> None:
         """A flow arrow's end ("s" start, "f" finish) bound to the span around `ts` on `tid`."""
         if self.recording:
-            self._emit({"ph": phase, "name": "flow", "cat": "flow", "id": fid, "bp": "e", "ts": ts,
-                        "tid": self.tid() if tid is None else tid})
+            self._emit((phase, ts, self.tid() if tid is None else tid, fid))
 
     def instant(self, name: str, cat: str, args: dict | None = None, force: bool = False) -> None:
         if self.recording or force:
-            self._emit({"ph": "i", "s": "t", "name": name, "cat": cat, "ts": now_us(),
-                        "tid": self.tid(), **({"args": args} if args else {})})
+            self._emit(("i", now_us(), self.tid(), name, cat, args or None))
 
     def counter(self, name: str, ts: float, values: dict) -> None:
         if self.recording:
-            self._emit({"ph": "C", "name": name, "ts": ts, "tid": MAIN_TID, "args": values})
+            self._emit(("C", ts, MAIN_TID, name, values))
 
     def set_clock(self, offset_us: float, error_us: float, rounds: int) -> None:
         """Record this clock's offset to rank 0's (add it to this file's timestamps)."""
@@ -205,10 +283,15 @@ class Recorder:
         with self._io:
             with self._lock:
                 buf, self._buf = self._buf, []
-            if self._closed or not buf:
+            if self._closed:
+                return
+            self.metrics.flush()
+            if not buf:
                 return
             try:
-                self._fp.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in buf))
+                it = iter(buf)
+                while chunk := list(islice(it, LINE_EVENTS)):
+                    self._fp.write(_ENCODER.encode(chunk) + "\n")
                 self._fp.flush()
             except (OSError, ValueError) as err:  # a full disk must not kill training
                 self._closed = True

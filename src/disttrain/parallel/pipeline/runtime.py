@@ -152,7 +152,7 @@ class Pipeline:
         st = _Step(self._split(inputs, "inputs", 0), self._split(targets, "targets",
                                                                    self.last_virtual))
         self.spans, self.meter.peak, self.whole_w = [], self.meter.now, 0
-        trace_events.begin_work()  # NOTE: the step's trace opens here, before the barrier
+        trace_events.pipeline_begin()  # NOTE: the step's trace opens here, before the barrier
         if self.num_stages > 1:
             ops.barrier(group=self.group)
         t0 = time.perf_counter()
