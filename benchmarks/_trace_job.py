@@ -29,6 +29,7 @@ parser.add_argument("mode", choices=["dp", "pp", "ps"])
 parser.add_argument("out")
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--pp-width", type=int, default=32, help="pp: the GPT's n_embd (4 heads above 32)")
+parser.add_argument("--dp-width", type=int, default=256, help="dp, ps: the MLP's hidden width")
 parser.add_argument("--toggle", type=int, default=0, help="blocks of this many steps, tracing "
                     "off and on in turn (disttrain.trace.start/stop in this process)")
 parser.add_argument("--toggle-dir", default="", help="with --toggle: where the traced blocks go")
@@ -38,7 +39,8 @@ torch.manual_seed(0)
 
 
 def mlp():
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    w = args.dp_width
+    return nn.Sequential(nn.Linear(64, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10))
 
 
 def data(per_rank_batch, world):

@@ -38,11 +38,11 @@ SIZE = {"dp": ["--nproc", "2"], "pp": ["--nproc", "2"], "ps": ["--workers", "2",
 WARMUP = 5
 
 
-def job(mode: str, steps: int, trace_dir: str | None, out: str, pp_width: int = 32) -> float:
+def job(mode: str, steps: int, trace_dir: str | None, out: str, sizes: list[str]) -> float:
     cmd = [sys.executable, "-m", "disttrain", "run", *SIZE[mode]]
     if trace_dir:
         cmd += ["--trace", trace_dir]
-    cmd += [JOB, mode, out, "--steps", str(steps), "--pp-width", str(pp_width)]
+    cmd += [JOB, mode, out, "--steps", str(steps), *sizes]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}")
@@ -51,10 +51,10 @@ def job(mode: str, steps: int, trace_dir: str | None, out: str, pp_width: int = 
     return statistics.median(times["wall"][WARMUP:]), statistics.median(times["cpu"][WARMUP:])
 
 
-def in_process(mode: str, steps: int, block: int, tmp: str, out: str, pp_width: int) -> dict:
+def in_process(mode: str, steps: int, block: int, tmp: str, out: str, sizes: list[str]) -> dict:
     """Ratios traced/untraced block by block in one job (see the module docstring)."""
     cmd = [sys.executable, "-m", "disttrain", "run", *SIZE[mode], JOB, mode, out, "--steps",
-           str(steps), "--pp-width", str(pp_width), "--toggle", str(block), "--toggle-dir", tmp]
+           str(steps), *sizes, "--toggle", str(block), "--toggle-dir", tmp]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}")
@@ -80,7 +80,7 @@ def main_in_process(args) -> None:
                 if m == "ps":
                     raise SystemExit("--in-process: dp and pp only (a PS server traces from its start)")
                 got = in_process(m, args.steps, args.in_process, os.path.join(tmp, f"{m}{r}"),
-                                 os.path.join(tmp, "times.json"), args.pp_width)
+                                 os.path.join(tmp, "times.json"), _sizes(args))
                 w, c = got["wall"], got["cpu"]
                 print(f"| {m} (run {r}) | {got['wall_ms']:.2f} ({got['cpu_ms']:.2f}) | {w[0]:.3f} "
                       f"[{w[1]:.3f}-{w[2]:.3f}] | {c[0]:.3f} [{c[1]:.3f}-{c[2]:.3f}] | {w[3]} |", flush=True)
@@ -92,6 +92,7 @@ def main() -> None:
                    "as often; the second job of a pair ran faster here, whichever it was")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--modes", default="dp,pp,ps")
+    p.add_argument("--dp-width", type=int, default=256, help="the dp and ps jobs' MLP hidden width")
     p.add_argument("--pp-width", type=int, default=32, help="the pp job's GPT width (n_embd): larger = "
                    "more compute per traced event")
     p.add_argument("--in-process", type=int, default=0, metavar="K",
@@ -107,7 +108,7 @@ def main() -> None:
                 order = ("off", "on") if r % 2 == 0 else ("on", "off")
                 for kind in order:
                     trace_dir = os.path.join(tmp, f"trace-{m}-{r}") if kind == "on" else None
-                    t = job(m, args.steps, trace_dir, os.path.join(tmp, "times.json"), args.pp_width)
+                    t = job(m, args.steps, trace_dir, os.path.join(tmp, "times.json"), _sizes(args))
                     got[m][kind].append(t)
                     print(f"round {r} {m} trace {kind}: median step {1e3 * t[0]:.2f} ms, "
                           f"CPU {1e3 * t[1]:.2f} ms", flush=True)
@@ -118,6 +119,10 @@ def main() -> None:
         cells = [f"{1e3 * statistics.median(x[k] for x in v):.2f}" for v in (off, on) for k in (0, 1)]
         ratios = [_geomean(b[k] / a[k] for a, b in zip(off, on)) for k in (0, 1)]
         print(f"| {m} | {cells[0]} ({cells[1]}) | {cells[2]} ({cells[3]}) | {ratios[0]:.3f} | {ratios[1]:.3f} |")
+
+
+def _sizes(args) -> list[str]:
+    return ["--pp-width", str(args.pp_width), "--dp-width", str(args.dp_width)]
 
 
 def _geomean(xs) -> float:

@@ -197,16 +197,18 @@ def test_step_metrics_tokens_add_up_and_ps_versions_give_staleness(tmp_path):
     m.log({"tokens": 100.0, "loss": 2.0})
     m.log({"tokens": 28.0, "loss": 1.5})  # two micro-steps in one step: tokens add up
     m.ps_pushed([3, 3])  # the first push: no previous version to compare with
-    line = m.close_step(0, 0.0, 2e6, record=True)
-    assert line["tokens"] == 128 and line["tokens_per_s"] == 64 and line["loss"] == 1.5
-    assert line["ps_version"] == 3 and "ps_staleness" not in line
+    m.close_step(0, 0.0, 2e6, record=True)
     m.ps_pushed([6, 7])  # the servers moved 3.5 versions: this worker's push and 2.5 others'
-    line = m.close_step(1, 2e6, 3e6, record=True)
-    assert line["ps_updates"] == 3.5 and line["ps_staleness"] == 2.5 and line["ps_updates_per_s"] == 3.5
-    assert "tokens" not in line
+    m.close_step(1, 2e6, 3e6, record=True)
     m.ps_pushed([-1, 7])  # before a pull (welcome): nothing known
-    assert "ps_version" not in m.close_step(2, 3e6, 4e6, record=False)
+    m.close_step(2, 3e6, 4e6, record=True)
+    m.close_step(3, 4e6, 5e6, record=False)  # outside the window: no line
     m.close()
+    first, second, third = [json.loads(x) for x in open(m.path).read().splitlines()]
+    assert first["tokens"] == 128 and first["tokens_per_s"] == 64 and first["loss"] == 1.5
+    assert first["ps_version"] == 3 and "ps_staleness" not in first
+    assert second["ps_updates"] == 3.5 and second["ps_staleness"] == 2.5 and second["ps_updates_per_s"] == 3.5
+    assert "tokens" not in second and "ps_version" not in third
 
 
 def test_tensorboard_has_the_metrics_scalars_per_rank_and_nothing_without_it(tmp_path, monkeypatch):

@@ -175,10 +175,10 @@ class Tracer:
 
     def _close_step(self, t: float) -> None:
         rec, step = self.rec, self.rec.step
-        line = self.m.close_step(step, self._step_t0, t, rec.recording)
         if rec.recording:
-            args = {k: line[k] for k in ("step_time", "compute", "exposed_comm", "data", "idle")}
-            rec.complete(f"step {step}", "step", self._step_t0, t, args, MAIN_TID)
+            rec.complete(f"step {step}", "step", self._step_t0, t, self.m.breakdown(t - self._step_t0),
+                         MAIN_TID)
+        self.m.close_step(step, self._step_t0, t, rec.recording)
         self._opt_done, self.own_compute = False, False
         rec.enter_step(step + 1)
         self._drop_global()

@@ -47,7 +47,7 @@ class StepMetrics:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.path = os.path.join(directory, f"metrics.rank{rank}.a{attempt}.jsonl")
         self._fp = None
-        self._pending: list[dict] = []  # closed steps' lines not yet written
+        self._pending: list[tuple] = []  # closed steps' sums, their lines not yet written
         self._lock = threading.Lock()
         self._ps_prev: float | None = None  # the parameter version of the previous push
         self.reset()
@@ -92,32 +92,43 @@ class StepMetrics:
         return {"step_time": step_us / 1e6, "compute": compute / 1e6,
                 "exposed_comm": self.exposed / 1e6, "data": self.data / 1e6, "idle": idle / 1e6}
 
-    def close_step(self, step: int, t0: float, t1: float, record: bool) -> dict:
-        """Write the line of the step [t0, t1] (µs, this clock) when `record`; start the next."""
-        line = {"step": step, "rank": self.rank, "attempt": self.attempt, "t0_us": t0, **self.breakdown(t1 - t0)}
-        secs = max(1e-9, line["step_time"])
-        if self.samples:
-            line.update(samples=self.samples, samples_per_s=self.samples / secs)
-        if self.tokens:
-            line.update(tokens=self.tokens, tokens_per_s=self.tokens / secs)
-        line.update(self.ps)
-        if "ps_updates" in self.ps:
-            line["ps_updates_per_s"] = self.ps["ps_updates"] / secs
-        if self.waits:  # named parts of idle (an injected delay, a checkpoint save)
-            line["idle_named"] = {k: v / 1e6 for k, v in self.waits.items()}
-        if self.pipeline_wall > 0:
-            line["pipeline_bubble"] = max(0.0, 1.0 - self.pipeline_busy / self.pipeline_wall)
-        line["bytes"], line["collectives"] = dict(self.bytes), dict(self.counts)
-        line["peak_memory_bytes"] = peak_memory_bytes()
-        line.update(self.logged)
-        if record:
-            self._write(line)
-        self.reset()
-        return line
+    def close_step(self, step: int, t0: float, t1: float, record: bool) -> None:
+        """Queue the line of the step [t0, t1] (µs, this clock) when `record`; start the next.
 
-    def _write(self, line: dict) -> None:
-        with self._lock:  # NOTE: the recorder's writer thread writes them (flush())
-            self._pending.append(line)
+        NOTE: the training thread only keeps the step's sums (reset() makes new dicts, so
+        these are not copied); the writer thread builds and writes the line (`line()`)."""
+        if record:
+            with self._lock:
+                self._pending.append((step, t0, t1, self.data, self.compute, self.exposed,
+                                      self.exposed_in_compute, self.samples, self.tokens, self.ps,
+                                      self.waits, self.pipeline_busy, self.pipeline_wall, self.bytes,
+                                      self.counts, self.logged, peak_memory_bytes()))
+        self.reset()
+
+    def line(self, sums: tuple) -> dict:
+        """A closed step's metrics line from what close_step kept."""
+        (step, t0, t1, data, compute, exposed, in_compute, samples, tokens, ps, waits, busy, wall,
+         nbytes, counts, logged, peak) = sums
+        compute = max(0.0, compute - in_compute)
+        step_us = t1 - t0
+        line = {"step": step, "rank": self.rank, "attempt": self.attempt, "t0_us": t0,
+                "step_time": step_us / 1e6, "compute": compute / 1e6, "exposed_comm": exposed / 1e6,
+                "data": data / 1e6, "idle": (step_us - compute - exposed - data) / 1e6}
+        secs = max(1e-9, line["step_time"])
+        if samples:
+            line.update(samples=samples, samples_per_s=samples / secs)
+        if tokens:
+            line.update(tokens=tokens, tokens_per_s=tokens / secs)
+        line.update(ps)
+        if "ps_updates" in ps:
+            line["ps_updates_per_s"] = ps["ps_updates"] / secs
+        if waits:  # named parts of idle (an injected delay, a checkpoint save)
+            line["idle_named"] = {k: v / 1e6 for k, v in waits.items()}
+        if wall > 0:
+            line["pipeline_bubble"] = max(0.0, 1.0 - busy / wall)
+        line["bytes"], line["collectives"], line["peak_memory_bytes"] = nbytes, counts, peak
+        line.update(logged)
+        return line
 
     def flush(self) -> None:
         """Append the closed steps' lines to the file (the recorder's flush calls it)."""
@@ -128,8 +139,8 @@ class StepMetrics:
         try:
             if self._fp is None:
                 self._fp = open(self.path, "a", encoding="utf-8")
-            self._fp.write("".join(json.dumps(line, separators=(",", ":"), default=repr) + "\n"
-                                   for line in lines))
+            self._fp.write("".join(json.dumps(self.line(sums), separators=(",", ":"), default=repr)
+                                   + "\n" for sums in lines))
             self._fp.flush()
         except (OSError, ValueError):
             pass  # the trace file's writer reports a full disk once
