@@ -1,6 +1,6 @@
 """Step time with tracing on vs off: DataParallel, pipeline and parameter-server jobs.
 
-    python benchmarks/trace_overhead.py [--rounds 4] [--steps 40] [--modes dp,pp,ps]
+    python benchmarks/trace_overhead.py [--rounds 4] [--steps 40] [--modes dp,pp,ps] [--dp-width W] [--pp-width W]
     python benchmarks/trace_overhead.py --in-process 4 [--rounds 2] [--steps 800] [--modes dp,pp]
 
 Each round runs every mode twice through `disttrain run`, once with `--trace DIR` and once
@@ -10,7 +10,7 @@ median step after the first 5 (warm-up); per mode: the median over rounds of off
 and the geometric mean of the rounds' on/off ratios, of wall time and of rank 0's CPU
 time per step (all its threads: the trace writer's too; CPU time is what tracing adds,
 and what other jobs on a shared machine disturb least). Jobs: dp = 2 ranks DataParallel MLP
-(64-256-256-10, 64 samples per rank); pp = 2 stages 1F1B, 4 micro-batches of a 2-layer
+(64-W-W-10, W = --dp-width 256, 64 samples per rank); pp = 2 stages 1F1B, 4 micro-batches of a 2-layer
 GPT; ps = 2 workers + 1 server, Sync, the same MLP.
 
 `--in-process K` compares inside one job instead (dp and pp): tracing off and on in
