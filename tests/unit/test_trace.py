@@ -253,9 +253,9 @@ def test_rows_of_every_kind_expand_to_valid_events_and_bad_rows_are_counted(tmp_
     rec.counter("logged", 8.0, {"loss": 0.5})
     rec.close()
     with open(rec.path, "a") as fp:
-        fp.write('[["X", 1.0], ["?"], 3]\n')  # a row too short, an unknown kind, not a row
+        fp.write('[["X", 1.0], ["?"], 3, [[1]]]\n')  # too short, unknown kinds, not a row
     header, events, skipped = read_rank_file(rec.path)
-    assert header["rank"] == 0 and skipped == 3
+    assert header["rank"] == 0 and skipped == 4
     by_name = {e["name"]: e for e in events if e["ph"] == "X" and e["cat"] != "comm.exposed"}
     by_name["wait irecv"] = next(e for e in events if e["name"] == "wait irecv")
     assert by_name["isend"]["cat"] == "comm" and by_name["isend"]["args"] == {

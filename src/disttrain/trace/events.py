@@ -118,8 +118,9 @@ def waiting(result, op: str):
 
 
 def pipeline_begin() -> None:
-    """The pipeline runtime starts a step's schedule on the training thread: the step opens
-    (as `begin_work`), and until `pipeline_step` its F/B/W spans stand for the compute: the
+    """The pipeline runtime starts a step's schedule on the training thread: the first work
+    after an optimizer step opens a step, and until `pipeline_step` its F/B/W spans stand
+    for the compute: the
     module and backward hooks skip the stage's modules (NOTE: they measured about 40 % of
     tracing's cost in a 2-stage pipeline, for spans that repeated the runtime's own)."""
     tracer = hooks.active

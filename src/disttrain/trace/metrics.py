@@ -96,13 +96,14 @@ class StepMetrics:
         """Queue the line of the step [t0, t1] (µs, this clock) when `record`; start the next.
 
         NOTE: the training thread only keeps the step's sums (reset() makes new dicts, so
-        these are not copied); the writer thread builds and writes the line (`line()`)."""
+        most are not copied: bytes and counts are, a collective's completion callback may
+        still add to them); the writer thread builds and writes the line (`line()`)."""
         if record:
             with self._lock:
                 self._pending.append((step, t0, t1, self.data, self.compute, self.exposed,
                                       self.exposed_in_compute, self.samples, self.tokens, self.ps,
-                                      self.waits, self.pipeline_busy, self.pipeline_wall, self.bytes,
-                                      self.counts, self.logged, peak_memory_bytes()))
+                                      self.waits, self.pipeline_busy, self.pipeline_wall, dict(self.bytes),
+                                      dict(self.counts), self.logged, peak_memory_bytes()))
         self.reset()
 
     def line(self, sums: tuple) -> dict:

@@ -93,7 +93,7 @@ def expand(row) -> dict | None:
     None for anything else."""
     if isinstance(row, dict):
         return row
-    fields = ROWS.get(row[0]) if isinstance(row, list) and row else None
+    fields = ROWS.get(row[0]) if isinstance(row, list) and row and isinstance(row[0], str) else None
     if fields is None or len(row) != len(fields) + 1:
         return None
     kind, event = row[0], dict(zip(fields, row[1:]))
@@ -299,10 +299,11 @@ class Recorder:
                 while chunk := list(islice(it, LINE_EVENTS)):
                     self._fp.write(_ENCODER.encode(chunk) + "\n")
                 self._fp.flush()
-            except (OSError, ValueError) as err:  # a full disk must not kill training
+            except (OSError, ValueError, TypeError, RecursionError) as err:
+                # NOTE: a full disk (or a span's args that cannot be encoded) must not kill training
                 self._closed = True
-                print(f"disttrain trace: cannot write {self.path}: {err}; tracing stops on rank "
-                      f"{self.rank}", flush=True)
+                print(f"disttrain trace: cannot write {self.path}: {type(err).__name__}: {err}; "
+                      f"tracing stops on rank {self.rank}", flush=True)
 
     def _flusher(self, every: float) -> None:
         while not self._stop.wait(every):
