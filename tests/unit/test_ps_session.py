@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from disttrain.ps.frame import Message
+from disttrain.ps.frame import DEFAULT_LIMITS, Limits, Message
 from disttrain.ps.policy import Async
 from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server
@@ -24,11 +24,11 @@ KEYS = ["w#0", "w#1"]
 class Job:
     """A server (SGD lr=1 on w = zeros(8), keys w#0 and w#1) serving on a thread."""
 
-    def __init__(self, workers=(0,), encrypt=False):
+    def __init__(self, workers=(0,), encrypt=False, limits=DEFAULT_LIMITS):
         plan = plan_keys([("w", 8, 4)], 1, chunk_bytes=16)
         self.server = Server(0, plan[0], {"w": torch.zeros(8)}, Async(),
                              lambda p: torch.optim.SGD(p, lr=1.0), list(workers), KEY,
-                             timeout=30, encrypt=encrypt)
+                             timeout=30, encrypt=encrypt, limits=limits)
         assert self.server.keys == KEYS
         self.ctx = zmq.Context()
         self.out: dict = {}
@@ -238,3 +238,21 @@ def test_after_a_server_restart_old_frames_are_refused_and_a_reconnect_opens_a_n
     assert torch.equal(params(again), torch.zeros(8))  # the replayed push changed nothing
     stats = second.finish(again)
     assert stats["applied"] == 0 and stats["rejected"] == {"other session": 1}
+
+
+@pytest.mark.timeout(60)
+def test_a_part_over_the_limits_drops_its_connection_before_the_server_reads_it():
+    job = Job(limits=Limits(max_tensor_bytes=4096))
+    attacker = job.socket()
+    attacker.send_multipart([b"x" * 64, b"y" * (4 << 20)])  # 4 MB: over max_frame_bytes (8 KB)
+    worker = job.link(0)
+    hello(worker)
+    call(worker, push(0, 1.0), "ack")
+    assert torch.equal(params(worker), torch.full((8,), -1.0))
+    small = job.socket()  # under the limit: read, and refused for what it is
+    small.send_multipart([b"z" * 64])
+    job.rejected("bad part count", 1)
+    stats = job.finish(worker)
+    assert stats["rejected_frames"] == 1, stats["rejected"]  # the 4 MB part was never read
+    with pytest.raises(ValueError, match="key of 16 bytes exceeds Limits.max_tensor_bytes=15"):
+        Job(limits=Limits(max_tensor_bytes=15))  # keys of 4 floats: said, not dropped unseen

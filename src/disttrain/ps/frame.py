@@ -38,6 +38,13 @@ class Limits:
     max_tensor_bytes: int = 1 << 30
     """bytes of any one tensor; big parameters are chunked (ring.py) well below this."""
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest message part a peer may send (a header or one tensor, plus an AEAD
+        tag's room): ZeroMQ's MAXMSGSIZE on every PS socket, so a bigger part drops the
+        connection as its length arrives, before any of it is buffered."""
+        return max(self.max_header_bytes, self.max_tensor_bytes) + 4096
+
     def __post_init__(self):
         for name in ("max_header_bytes", "max_tensors", "max_tensor_bytes"):
             if getattr(self, name) < 1:

@@ -63,6 +63,10 @@ class Server:
         self.params = {c.key: torch.nn.Parameter(
             init[c.name].detach().reshape(-1)[c.start:c.stop].clone()) for c in chunks}
         self.optimizer = optimizer(list(self.params.values())) if chunks else None
+        big = max((p.numel() * p.element_size() for p in self.params.values()), default=0)
+        if big > limits.max_tensor_bytes:  # NOTE: its sockets would drop such a part (MAXMSGSIZE)
+            raise ValueError(f"server {index}: a key of {big} bytes exceeds Limits.max_tensor_bytes="
+                             f"{limits.max_tensor_bytes}; use smaller chunks or larger limits")
         self.workers = list(workers)
         policy.start(self.workers)
         self._groups = [[self.keys[i] for i in g] for g in group_keys(
@@ -70,6 +74,7 @@ class Server:
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
         self.address, self._folder = bind(sock, host)
         self.ep = ServerEndpoint(sock, secret, index, self.workers, limits,
                                  encrypt_setting() if encrypt is None else encrypt)

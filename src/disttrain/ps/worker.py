@@ -256,6 +256,7 @@ class Worker:
         for s, addr in enumerate(self.addresses):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
             sock.connect(addr)
             eps.append(WorkerLink(sock, self._secret, self.rank, s, self._limits, self._encrypt))
         self._eps = eps
