@@ -42,24 +42,23 @@ def job(mode: str, steps: int, trace_dir: str | None, out: str, sizes: list[str]
     cmd = [sys.executable, "-m", "disttrain", "run", *SIZE[mode]]
     if trace_dir:
         cmd += ["--trace", trace_dir]
-    cmd += [JOB, mode, out, "--steps", str(steps), *sizes]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    times = _run([*cmd, JOB, mode, out, "--steps", str(steps), *sizes], out, 600)
+    return statistics.median(times["wall"][WARMUP:]), statistics.median(times["cpu"][WARMUP:])
+
+
+def _run(cmd: list[str], out: str, timeout: float) -> dict:
+    """Run one job; its step times (OUT.json), or exit with its output when it failed."""
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}")
     with open(out) as fp:
-        times = json.load(fp)
-    return statistics.median(times["wall"][WARMUP:]), statistics.median(times["cpu"][WARMUP:])
+        return json.load(fp)
 
 
 def in_process(mode: str, steps: int, block: int, tmp: str, out: str, sizes: list[str]) -> dict:
     """Ratios traced/untraced block by block in one job (see the module docstring)."""
-    cmd = [sys.executable, "-m", "disttrain", "run", *SIZE[mode], JOB, mode, out, "--steps",
-           str(steps), *sizes, "--toggle", str(block), "--toggle-dir", tmp]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}")
-    with open(out) as fp:
-        got = json.load(fp)
+    got = _run([sys.executable, "-m", "disttrain", "run", *SIZE[mode], JOB, mode, out, "--steps",
+                str(steps), *sizes, "--toggle", str(block), "--toggle-dir", tmp], out, 900)
     result = {}
     for key in ("wall", "cpu"):
         blocks = [statistics.mean(got[key][b * block + 1:(b + 1) * block]) for b in range(steps // block)]

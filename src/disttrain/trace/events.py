@@ -139,9 +139,10 @@ def pipeline_step(spans, t0: float, stage: int) -> None:
     done = [(base + s.start * 1e6, base + s.end * 1e6) for s in spans]
     tracer.rec.pipeline([("P", a, b - a, f"{s.kind}{s.microbatch}", s.microbatch, s.chunk, stage)
                          for s, (a, b) in zip(spans, done)])
+    busy = sum(b - a for a, b in done)
     if tracer.on_main():
-        tracer.pipeline_compute(done)
-    tracer.m.pipeline_busy += sum(b - a for a, b in done)
+        tracer.pipeline_compute(done, busy)
+    tracer.m.pipeline_busy += busy
     tracer.m.pipeline_wall += max(0.0, end - base)
 
 

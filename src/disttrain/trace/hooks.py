@@ -311,12 +311,13 @@ class Tracer:
             elif self.own_compute:
                 self._pipe_exposed.append((t0, t1))
 
-    def pipeline_compute(self, spans: list[tuple[float, float]]) -> None:
-        """The pipeline's actions [(t0, t1)] ran on the training thread: its compute, less
-        the exposed waits inside them (a DataParallel sync in the last backward)."""
+    def pipeline_compute(self, spans: list[tuple[float, float]], busy: float) -> None:
+        """The pipeline's actions [(t0, t1)], `busy` µs in all, ran on the training thread:
+        its compute, less the exposed waits inside them (a DataParallel sync in the last
+        backward)."""
         inside = sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in self._pipe_exposed)
         self.own_compute, self._pipe_exposed = False, []
         if self._step_t0 is not None and spans:
-            self.m.compute += sum(b - a for a, b in spans)
+            self.m.compute += busy
             self.m.exposed_in_compute += inside
             self._last_end = max(self._last_end, max(b for _, b in spans))

@@ -40,6 +40,13 @@ def peak_memory_bytes() -> int:
         return 0
 
 
+def _breakdown(step_us: float, compute: float, in_compute: float, exposed: float, data: float) -> dict:
+    """A step's time (sums in µs) in seconds; compute less the exposed communication inside it."""
+    compute = max(0.0, compute - in_compute)
+    return {"step_time": step_us / 1e6, "compute": compute / 1e6, "exposed_comm": exposed / 1e6,
+            "data": data / 1e6, "idle": (step_us - compute - exposed - data) / 1e6}
+
+
 class StepMetrics:
     """The open step's sums (microseconds) and the file its closed steps go to."""
 
@@ -86,11 +93,8 @@ class StepMetrics:
         self.counts[op] = self.counts.get(op, 0) + 1
 
     def breakdown(self, step_us: float) -> dict:
-        """The step's time in seconds: compute, exposed_comm, data and idle (adds up to step_time)."""
-        compute = max(0.0, self.compute - self.exposed_in_compute)
-        idle = step_us - compute - self.exposed - self.data
-        return {"step_time": step_us / 1e6, "compute": compute / 1e6,
-                "exposed_comm": self.exposed / 1e6, "data": self.data / 1e6, "idle": idle / 1e6}
+        """The open step's time in seconds: compute, exposed_comm, data and idle (adds up to step_time)."""
+        return _breakdown(step_us, self.compute, self.exposed_in_compute, self.exposed, self.data)
 
     def close_step(self, step: int, t0: float, t1: float, record: bool) -> None:
         """Queue the line of the step [t0, t1] (µs, this clock) when `record`; start the next.
@@ -110,11 +114,8 @@ class StepMetrics:
         """A closed step's metrics line from what close_step kept."""
         (step, t0, t1, data, compute, exposed, in_compute, samples, tokens, ps, waits, busy, wall,
          nbytes, counts, logged, peak) = sums
-        compute = max(0.0, compute - in_compute)
-        step_us = t1 - t0
         line = {"step": step, "rank": self.rank, "attempt": self.attempt, "t0_us": t0,
-                "step_time": step_us / 1e6, "compute": compute / 1e6, "exposed_comm": exposed / 1e6,
-                "data": data / 1e6, "idle": (step_us - compute - exposed - data) / 1e6}
+                **_breakdown(t1 - t0, compute, in_compute, exposed, data)}
         secs = max(1e-9, line["step_time"])
         if samples:
             line.update(samples=samples, samples_per_s=samples / secs)

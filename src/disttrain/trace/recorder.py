@@ -179,15 +179,9 @@ class Recorder:
     def complete(self, name: str, cat: str, t0: float, t1: float, args: dict | None = None,
                  tid: int | None = None) -> None:
         """An "X" span [t0, t1] on `tid` (default: the calling thread's track)."""
-        if self.recording:  # NOTE: _emit inlined: the most frequent call
-            row = ("X", t0, t1 - t0 if t1 > t0 else 0.0, self.tid() if tid is None else tid, name,
-                   cat, args or None)
-            with self._lock:
-                buf = self._buf
-                buf.append(row)
-                full = len(buf) >= self.max_buffer
-            if full:
-                self.flush()
+        if self.recording:
+            self._emit(("X", t0, max(0.0, t1 - t0), self.tid() if tid is None else tid, name, cat,
+                        args or None))
 
     def lane(self, t0: float, t1: float) -> int:
         """The track of the first communication lane free from `t0`, taken until `t1`.
