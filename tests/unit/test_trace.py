@@ -241,21 +241,30 @@ def test_tensorboard_has_the_metrics_scalars_per_rank_and_nothing_without_it(tmp
 def test_rows_of_every_kind_expand_to_valid_events_and_bad_rows_are_counted(tmp_path):
     from disttrain.comm.flight import Entry
     from disttrain.trace.merge import read_rank_file
-    from disttrain.trace.recorder import ROWS, Recorder
+    from disttrain.trace.recorder import Recorder
+    from disttrain.trace.rows import COMM_TID, ROWS
 
     rec = Recorder(str(tmp_path), 0, 1)
     entry = Entry(7, "isend", "p2p 0->1", (0, 1), [[4, 8]], "float32", "train.py:3", "f", 0.0)
     rec.complete("forward", "compute", 1.0, 9.0, {"module": "Net"}, 0)
-    rec.collective(2.0, 5.0, entry, 128, (("s", 42),), exposed=True)
+    rec.collective(2.0, 5.0, entry, 128, exposed=True)
     rec.waited("wait irecv", 5.0, 6.0, "irecv", "p2p 1->0", 3)
     rec.pipeline([("P", 6.0, 2.0, "F0", 0, 0, 1)])
     rec.instant("mark", "user", {"k": 1})
     rec.counter("logged", 8.0, {"loss": 0.5})
+    rec.comm_span("push", 3.0, 7.0, {"op": "push"}, [("s", "push s0 w0 c1")])  # overlaps the isend
+    rec.bucket(0, 10.0, 11.0, 14.0, 512)
     rec.close()
     with open(rec.path, "a") as fp:
-        fp.write('[["X", 1.0], ["?"], 3, [[1]]]\n')  # too short, unknown kinds, not a row
+        fp.write('[["X", 1.0], ["?"], 3, [[1]], ["K", 1, 2, "a", "g", 2, 1, 8, "s", null, 9],'
+                 ' ["K", 1, 2, 99, 1, 2, 1, 8, 1, null]]\n')
+    with open(rec.path) as fp:
+        rows = [r for line in fp.readlines()[1:] for r in json.loads(line) if isinstance(r, list)]
+    (k_row,) = [r for r in rows if r[0] == "K" and r[3] != 99 and len(r) == 10]
+    assert all(isinstance(k_row[i], int) for i in (3, 4, 8))  # op, group, site: numbered strings
     header, events, skipped = read_rank_file(rec.path)
-    assert header["rank"] == 0 and skipped == 4
+    # too short, unknown, not a row (2), too long, a string number no "S" row defined
+    assert header["rank"] == 0 and skipped == 6
     by_name = {e["name"]: e for e in events if e["ph"] == "X" and e["cat"] != "comm.exposed"}
     by_name["wait irecv"] = next(e for e in events if e["name"] == "wait irecv")
     assert by_name["isend"]["cat"] == "comm" and by_name["isend"]["args"] == {
@@ -263,8 +272,16 @@ def test_rows_of_every_kind_expand_to_valid_events_and_bad_rows_are_counted(tmp_
     assert by_name["wait irecv"]["cat"] == "comm.exposed" and by_name["wait irecv"]["args"]["seq"] == 3
     assert by_name["F0"]["cat"] == "pipeline" and by_name["F0"]["args"] == {"microbatch": 0, "chunk": 0, "stage": 1}
     exposed = [e for e in events if e.get("cat") == "comm.exposed" and e["name"] == "isend"]
-    assert len(exposed) == 1 and exposed[0]["tid"] == 0
-    assert {e["ph"] for e in events} >= {"X", "i", "C", "s", "M"} and len(ROWS) == 8
+    assert len(exposed) == 1 and exposed[0]["tid"] == 0 and exposed[0]["dur"] == 3.0
+    # lanes are the merge's: the push overlaps the isend (another lane), the bucket does not
+    isend, push, bucket, reduce = (by_name[n] for n in ("isend", "push", "bucket 0", "reduce"))
+    assert isend["tid"] == bucket["tid"] == reduce["tid"] == COMM_TID and push["tid"] == COMM_TID + 1
+    assert reduce["ts"] == 11.0 and reduce["dur"] == 3.0 and bucket["args"] == {"bucket": 0, "bytes": 512}
+    flows = {e["id"]: e for e in events if e["ph"] in ("s", "f")}
+    assert flows[(0 * 4096 + 1) * 2**28 + 7]["tid"] == COMM_TID and flows["push s0 w0 c1"]["tid"] == COMM_TID + 1
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"comm", "comm 2"} <= lanes
+    assert {e["ph"] for e in events} >= {"X", "i", "C", "s", "M"} and len(ROWS) == 11
     done = trace.merge(str(tmp_path))
     with open(done["path"]) as fp:
         tr = json.load(fp)
@@ -279,3 +296,17 @@ def test_merge_refuses_a_folder_without_trace_files(tmp_path, where, monkeypatch
     with pytest.raises(FileNotFoundError, match="trace"):
         trace.merge(where)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+
+def test_overlap_of_pipeline_actions_and_exposed_waits_matches_every_pair():
+    import random
+
+    def disjoint(n):
+        points = sorted(rng.uniform(0, 100) for _ in range(2 * n))
+        return [(points[2 * i], points[2 * i + 1]) for i in range(n)]
+
+    rng = random.Random(0)
+    for _ in range(500):
+        xs, ys = disjoint(rng.randint(0, 8)), disjoint(rng.randint(0, 12))
+        every_pair = sum(max(0.0, min(b, d) - max(a, c)) for a, b in xs for c, d in ys)
+        assert hooks._overlap(xs, ys) == pytest.approx(every_pair, abs=1e-9)

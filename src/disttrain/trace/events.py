@@ -96,10 +96,7 @@ def bucket(b: int, ready: float | None, start: float | None, nbytes: int) -> Non
     tracer = hooks.active
     if tracer is None or ready is None or start is None or not tracer.rec.recording:
         return
-    t = now_us()
-    tid = tracer.rec.lane(ready, t)
-    tracer.rec.complete(f"bucket {b}", "dp", ready, t, {"bucket": b, "bytes": nbytes}, tid)
-    tracer.rec.complete("reduce", "dp", start, t, None, tid)
+    tracer.rec.bucket(b, ready, start, now_us(), nbytes)
 
 
 def waiting(result, op: str):

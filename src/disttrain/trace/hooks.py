@@ -16,14 +16,15 @@ What it installs (torch's public global hooks: no user class is patched):
   the other, ZeRO's inner one included, make one step).
 
 Collectives: ops.py calls `issued(entry)` and `finished(entry, exposed)` around each one
-(and `waited(entry, t0)` when an async handle's wait() returns): a span per collective on
-a communication lane, its exposed part on the caller's track, a flow arrow from each
-point-to-point send to its receive (the flight recorder numbers them per direction, so
-both ends compute the same id).
+(and `waited(entry, t0)` when an async handle's wait() returns): one row per collective
+(recorder.py), which the merge makes a span on a communication lane, its exposed part on
+the caller's track, and a flow arrow from each point-to-point send to its receive (the
+flight recorder numbers them per direction, so both ends compute the same id).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -38,6 +39,7 @@ active: Tracer | None = None
 """The process's tracer while tracing is on; None when off (checked by ops.py, data.py)."""
 
 _ITEMSIZE: dict[str, int] = {}
+_MODULE_ARGS: dict[type, dict] = {}  # a forward span's args per module class (shared: never mutated)
 
 
 def _itemsize(dtype: str) -> int:
@@ -46,16 +48,6 @@ def _itemsize(dtype: str) -> int:
         dt = getattr(torch, dtype, None)
         size = _ITEMSIZE[dtype] = dt.itemsize if isinstance(dt, torch.dtype) else 0
     return size
-
-
-def _nbytes(entry) -> int:
-    total = 0
-    for shape in entry.shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total * _itemsize(entry.dtype)
 
 
 def batch_size(batch) -> int:
@@ -86,12 +78,19 @@ def _grad_tensor(out):
     return None
 
 
-def _flow(entry) -> tuple:
-    if not entry.group.startswith("p2p "):
-        return ()
-    src, dst = entry.ranks
-    fid = (src * 4096 + dst) * 2**28 + entry.seq  # NOTE: < 2**53: exact in JavaScript
-    return (("s" if entry.op in ("send", "isend") else "f", fid),)
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Total overlap of two lists of disjoint intervals, each in time order (one sweep:
+    a pipeline step's actions against its exposed waits, every step)."""
+    total, j = 0.0, 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            c, d = ys[k]
+            total += min(b, d) - max(a, c)
+            k += 1
+    return total
 
 
 class Tracer:
@@ -175,9 +174,6 @@ class Tracer:
 
     def _close_step(self, t: float) -> None:
         rec, step = self.rec, self.rec.step
-        if rec.recording:
-            rec.complete(f"step {step}", "step", self._step_t0, t, self.m.breakdown(t - self._step_t0),
-                         MAIN_TID)
         self.m.close_step(step, self._step_t0, t, rec.recording)
         self._opt_done, self.own_compute = False, False
         rec.enter_step(step + 1)
@@ -192,9 +188,12 @@ class Tracer:
 
     # ---- compute ----
 
-    def _compute(self, name: str, t0: float, t1: float, args: dict | None, tid=None) -> None:
-        self.rec.complete(name, "compute", t0, t1, args, tid)
-        if tid == MAIN_TID or threading.get_ident() == self._main:
+    def _compute(self, name: str, t0: float, t1: float, args: dict | None, main: bool) -> None:
+        """A compute span of this thread (`main`: the training thread's, counted in its step)."""
+        rec = self.rec
+        if rec.recording:
+            rec.push(("X", t0, t1 - t0, MAIN_TID if main else rec.tid(), name, "compute", args))
+        if main:
             self._cdepth -= 1
             if self._cdepth == 0 and self._step_t0 is not None:
                 self.m.compute += t1 - t0
@@ -217,10 +216,20 @@ class Tracer:
             return
         tl.depth = depth - 1
         if depth == 1:
-            self._compute("forward", tl.t0, now_us(), {"module": type(module).__name__})
+            kind = type(module)
+            names = _MODULE_ARGS.get(kind) or _MODULE_ARGS.setdefault(kind, {"module": kind.__name__})
+            self._compute("forward", tl.t0, now_us(), names, threading.get_ident() == self._main)
             grad_out = _grad_tensor(out)
             if grad_out is not None and torch.is_grad_enabled():
-                grad_out.register_hook(self._bwd_start)
+                node = grad_out.grad_fn
+                if node is not None:  # NOTE: a node's pre-hook costs ~1 us less than a tensor hook
+                    node.register_prehook(self._bwd_pre)
+                else:
+                    grad_out.register_hook(self._bwd_start)
+
+    def _bwd_pre(self, grad_outputs):
+        self._bwd_start(None)
+        return None
 
     def _bwd_start(self, grad):
         if self._bwd_t0 is None:
@@ -231,7 +240,7 @@ class Tracer:
 
     def _bwd_end(self) -> None:
         t0, self._bwd_t0 = self._bwd_t0, None
-        self._compute("backward", t0, now_us(), None, MAIN_TID)
+        self._compute("backward", t0, now_us(), None, True)
 
     def _opt_pre(self, opt, args, kwargs) -> None:
         if self._opt_depth == 0:
@@ -243,8 +252,7 @@ class Tracer:
         self._opt_depth -= 1
         if self._opt_depth == 0:
             t1 = now_us()
-            self._compute("optimizer.step", self._opt_t0, t1, {"optimizer": type(opt).__name__},
-                          MAIN_TID)
+            self._compute("optimizer.step", self._opt_t0, t1, {"optimizer": type(opt).__name__}, True)
             self._opt_done = True
 
     # ---- data ----
@@ -274,21 +282,26 @@ class Tracer:
         entry.extra["trace_t0"] = now_us()
 
     def finished(self, entry, exposed: bool) -> None:
-        """`entry` completed; `exposed`: the caller waited for all of it (a blocking call)."""
+        """`entry` completed; `exposed`: the caller waited for all of it (a blocking call).
+
+        NOTE: the hot path of tracing (every collective, on any thread): one row of what the
+        entry already has; its lane, flow arrow and exposed span are made by the merge."""
         t0 = entry.extra.pop("trace_t0", None)  # NOTE: atomic: a callback and wait() may race
         if t0 is None:
             return
         t1 = now_us()
-        nbytes = _nbytes(entry)
-        self.m.collective(entry.op, nbytes)
-        self.rec.collective(t0, t1, entry, nbytes, _flow(entry), exposed)
+        op, m = entry.op, self.m
+        nbytes = sum(map(math.prod, entry.shapes)) * (_ITEMSIZE.get(entry.dtype) or _itemsize(entry.dtype))
+        m.bytes[op] = m.bytes.get(op, 0) + nbytes
+        m.counts[op] = m.counts.get(op, 0) + 1
+        self.rec.collective(t0, t1, entry, nbytes, exposed)
         if exposed:
             self._exposed_time(t0, t1)
 
     def waited(self, entry, t0: float) -> None:
         """The caller waited on an async handle from `t0` until now."""
         t1 = now_us()
-        self.rec.waited(f"wait {entry.op}", t0, t1, entry.op, entry.group, entry.seq)
+        self.rec.waited("wait " + entry.op, t0, t1, entry.op, entry.group, entry.seq)
         self._exposed_time(t0, t1)
 
     def named_wait(self, name: str, t0: float, t1: float) -> None:
@@ -315,7 +328,7 @@ class Tracer:
         """The pipeline's actions [(t0, t1)], `busy` µs in all, ran on the training thread:
         its compute, less the exposed waits inside them (a DataParallel sync in the last
         backward)."""
-        inside = sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in self._pipe_exposed)
+        inside = _overlap(sorted(spans), self._pipe_exposed)
         self.own_compute, self._pipe_exposed = False, []
         if self._step_t0 is not None and spans:
             self.m.compute += busy

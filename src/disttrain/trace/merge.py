@@ -20,16 +20,19 @@ import os
 import sys
 
 from disttrain.trace import tboard
-from disttrain.trace.recorder import EPOCH_S, expand
+from disttrain.trace.recorder import EPOCH_S
+from disttrain.trace.rows import LANE, assign_lanes, expand
 
 __all__ = ["merge", "read_rank_file", "merge_and_tell"]
 
 
 def read_rank_file(path: str) -> tuple[dict, list[dict], int]:
     """(header with its "clock", events on the process's own clock, lines or rows skipped) of
-    one file."""
+    one file; spans of communication get their lanes here (recorder.assign_lanes)."""
     header: dict = {}
     events: list[dict] = []
+    lanes: list[list[dict]] = []
+    items: list = []
     skipped = 0
     with open(path, encoding="utf-8", errors="replace") as fp:
         for line in fp:
@@ -38,16 +41,29 @@ def read_rank_file(path: str) -> tuple[dict, list[dict], int]:
             except ValueError:
                 skipped += 1  # NOTE: the last line of a killed rank may be cut short
                 continue
-            for item in obj if isinstance(obj, list) else [obj]:  # a list: one flush (recorder.py)
-                event = expand(item)
-                if event is None:
-                    skipped += 1
-                elif "disttrain_trace" in event:
-                    header = event
-                elif "clock" in event:
-                    header["clock"] = event["clock"]
-                else:
-                    events.append(event)
+            items.extend(obj if isinstance(obj, list) else [obj])  # a list: one flush (recorder.py)
+    strings: dict[int, str] = {}
+    for item in items:  # NOTE: the numbered strings first, wherever their rows landed
+        if isinstance(item, list) and item and item[0] == "S" and expand(item, strings) is None:
+            skipped += 1
+    for item in items:
+        if isinstance(item, list) and item and item[0] == "S":
+            continue
+        got = expand(item, strings)
+        if got is None:
+            skipped += 1
+            continue
+        for event in got:
+            if "disttrain_trace" in event:
+                header = event
+            elif "clock" in event:
+                header["clock"] = event["clock"]
+            else:
+                events.append(event)
+        on_lane = [e for e in got if e.get("tid") == LANE]
+        if on_lane:
+            lanes.append(on_lane)
+    events.extend(assign_lanes(lanes))
     return header, events, skipped
 
 

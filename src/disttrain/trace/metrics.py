@@ -29,15 +29,28 @@ __all__ = ["StepMetrics", "peak_memory_bytes"]
 
 def peak_memory_bytes() -> int:
     """Peak memory so far: CUDA's max allocated when on a GPU, else the process's peak RSS."""
+    peak = _cuda_peak()
+    return _peak_rss() if peak is None else peak
+
+
+def _cuda_peak() -> int | None:
+    """CUDA's max allocated bytes when this process uses a GPU, else None (a cheap test)."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch is not None and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
+    return None
+
+
+def _peak_rss() -> int:
     try:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
     except (ImportError, OSError):
         return 0
+
+
+_PARTS = ("step_time", "compute", "exposed_comm", "data", "idle")
 
 
 def _breakdown(step_us: float, compute: float, in_compute: float, exposed: float, data: float) -> dict:
@@ -92,10 +105,6 @@ class StepMetrics:
         self.bytes[op] = self.bytes.get(op, 0) + nbytes
         self.counts[op] = self.counts.get(op, 0) + 1
 
-    def breakdown(self, step_us: float) -> dict:
-        """The open step's time in seconds: compute, exposed_comm, data and idle (adds up to step_time)."""
-        return _breakdown(step_us, self.compute, self.exposed_in_compute, self.exposed, self.data)
-
     def close_step(self, step: int, t0: float, t1: float, record: bool) -> None:
         """Queue the line of the step [t0, t1] (µs, this clock) when `record`; start the next.
 
@@ -107,13 +116,16 @@ class StepMetrics:
                 self._pending.append((step, t0, t1, self.data, self.compute, self.exposed,
                                       self.exposed_in_compute, self.samples, self.tokens, self.ps,
                                       self.waits, self.pipeline_busy, self.pipeline_wall, dict(self.bytes),
-                                      dict(self.counts), self.logged, peak_memory_bytes()))
+                                      dict(self.counts), self.logged, _cuda_peak()))
         self.reset()
 
-    def line(self, sums: tuple) -> dict:
-        """A closed step's metrics line from what close_step kept."""
+    def line(self, sums: tuple, rss: int = 0) -> dict:
+        """A closed step's metrics line from what close_step kept (`rss`: the peak RSS, for a
+        step that ran on no GPU)."""
         (step, t0, t1, data, compute, exposed, in_compute, samples, tokens, ps, waits, busy, wall,
          nbytes, counts, logged, peak) = sums
+        if peak is None:
+            peak = rss
         line = {"step": step, "rank": self.rank, "attempt": self.attempt, "t0_us": t0,
                 **_breakdown(t1 - t0, compute, in_compute, exposed, data)}
         secs = max(1e-9, line["step_time"])
@@ -132,20 +144,27 @@ class StepMetrics:
         line.update(logged)
         return line
 
-    def flush(self) -> None:
-        """Append the closed steps' lines to the file (the recorder's flush calls it)."""
+    def flush(self) -> list[tuple]:
+        """Append the closed steps' lines to the file (the recorder's flush calls it); their
+        (step, t0, t1, breakdown) for the trace's `step N` spans."""
         with self._lock:
-            lines, self._pending = self._pending, []
-        if not lines:
-            return
+            pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        # NOTE: the peak RSS is read here, not when the step closed: getrusage took 15-35 us on
+        # the training thread; a high-water mark read up to flush_s later is the step's or more
+        rss = _peak_rss()
+        lines = [self.line(sums, rss) for sums in pending]
         try:
             if self._fp is None:
                 self._fp = open(self.path, "a", encoding="utf-8")
-            self._fp.write("".join(json.dumps(self.line(sums), separators=(",", ":"), default=repr)
-                                   + "\n" for sums in lines))
+            self._fp.write("".join(json.dumps(line, separators=(",", ":"), default=repr) + "\n"
+                                   for line in lines))
             self._fp.flush()
         except (OSError, ValueError):
             pass  # the trace file's writer reports a full disk once
+        return [(sums[0], sums[1], sums[2], {k: line[k] for k in _PARTS})
+                for sums, line in zip(pending, lines)]
 
     def close(self) -> None:
         self.flush()

@@ -3,29 +3,35 @@
 One `Recorder` per traced process writes `DIR/rank{R}.a{A}.p{PID}.jsonl`: a header line
 (rank, role, host, attempt, node and link rate when known), the measured clock offset,
 then lines that each hold a JSON array of up to `LINE_EVENTS` events without their `pid`
-(the merge adds it): spans, flow ends, instants and counters as compact rows (`ROWS`
-below; `expand()` makes them Chrome events again), metadata as whole events. Events are
-kept in a small buffer that a daemon thread appends to the file every `flush_s` seconds
-(and any thread does when it holds `max_buffer` events), so memory stays bounded and a
-rank that is killed loses at most the last fraction of a second; a half-written last
-line is skipped by the merge (merge.py), so the merged trace stays valid whatever happened.
+(the merge adds it): spans, flow ends, instants and counters as compact rows (`rows.ROWS`
+in rows.py, which makes them Chrome events again at the merge), metadata as whole events. Rows go
+into a deque (an append is atomic: no lock on the training thread) that a daemon thread
+empties into the file every `flush_s` seconds, so memory holds at most that much of the
+trace and a rank that is killed loses at most the last fraction of a second; a
+half-written last line is skipped by the merge (merge.py), so the merged trace stays
+valid whatever happened.
 
-NOTE: rows, and one encoding per line rather than per event, because the encoding was
-most of tracing's own cost: `json.dumps` of one span took 6-7 us here (a new encoder per
-call, then the floats), a 512-row array 1.6 us a row.
+NOTE: the hot path only appends a tuple of what it already has; everything that can be
+derived later is derived at the merge: which communication lane a span goes on, the
+exposed part of a blocking collective, a point-to-point message's flow arrow, a step's
+breakdown. Rows, and one encoding per line rather than per event, because the encoding
+was most of tracing's own cost: `json.dumps` of one span took 6-7 us here (a new encoder
+per call, then the floats), a 512-row array 1.6 us a row.
 
 Tracks (Chrome "threads" of the rank's process): 0 is the training thread (compute,
 data waits, the exposed part of collectives), 100+k the k-th communication lane (each
-collective from issue to completion; overlapping ones go to separate lanes so every
-track nests), other Python threads get their own track under their name.
+collective from issue to completion; the merge puts overlapping ones on separate lanes
+so every track nests), other Python threads get their own track under their name.
 
 Steps: `begin_step()`/`note_optimizer()` (hooks.py) count steps; only steps inside the
 window [first, last) are recorded (metadata and clock always are). Each closed step adds
-one line to `metrics.rank{R}.a{A}.jsonl` (metrics.py) with the time breakdown.
+one line to `metrics.rank{R}.a{A}.jsonl` (metrics.py) with the time breakdown, and its
+`step N` span, both built by the writer thread.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -34,30 +40,12 @@ import time
 from itertools import islice
 
 from disttrain.trace.metrics import StepMetrics
+from disttrain.trace.rows import COMM_TID, MAIN_TID
 
-__all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "expand", "MAIN_TID", "COMM_TID",
-           "EPOCH_S", "WALL0_US", "ROWS", "LINE_EVENTS"]
+__all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US",
+           "LINE_EVENTS"]
 
-MAIN_TID = 0
-COMM_TID = 100
 LINE_EVENTS = 512
-ROWS = {
-    "X": ("ts", "dur", "tid", "name", "cat", "args"),
-    "i": ("ts", "tid", "name", "cat", "args"),
-    "s": ("ts", "tid", "id"),
-    "f": ("ts", "tid", "id"),
-    "C": ("ts", "tid", "name", "args"),
-    "K": ("ts", "dur", "tid", "op", "group", "ranks", "seq", "bytes", "site"),
-    "E": ("ts", "dur", "tid", "name", "op", "group", "seq"),
-    "P": ("ts", "dur", "name", "microbatch", "chunk", "stage"),
-}
-"""Compact rows [kind, *fields]: Chrome phases X, i, s, f, C (`args` may be null: none), and
-three spans without key names, the most frequent ones: K a collective (cat comm, name
-= op), E the caller's wait for one (cat comm.exposed), P a pipeline action (cat
-pipeline, training thread)."""
-_ARGS = {"K": ("op", "group", "ranks", "seq", "bytes", "site"), "E": ("op", "group", "seq"),
-         "P": ("microbatch", "chunk", "stage")}
-_SPAN = {"K": "comm", "E": "comm.exposed", "P": "pipeline"}
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False, default=repr)
 EPOCH_S = 1_700_000_000
 """Wall-clock anchors count from this Unix time (from 1970 a double keeps only 0.25 µs)."""
@@ -88,30 +76,6 @@ def cluster_meta(environ=os.environ) -> dict:
     return out
 
 
-def expand(row) -> dict | None:
-    """A Chrome trace event from one element of a line: a row (`ROWS`) or a whole event;
-    None for anything else."""
-    if isinstance(row, dict):
-        return row
-    fields = ROWS.get(row[0]) if isinstance(row, list) and row and isinstance(row[0], str) else None
-    if fields is None or len(row) != len(fields) + 1:
-        return None
-    kind, event = row[0], dict(zip(fields, row[1:]))
-    if kind in _SPAN:
-        event = {"ph": "X", "name": event.get("name", event.get("op")), "cat": _SPAN[kind],
-                 "ts": event["ts"], "dur": event["dur"], "tid": event.get("tid", MAIN_TID),
-                 "args": {k: event[k] for k in _ARGS[kind]}}
-        return event
-    event["ph"] = kind
-    if event.get("args") is None:
-        event.pop("args", None)
-    if kind == "i":
-        event["s"] = "t"
-    elif kind in ("s", "f"):
-        event.update(name="flow", cat="flow", bp="e")
-    return event
-
-
 def now_us() -> float:
     """Microseconds on this process's monotonic clock (0 at import; WALL0_US on the wall clock).
 
@@ -126,19 +90,20 @@ class Recorder:
     """Buffers this process's events and appends them to its file (see the module docstring)."""
 
     def __init__(self, directory: str, rank: int, world_size: int, role: str = "worker",
-                 attempt: int = 0, steps: tuple[int, int | None] = (0, None),
-                 flush_s: float = 0.5, max_buffer: int = 20000):
+                 attempt: int = 0, steps: tuple[int, int | None] = (0, None), flush_s: float = 0.5):
         os.makedirs(directory, exist_ok=True)
         self.directory, self.rank, self.world_size, self.attempt = directory, rank, world_size, attempt
         self.first, self.last = steps
         self.path = os.path.join(directory, f"rank{rank}.a{attempt}.p{os.getpid()}.jsonl")
-        self.os_pid, self.max_buffer = os.getpid(), max_buffer
+        self.os_pid = os.getpid()
         self._fp = open(self.path, "w", encoding="utf-8")
-        self._lock = threading.Lock()  # the buffer and tracks (held for an append)
+        self._lock = threading.Lock()  # naming a new thread's track
         self._io = threading.Lock()  # the file: one flush at a time, in order
-        self._buf: list = []  # rows (ROWS) and whole events
+        self._buf: collections.deque = collections.deque()  # rows (ROWS) and whole events
+        self.push = self._buf.append
+        """Append one row (any thread; atomic: the hot path's only buffer operation)."""
         self._tids: dict[int, int] = {threading.main_thread().ident: MAIN_TID}
-        self._lanes: list[float] = []
+        self._ids: dict[str, int] = {}  # strings numbered in this file ("S" rows), from 1
         self.step, self.recording = 0, self.first <= 0 and (self.last is None or self.last > 0)
         self.metrics = StepMetrics(directory, rank, attempt, world_size)
         self.clock: dict | None = None
@@ -155,13 +120,6 @@ class Recorder:
 
     # ---- events ----
 
-    def _emit(self, event) -> None:
-        with self._lock:
-            self._buf.append(event)
-            full = len(self._buf) >= self.max_buffer
-        if full:
-            self.flush()
-
     def tid(self) -> int:
         """This thread's track, named on first use."""
         ident = threading.get_ident()
@@ -172,94 +130,83 @@ class Recorder:
             self._meta_thread(tid, threading.current_thread().name)
         return tid
 
+    def _sid(self, text: str) -> int:
+        """`text`'s number in this file; the first time, an "S" row says it.
+
+        NOTE: the row is in the buffer before the number is in `_ids`, so no thread can
+        write a row that uses a number ahead of the row that defines it."""
+        with self._lock:
+            sid = self._ids.get(text)
+            if sid is None:
+                sid = len(self._ids) + 1
+                self.push(("S", sid, text))
+                self._ids[text] = sid
+        return sid
+
     def _meta_thread(self, tid: int, name: str) -> None:
-        self._emit({"ph": "M", "name": "thread_name", "tid": tid, "args": {"name": name}})
-        self._emit({"ph": "M", "name": "thread_sort_index", "tid": tid, "args": {"sort_index": tid}})
+        self.push({"ph": "M", "name": "thread_name", "tid": tid, "args": {"name": name}})
+        self.push({"ph": "M", "name": "thread_sort_index", "tid": tid, "args": {"sort_index": tid}})
 
     def complete(self, name: str, cat: str, t0: float, t1: float, args: dict | None = None,
                  tid: int | None = None) -> None:
         """An "X" span [t0, t1] on `tid` (default: the calling thread's track)."""
         if self.recording:
-            self._emit(("X", t0, max(0.0, t1 - t0), self.tid() if tid is None else tid, name, cat,
-                        args or None))
-
-    def lane(self, t0: float, t1: float) -> int:
-        """The track of the first communication lane free from `t0`, taken until `t1`.
-
-        NOTE: a lane's end only grows (a span goes where the last one ended before it
-        starts), so spans on a lane never overlap, whatever order they are recorded in.
-        """
-        with self._lock:
-            for lane, end in enumerate(self._lanes):
-                if end <= t0:
-                    self._lanes[lane], new = t1, False
-                    break
-            else:
-                lane, new = len(self._lanes), True
-                self._lanes.append(t1)
-        if new:
-            self._meta_thread(COMM_TID + lane, "comm" if lane == 0 else f"comm {lane + 1}")
-        return COMM_TID + lane
+            self.push(("X", t0, max(0.0, t1 - t0), self.tid() if tid is None else tid, name, cat,
+                       args or None))
 
     def comm_span(self, name: str, t0: float, t1: float, args: dict, flows=()) -> None:
-        """A span from issue to completion on the first communication lane it fits."""
+        """A span from issue to completion on a communication lane, with flow arrow ends
+        [(phase, id)] bound to it."""
         if self.recording:
-            self.rows(self._comm_rows(("X", t0, max(0.0, t1 - t0), self.lane(t0, t1), name, "comm", args),
-                                      flows))
+            self.push(("L", t0, max(0.0, t1 - t0), name, "comm", args or None, list(flows) or None))
 
-    def collective(self, t0: float, t1: float, entry, nbytes: int, flows=(), exposed: bool = False) -> None:
-        """A collective of comm/ops.py (a flight-recorder entry) from issue to completion on
-        a communication lane, with its flow ends, and when `exposed` (the caller blocked
-        through all of it) its exposed span on the caller's track: one append."""
+    def collective(self, t0: float, t1: float, entry, nbytes: int, exposed: bool = False) -> None:
+        """A collective of comm/ops.py (a flight-recorder entry) from issue to completion;
+        `exposed`: the calling thread blocked through all of it (one row either way)."""
         if self.recording:
-            dur = max(0.0, t1 - t0)
-            rows = self._comm_rows(("K", t0, dur, self.lane(t0, t1), entry.op, entry.group,
-                                    len(entry.ranks), entry.seq, nbytes, entry.site), flows)
-            if exposed:
-                rows.append(("E", t0, dur, self.tid(), entry.op, entry.op, entry.group, entry.seq))
-            self.rows(rows)
+            ids, op, group, site = self._ids, entry.op, entry.group, entry.site
+            self.push(("K", t0, max(0.0, t1 - t0), ids.get(op) or self._sid(op),
+                       ids.get(group) or self._sid(group), len(entry.ranks), entry.seq, nbytes,
+                       ids.get(site) or self._sid(site), self.tid() if exposed else None))
 
-    @staticmethod
-    def _comm_rows(span: tuple, flows) -> list:
-        t0, dur, tid = span[1], span[2], span[3]
-        return [span] + [(phase, t0 if phase == "s" else t0 + dur - min(1.0, dur / 2), tid, fid)
-                         for phase, fid in flows]  # (phase "s"/"f", id): bound to this span
+    def bucket(self, b: int, ready: float, launched: float, done: float, nbytes: int) -> None:
+        """Bucket `b` from ready to done, its reduction from `launched`, on a communication lane."""
+        if self.recording:
+            self.push(("B", ready, max(0.0, done - ready), b, nbytes, launched))
 
     def rows(self, rows: list) -> None:
-        """Append several rows at once (one lock)."""
-        with self._lock:
-            self._buf.extend(rows)
-            full = len(self._buf) >= self.max_buffer
-        if full:
-            self.flush()
+        """Append several rows at once (atomic as one: deque.extend of a list)."""
+        self._buf.extend(rows)
 
     def waited(self, name: str, t0: float, t1: float, op: str, group: str, seq: int) -> None:
         """The calling thread waited for collective (group, seq) from t0 to t1 (exposed)."""
         if self.recording:
-            self._emit(("E", t0, max(0.0, t1 - t0), self.tid(), name, op, group, seq))
+            ids = self._ids
+            self.push(("E", t0, max(0.0, t1 - t0), self.tid(), ids.get(name) or self._sid(name),
+                       ids.get(op) or self._sid(op), ids.get(group) or self._sid(group), seq))
 
     def pipeline(self, rows: list) -> None:
         """Pipeline actions on the training thread: rows ("P", t0, dur, name, mb, chunk, stage)."""
         if self.recording:
-            self.rows(rows)
+            self._buf.extend(rows)
 
     def flow(self, phase: str, fid, ts: float, tid: int | None = None) -> None:
         """A flow arrow's end ("s" start, "f" finish) bound to the span around `ts` on `tid`."""
         if self.recording:
-            self._emit((phase, ts, self.tid() if tid is None else tid, fid))
+            self.push((phase, ts, self.tid() if tid is None else tid, fid))
 
     def instant(self, name: str, cat: str, args: dict | None = None, force: bool = False) -> None:
         if self.recording or force:
-            self._emit(("i", now_us(), self.tid(), name, cat, args or None))
+            self.push(("i", now_us(), self.tid(), name, cat, args or None))
 
     def counter(self, name: str, ts: float, values: dict) -> None:
         if self.recording:
-            self._emit(("C", ts, MAIN_TID, name, values))
+            self.push(("C", ts, MAIN_TID, name, values))
 
     def set_clock(self, offset_us: float, error_us: float, rounds: int) -> None:
         """Record this clock's offset to rank 0's (add it to this file's timestamps)."""
         self.clock = {"offset_us": offset_us, "error_us": error_us, "rounds": rounds}
-        self._emit({"clock": self.clock})
+        self.push({"clock": self.clock})
 
     # ---- steps ----
 
@@ -275,21 +222,20 @@ class Recorder:
         self._fp.flush()
 
     def flush(self) -> None:
-        """Append the buffered events to the file (any thread; blocks on file I/O only).
-
-        NOTE: the events are encoded outside the buffer's lock: holding it through the
-        encoding stalled every span the training thread emitted meanwhile (pp's traced
-        step time grew much more than its CPU time)."""
+        """Append the buffered events, and the closed steps' spans and metric lines, to the
+        files (any thread; the writer thread every flush_s)."""
         with self._io:
-            with self._lock:
-                buf, self._buf = self._buf, []
+            buf = self._buf
+            pop = buf.popleft
+            rows = [pop() for _ in range(len(buf))]  # NOTE: what other threads add meanwhile stays
             if self._closed:
                 return
-            self.metrics.flush()
-            if not buf:
+            for step, t0, t1, parts in self.metrics.flush():
+                rows.append(("X", t0, max(0.0, t1 - t0), MAIN_TID, f"step {step}", "step", parts))
+            if not rows:
                 return
             try:
-                it = iter(buf)
+                it = iter(rows)
                 while chunk := list(islice(it, LINE_EVENTS)):
                     self._fp.write(_ENCODER.encode(chunk) + "\n")
                 self._fp.flush()
