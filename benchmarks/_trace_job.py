@@ -6,7 +6,7 @@
 
 Rank 0 (worker 0) writes its own wall-clock time of every step (perf_counter around the
 whole step, loader included) as JSON to OUT.json: the same measure with tracing on or off.
-With `--toggle K --toggle-dir D` (dp, pp) the job traces itself in alternate blocks of K
+With `--toggle K --toggle-dir D` the job traces itself in alternate blocks of K
 steps (`disttrain.trace.start(D/blockN)` ... `stop()`, off first), and OUT.json says which
 steps were traced.
 """
@@ -103,15 +103,15 @@ step = {"dp": run_dp, "pp": run_pp, "ps": run_ps}[args.mode]()
 times, cpu, traced = [], [], []
 for i in range(args.steps):
     on = bool(args.toggle) and (i // args.toggle) % 2 == 1
-    if args.toggle and i % args.toggle == 0 and on:
-        disttrain.trace.start(os.path.join(args.toggle_dir, f"block{i}"))
+    if args.toggle and i % args.toggle == 0 and on:  # NOTE: ps: the workers alone (the server serves)
+        disttrain.trace.start(os.path.join(args.toggle_dir, f"block{i}"), align=args.mode != "ps")
     t0, c0 = time.perf_counter(), time.process_time()
     step()
     times.append(time.perf_counter() - t0)
     cpu.append(time.process_time() - c0)  # NOTE: this process's threads, the trace writer's too
     traced.append(on)
     if on and (i + 1) % args.toggle == 0:
-        disttrain.trace.stop()
+        disttrain.trace.stop(merge_files=args.mode != "ps")
 if disttrain.rank() == 0:
     with open(args.out, "w") as fp:
         json.dump({"wall": times, "cpu": cpu, "traced": traced}, fp)

@@ -1,7 +1,7 @@
 """Step time with tracing on vs off: DataParallel, pipeline and parameter-server jobs.
 
     python benchmarks/trace_overhead.py [--rounds 4] [--steps 40] [--modes dp,pp,ps] [--dp-width W] [--pp-width W]
-    python benchmarks/trace_overhead.py --in-process 4 [--rounds 2] [--steps 800] [--modes dp,pp]
+    python benchmarks/trace_overhead.py --in-process 4 [--rounds 2] [--steps 800] [--modes dp,pp,ps]
 
 Each round runs every mode twice through `disttrain run`, once with `--trace DIR` and once
 without, in alternating order (so a slow phase of a shared machine hits both); each job
@@ -13,12 +13,14 @@ and what other jobs on a shared machine disturb least). Jobs: dp = 2 ranks DataP
 (64-W-W-10, W = --dp-width 256, 64 samples per rank); pp = 2 stages 1F1B, 4 micro-batches of a 2-layer
 GPT; ps = 2 workers + 1 server, Sync, the same MLP.
 
-`--in-process K` compares inside one job instead (dp and pp): tracing off and on in
+`--in-process K` compares inside one job instead: tracing off and on in
 alternate blocks of K steps (`disttrain.trace.start`/`stop` in the job), each traced
 block against the mean of the blocks on either side, the first step of each block left
 out (it still has the global module hooks, and follows a start or a merge). Per mode:
 the geometric mean of those ratios with a 95 % interval (+-2 standard errors of the
-log), of wall and CPU time. Between jobs a run's speed differed by up to 20 % here;
+log), of wall and CPU time. In the ps job only the workers trace
+(`start(..., align=False)`, `stop(merge_files=False)`); the server is not traced, so its
+own tracing cost is not in that ratio. Between jobs a run's speed differed by up to 20 % here;
 neighbouring blocks of one job share the machine's phase.
 """
 
@@ -76,8 +78,6 @@ def main_in_process(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for m in args.modes.split(","):
-                if m == "ps":
-                    raise SystemExit("--in-process: dp and pp only (a PS server traces from its start)")
                 got = in_process(m, args.steps, args.in_process, os.path.join(tmp, f"{m}{r}"),
                                  os.path.join(tmp, "times.json"), _sizes(args))
                 w, c = got["wall"], got["cpu"]

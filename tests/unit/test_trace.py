@@ -310,3 +310,13 @@ def test_overlap_of_pipeline_actions_and_exposed_waits_matches_every_pair():
         xs, ys = disjoint(rng.randint(0, 8)), disjoint(rng.randint(0, 12))
         every_pair = sum(max(0.0, min(b, d) - max(a, c)) for a, b in xs for c, d in ys)
         assert hooks._overlap(xs, ys) == pytest.approx(every_pair, abs=1e-9)
+
+
+def test_a_subset_of_ranks_can_trace_without_aligning_or_merging(tmp_path):
+    trace.start(str(tmp_path), align=False)  # e.g. a parameter server's workers, not its servers
+    assert hooks.active.rec.clock == {"offset_us": 0.0, "error_us": 0.0, "rounds": 0}
+    _train(2, nn.Linear(3, 1), torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1),
+           trace.data([(torch.randn(2, 3), torch.randn(2, 1))] * 2))
+    assert trace.stop(merge_files=False) is None and not (tmp_path / "trace.json").exists()
+    done = trace.merge(str(tmp_path))
+    assert done["processes"] == 1 and trace.problems(done["path"]) == []

@@ -68,10 +68,12 @@ def is_active() -> bool:
     return hooks.active is not None
 
 
-def start(directory: str, steps: tuple[int, int | None] | str | None = None) -> None:
+def start(directory: str, steps: tuple[int, int | None] | str | None = None, align: bool = True) -> None:
     """Start tracing this process into `directory` (a collective once initialized: every rank calls it).
 
     `steps` (A, B) or 'A:B' records only steps A..B-1 (counted from 0 by optimizer steps).
+    `align=False` traces only the ranks that call it (say, a parameter server's workers):
+    no clock alignment (a collective of every rank); their clocks are taken as equal.
     """
     from disttrain.trace.recorder import Recorder
 
@@ -91,8 +93,10 @@ def start(directory: str, steps: tuple[int, int | None] | str | None = None) -> 
     tracer.install()
     hooks.active = tracer
     atexit.register(_at_exit, tracer)
-    if dist.is_initialized():
+    if dist.is_initialized() and align:
         _align(rec)
+    elif not align:
+        rec.set_clock(0.0, 0.0, 0)
 
 
 def _align(rec) -> None:
@@ -117,10 +121,11 @@ def _at_exit(tracer) -> None:
         tracer.rec.close()
 
 
-def stop() -> str | None:
+def stop(merge_files: bool = True) -> str | None:
     """Stop tracing (every rank calls it); without `disttrain run --trace`, rank 0 merges.
 
     Returns the merged trace's path on the rank that wrote it, else None.
+    `merge_files=False`: only this process stops (no barrier, no merge; `merge(DIR)` later).
     """
     tracer = hooks.active
     if tracer is None:
@@ -128,8 +133,8 @@ def stop() -> str | None:
     hooks.active = None
     tracer.finish()
     tracer.rec.close()
-    if os.environ.get(ENV_DIR):
-        return None  # the launcher merges after the job
+    if os.environ.get(ENV_DIR) or not merge_files:
+        return None  # the launcher merges after the job (or the caller, when it wants)
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
