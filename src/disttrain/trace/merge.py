@@ -28,7 +28,7 @@ __all__ = ["merge", "read_rank_file", "merge_and_tell"]
 
 def read_rank_file(path: str) -> tuple[dict, list[dict], int]:
     """(header with its "clock", events on the process's own clock, lines or rows skipped) of
-    one file; spans of communication get their lanes here (recorder.assign_lanes)."""
+    one file; spans of communication get their lanes here (rows.assign_lanes)."""
     header: dict = {}
     events: list[dict] = []
     lanes: list[list[dict]] = []
