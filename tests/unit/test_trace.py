@@ -320,3 +320,23 @@ def test_a_subset_of_ranks_can_trace_without_aligning_or_merging(tmp_path):
     assert trace.stop(merge_files=False) is None and not (tmp_path / "trace.json").exists()
     done = trace.merge(str(tmp_path))
     assert done["processes"] == 1 and trace.problems(done["path"]) == []
+
+
+def test_a_failing_writer_stops_tracing_and_keeps_emptying_the_buffer(tmp_path, capsys):
+    import time
+
+    from disttrain.trace.recorder import Recorder
+
+    rec = Recorder(str(tmp_path), 0, 1, flush_s=0.05)
+    rec.metrics.flush = lambda: 1 / 0  # a bug in building a step's line, say
+    rec.push(("i", 1.0, 0, "mark", "user", None))
+    deadline = time.time() + 10
+    while not rec._closed and time.time() < deadline:
+        time.sleep(0.02)
+    assert rec._closed and "ZeroDivisionError" in capsys.readouterr().out
+    for _ in range(1000):  # the training thread goes on appending; the writer drops it
+        rec.push(("i", 2.0, 0, "mark", "user", None))
+    while rec._buf and time.time() < deadline:
+        time.sleep(0.02)
+    assert not rec._buf
+    rec.close()

@@ -114,6 +114,7 @@ class Recorder:
         self._meta_thread(MAIN_TID, "compute (training thread)")
         self._stop = threading.Event()
         self._closed = False
+        self._failed = False  # the writer raised (_safe_flush): nothing more is written
         self._thread = threading.Thread(target=self._flusher, args=(flush_s,),
                                         name="disttrain-trace-flush", daemon=True)
         self._thread.start()
@@ -247,15 +248,27 @@ class Recorder:
 
     def _flusher(self, every: float) -> None:
         while not self._stop.wait(every):
+            self._safe_flush()
+
+    def _safe_flush(self) -> None:
+        """flush(), and on any error say so once and stop writing: the writer thread must go
+        on emptying the deque (memory stays bounded) and training must not see the error."""
+        try:
             self.flush()
+        except Exception as err:  # noqa: BLE001 - reported here, once
+            if not self._failed:
+                print(f"disttrain trace: writer failed on rank {self.rank}: {type(err).__name__}: "
+                      f"{err}; tracing stops", flush=True)
+            self._failed = self._closed = True  # flush() now only empties the buffer
 
     def close(self) -> None:
         """Flush and close (idempotent; atexit calls it too)."""
         if os.getpid() != self.os_pid or self._fp.closed:
             return
         self._stop.set()
-        self.flush()
+        self._safe_flush()
         with self._io:
             self._closed = True
             self._fp.close()
-        self.metrics.close()
+        if not self._failed:  # NOTE: the metric lines' own writer may be what failed
+            self.metrics.close()
