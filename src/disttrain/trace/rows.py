@@ -45,7 +45,9 @@ NOTE: numbers, because the C encoder's cost is mostly per string (a K row with f
 strings took 3.2 us to encode, with numbers instead 0.95 us), and a job repeats a few
 dozen names and call sites millions of times."""
 _INTERNED = {"K": ("op", "group", "site"), "E": ("name", "op", "group")}
-_SPAN = {"K": "comm", "E": "comm.exposed", "P": "pipeline"}
+_SPAN = {"E": "comm.exposed", "P": "pipeline"}
+
+
 def _flow_end(phase: str, fid, t0: float, dur: float) -> dict:
     """A flow arrow's end bound to the span [t0, t0 + dur] on its lane: a start at the
     span's start, a finish just before its end."""
@@ -166,5 +168,3 @@ def assign_lanes(groups: list[list[dict]]) -> list[dict]:
                      "args": {"name": "comm" if lane == 0 else f"comm {lane + 1}"}})
         meta.append({"ph": "M", "name": "thread_sort_index", "tid": tid, "args": {"sort_index": tid}})
     return meta
-
-
