@@ -40,7 +40,7 @@ import time
 from itertools import islice
 
 from disttrain.trace.metrics import StepMetrics
-from disttrain.trace.rows import COMM_TID, MAIN_TID
+from disttrain.trace.rows import COMM_TID, MAIN_TID, thread_meta
 
 __all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US",
            "LINE_EVENTS"]
@@ -145,8 +145,7 @@ class Recorder:
         return sid
 
     def _meta_thread(self, tid: int, name: str) -> None:
-        self.push({"ph": "M", "name": "thread_name", "tid": tid, "args": {"name": name}})
-        self.push({"ph": "M", "name": "thread_sort_index", "tid": tid, "args": {"sort_index": tid}})
+        self._buf.extend(thread_meta(tid, name))
 
     def complete(self, name: str, cat: str, t0: float, t1: float, args: dict | None = None,
                  tid: int | None = None) -> None:
@@ -174,10 +173,6 @@ class Recorder:
         """Bucket `b` from ready to done, its reduction from `launched`, on a communication lane."""
         if self.recording:
             self.push(("B", ready, max(0.0, done - ready), b, nbytes, launched))
-
-    def rows(self, rows: list) -> None:
-        """Append several rows at once (atomic as one: deque.extend of a list)."""
-        self._buf.extend(rows)
 
     def waited(self, name: str, t0: float, t1: float, op: str, group: str, seq: int) -> None:
         """The calling thread waited for collective (group, seq) from t0 to t1 (exposed)."""

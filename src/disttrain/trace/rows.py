@@ -7,7 +7,7 @@ communication on lanes. Standard library only.
 
 from __future__ import annotations
 
-__all__ = ["ROWS", "expand", "assign_lanes", "MAIN_TID", "COMM_TID", "LANE"]
+__all__ = ["ROWS", "expand", "assign_lanes", "thread_meta", "MAIN_TID", "COMM_TID", "LANE"]
 
 MAIN_TID = 0
 COMM_TID = 100
@@ -161,10 +161,11 @@ def assign_lanes(groups: list[list[dict]]) -> list[dict]:
             ends.append(t1)
         for event in group:
             event["tid"] = COMM_TID + lane
-    meta = []
-    for lane in range(len(ends)):
-        tid = COMM_TID + lane
-        meta.append({"ph": "M", "name": "thread_name", "tid": tid,
-                     "args": {"name": "comm" if lane == 0 else f"comm {lane + 1}"}})
-        meta.append({"ph": "M", "name": "thread_sort_index", "tid": tid, "args": {"sort_index": tid}})
-    return meta
+    return [e for lane in range(len(ends))
+            for e in thread_meta(COMM_TID + lane, "comm" if lane == 0 else f"comm {lane + 1}")]
+
+
+def thread_meta(tid: int, name: str) -> list[dict]:
+    """The metadata that names track `tid` and sorts it by its number."""
+    return [{"ph": "M", "name": "thread_name", "tid": tid, "args": {"name": name}},
+            {"ph": "M", "name": "thread_sort_index", "tid": tid, "args": {"sort_index": tid}}]
