@@ -13,7 +13,7 @@ let strategies act on it from outside (torchtitan's way):
 `GPT.tp_plan` is the tensor-parallel (and sequence-parallel) plan as data;
 `pipeline_layers()` names the layers a pipeline may cut between; `tied_parameters()` the
 weights tied by `tie_embeddings`; `recompute_layers()` the blocks activation
-recomputation may rerun.
+recomputation may rerun; `get_output_embeddings()` the layer that makes the logits.
 """
 
 from __future__ import annotations
@@ -154,6 +154,11 @@ class GPT(nn.Module):
     def recompute_layers(self) -> list[str]:
         """The transformer blocks: what activation recomputation reruns in backward."""
         return [f"blocks.{i}" for i in range(self.cfg.n_layer)]
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The layer that makes the logits (Hugging Face's name; parallelize reads it to
+        choose the loss: a column-sharded head needs the vocab-parallel one), or None."""
+        return self.head.lm_head if self.head is not None else None
 
     def pipeline_layers(self) -> list[str]:
         """Names of the layers, in forward order, that a pipeline may cut between."""

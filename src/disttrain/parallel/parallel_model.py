@@ -23,6 +23,7 @@ from torch import nn
 
 from disttrain.comm import ops
 from disttrain.mesh import Mesh
+from disttrain.parallel.dtypes import accumulation_dtype
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.tied import TiedWeights
 from disttrain.parallel.tensor import (
@@ -62,6 +63,8 @@ class ParallelModel(nn.Module):
         self._tied, self._aliases = tied or TiedWeights([]), dict(aliases or {})
         self._counted = [_counted_ranges(c, i, mesh.local_rank("tp") == 0)
                          for c, i in zip(self.chunks, self._info) if isinstance(c, Zero)]
+        # NOTE: from the whole model's dtypes, so every rank's all-reduce agrees
+        self._norm_dtype = accumulation_dtype(*(dtype for _, dtype in full_shapes.values()))
 
     def train_step(self, inputs, targets) -> torch.Tensor:
         """Forward + backward of one batch (this dp replica's share). Blocks.
@@ -92,11 +95,12 @@ class ParallelModel(nn.Module):
         Same rule as torch.nn.utils.clip_grad_norm_ on the unsharded model: sharded
         parameters count on every tp rank, replicated ones (LayerNorm, row-parallel
         bias) once; squares are summed over the tp and pp groups (dp replicas already
-        hold averaged, equal gradients). Returns the total norm. Blocks.
+        hold averaged, equal gradients), in the model's dtype (fp16/bf16: fp32). Returns
+        the total norm. Blocks.
         """
         if self._counted:
             return self._clip_zero(max_norm)
-        sq = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
+        sq = torch.zeros((), dtype=self._norm_dtype, device=self.pipeline.device)
         tp_first = self.mesh.local_rank("tp") == 0
         seen = set(self._tied.secondary)  # NOTE: a tied weight counts once, on one stage
         for chunk in self.local_modules():
@@ -106,7 +110,7 @@ class ParallelModel(nn.Module):
                         continue
                     seen.add(id(p))
                     if p.grad is not None and (tp_first or _shard_dim(mod, name) is not None):
-                        sq += p.grad.float().pow(2).sum()
+                        sq += p.grad.to(sq.dtype).pow(2).sum()
         for axis in ("tp", "pp"):
             if self.mesh.size(axis) > 1:
                 ops.all_reduce(sq, group=self.mesh.group(axis))
@@ -120,7 +124,7 @@ class ParallelModel(nn.Module):
     @torch.no_grad()
     def _clip_zero(self, max_norm: float) -> torch.Tensor:
         """clip_grad_norm_ over ZeRO shards: dp ranks hold disjoint pieces, summed too."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
+        sq = torch.zeros((), dtype=self._norm_dtype, device=self.pipeline.device)
         zeros = [c for c in self.chunks if isinstance(c, Zero)]
         # NOTE: one fp16 overflow vote for all chunks (the world votes once per step)
         if vote_overflow([z.optimizer for z in zeros]):
@@ -130,8 +134,8 @@ class ParallelModel(nn.Module):
         for z, counted, gs in zip(zeros, self._counted, grads):
             for g, ranges, seg in zip(gs, counted, z.engine.segments()):
                 if g is not None and not (len(seg.pieces) == 1 and seg.pieces[0].param_id in skip):
-                    sq += sum((g[a:b].float().pow(2).sum() for a, b in ranges),
-                              torch.zeros((), device=sq.device))
+                    sq += sum((g[a:b].to(sq.dtype).pow(2).sum() for a, b in ranges),
+                              torch.zeros((), dtype=sq.dtype, device=sq.device))
         for axis in ("dp", "tp", "pp"):
             if self.mesh.size(axis) > 1:
                 ops.all_reduce(sq, group=self.mesh.group(axis))

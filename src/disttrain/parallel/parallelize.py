@@ -21,12 +21,13 @@ from __future__ import annotations
 import copy
 
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from disttrain.mesh import Mesh
 from disttrain.parallel.config import Parallelism
-from disttrain.parallel.model_loss import read_loss, target_arg
+from disttrain.parallel.default_loss import default_loss, token_loss
+from disttrain.parallel.dtypes import upcast_half
+from disttrain.parallel.model_loss import target_arg
 from disttrain.parallel.parallel_model import ChunkOptimizers, ParallelModel, param_info, stage_of
 from disttrain.parallel.pipeline.recompute_traced import recompute_regions
 from disttrain.parallel.pipeline.runtime import Pipeline
@@ -36,17 +37,10 @@ from disttrain.parallel.pipeline.tied import TiedWeights, build_tied, retie, tie
 from disttrain.parallel.pipeline.trace import repeated_blocks, trace_stages
 from disttrain.parallel.recompute import apply_recompute, recompute_names
 from disttrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
-from disttrain.parallel.tensor import apply_tp, plan_for, vocab_parallel_cross_entropy
+from disttrain.parallel.tensor import apply_tp, plan_for
 from disttrain.parallel.zero import Zero
 
 __all__ = ["parallelize", "token_loss", "ParallelModel", "ChunkOptimizers", "Parallelism"]
-
-
-def token_loss(group=None):
-    """Mean token cross-entropy of logits (B, T, V) — or (B, T, V/tp), vocab-sharded."""
-    if group is not None and dist.get_world_size(group) > 1:
-        return lambda logits, y: vocab_parallel_cross_entropy(logits, y, group)
-    return lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan=None,
@@ -57,7 +51,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
     `disttrain.Parallelism`) says how; keyword options are a shorthand for its fields
     (`parallelize(m, mesh, plan, zero=2, optimizer_factory=...)`), not both. The result's
     `train_step(x, y)` runs the pipeline schedule; `.optimizer` is set when zero > 0 or
-    `optimizer_factory` is given (ZeRO's holds only this rank's dp shard).
+    `optimizer_factory` is given (ZeRO's holds only this rank's dp shard). Without
+    `loss_fn` the loss follows the output layer (default_loss.py): the model's own loss
+    if it takes the targets, else the vocab-parallel cross-entropy when the plan shards
+    the output layer column-wise, the plain one when it is whole; ValueError if unclear.
     """
     if config is not None and options:
         raise TypeError("pass either config=Parallelism(...) or keyword options, not both")
@@ -79,6 +76,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
         convert_sync_batchnorm(model, mesh.group("dp"))
     if tp > 1:
         _apply_tp(model, mesh, plan, cfg.sequence_parallel, tied)
+    tp_group = mesh.group("tp") if tp > 1 else None
+    # NOTE: after TP (the loss follows what the plan did to the output layer), before
+    # the stage split (the output layer is found in the whole model)
+    loss_fn = cfg.loss_fn or default_loss(model, tp_group, arg)
     if cfg.recompute and not traced:  # NOTE: a traced stage checkpoints its graph (below)
         apply_recompute(model, recompute_names(model, cfg.recompute))
     if traced:
@@ -87,8 +88,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
         chunks, owner = _split_stages(model, mesh, stage, cfg.num_virtual, names, costs)
     info = [param_info(c) for c in chunks]  # before ZeRO stage 3 removes the parameters
     tw = _tie_stages(chunks, tied, owner, mesh)
-    tp_group = mesh.group("tp") if tp > 1 else None
-    chunks, loss_fn = _apply_data_parallel(chunks, mesh, cfg, tw, tp_group, arg is not None)
+    chunks, loss_fn = _apply_data_parallel(chunks, mesh, cfg, tw, loss_fn,
+                                           cast=cfg.loss_fn is None and arg is None)
     pipe = Pipeline(chunks, actions[stage], stage, pp, cfg.microbatches, loss_fn,
                     group=mesh.group("pp"), ranks=mesh.peers("pp"), track_memory=cfg.track_memory,
                     tied=tw if tw.sets else None, device=device, target_arg=arg)
@@ -154,17 +155,16 @@ def _tie_stages(chunks, tied, owner: dict, mesh: Mesh) -> TiedWeights:
     return tw
 
 
-def _apply_data_parallel(chunks: list, mesh: Mesh, cfg: Parallelism, tw: TiedWeights, tp_group,
-                         model_loss: bool = False):
+def _apply_data_parallel(chunks: list, mesh: Mesh, cfg: Parallelism, tw: TiedWeights, loss_fn,
+                         cast: bool):
     """Wrap each chunk in Zero (zero >= 1) or DataParallel (dp > 1); returns the chunks
-    and the loss the last stage backpropagates (ZeRO mixed precision: fp32, scaled).
-    model_loss: the model returns its own loss (read_loss finds it in the output)."""
-    loss_fn = cfg.loss_fn or (_own_loss if model_loss else token_loss(tp_group))
+    and the loss the last stage backpropagates (ZeRO mixed precision: at least fp32,
+    scaled). cast: loss_fn is the default token loss (its logits upcast from fp16/bf16)."""
     if cfg.zero:
         chunks = [Zero(c, cfg.optimizer_factory, stage=cfg.zero, group=mesh.group("dp"),
                        **_zero_options(cfg, tw, c)) for c in chunks]
         tw.use_zero(chunks)
-        return chunks, _scaled_loss(loss_fn, chunks, cast=cfg.loss_fn is None and not model_loss)
+        return chunks, _scaled_loss(loss_fn, chunks, cast)
     if mesh.size("dp") > 1:
         from disttrain.parallel.data_parallel import DataParallel
 
@@ -184,21 +184,17 @@ def _zero_options(cfg: Parallelism, tw: TiedWeights, chunk: nn.Module) -> dict:
     return opts
 
 
-def _own_loss(out, y):
-    """The loss a model computed itself from the targets it was given (model_loss.py)."""
-    return read_loss(out)
-
-
 def _scaled_loss(base, chunks: list, cast: bool):
-    """The loss ZeRO mixed precision backpropagates: in fp32 (cast: the logits cast before
-    the default token loss), and (fp16) times the loss scale, every stage's scale equal."""
+    """The loss ZeRO mixed precision backpropagates: fp16/bf16 upcast to fp32 (cast: the
+    logits before the default token loss too; wider dtypes kept), and (fp16) times the
+    loss scale, every stage's scale equal."""
     if chunks[0].dtype is None:
         return base
     opt = chunks[0].optimizer
 
     def scaled(out, y):
         before = opt.loss_scaled
-        loss = base(out.float() if cast else out, y).float()
+        loss = upcast_half(base(upcast_half(out) if cast else out, y))
         if opt.scaler is not None and opt.loss_scaled and not before:
             raise ValueError("loss_fn scaled the loss itself (optimizer.scale_loss): under "
                              "parallelize return the plain fp32 loss, e.g. "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from disttrain.comm import ops
+from disttrain.parallel.dtypes import upcast_half
 from disttrain.parallel.pipeline.schedules import Action
 from disttrain.parallel.pipeline.split_backward import (
     backward_input,
@@ -147,7 +148,7 @@ class Pipeline:
 
         `inputs` matter on the first stage and `targets` on the last (others may pass
         None). Gradients accumulate into the chunks' `.grad`. Returns the batch's mean
-        loss on every stage (sent from the last stage by a broadcast).
+        loss on every stage, broadcast from the last in its dtype (fp16/bf16: fp32).
         """
         st = _Step(self._split(inputs, "inputs", 0), self._split(targets, "targets",
                                                                    self.last_virtual))
@@ -173,15 +174,24 @@ class Pipeline:
         if self.tied is not None:
             # NOTE: after every backward, so DataParallel has written dp-averaged grads
             self.tied.all_reduce_grads()
-        loss = st.loss if st.loss is not None else torch.zeros((), device=self.device)
-        loss = loss.detach().float().reshape(())
-        if self.num_stages > 1:
-            ops.broadcast(loss, self.ranks[self.last_virtual % self.num_stages], group=self.group)
+        loss = self._share_loss(st.loss)
         assert not st.stash and not st.pending_w, \
             f"pipeline stage {self.stage} left {len(st.stash) + len(st.pending_w)} activations"
         self.steps_done += 1
         trace_events.pipeline_step(self.spans, t0, self.stage)
         return loss
+
+    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss on every stage, in its dtype (fp16/bf16: fp32). Blocks
+        (pp > 1: one broadcast of [loss, dtype code] in float64, which holds any float
+        loss exactly, so the stages that compute no loss need not know its dtype)."""
+        if self.num_stages == 1:
+            return upcast_half(loss.detach().reshape(()))
+        msg = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if loss is not None:
+            msg[0], msg[1] = loss.detach().reshape(()), _DTYPES.index(loss.dtype)
+        ops.broadcast(msg, self.ranks[self.last_virtual % self.num_stages], group=self.group)
+        return upcast_half(msg[0].to(_DTYPES[int(msg[1])]))
 
     def _split(self, batch, what: str, virtual: int) -> list:
         if virtual % self.num_stages != self.stage:

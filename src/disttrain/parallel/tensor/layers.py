@@ -23,6 +23,7 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 from disttrain.comm import ops
+from disttrain.parallel.dtypes import upcast_half
 from disttrain.parallel.tensor.comm import (
     f,
     g,
@@ -248,7 +249,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group):  # logits (N, V/tp), target (N,)
         v_local = logits.shape[-1]
         start = dist.get_rank(group) * v_local
-        logits = logits.float()
+        ctx.dtype = logits.dtype
+        logits = upcast_half(logits)  # NOTE: fp16/bf16 -> fp32; float64 stays float64
         peak = logits.max(dim=-1).values
         ops.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # blocks
         shifted = logits - peak.unsqueeze(-1)
@@ -268,7 +270,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_t, outside = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None, None
+        grad = grad * grad_loss.to(grad.dtype).unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None  # in the logits' dtype, as autograd expects
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
@@ -276,6 +279,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
     Same value and gradient as F.cross_entropy on the gathered logits; blocks (two
     all-reduces over `group`: the max, then the target logit and the sum of exps).
+    Computed in the logits' dtype (fp16/bf16: in fp32), the loss in that dtype, the
+    gradient in the logits' own.
     """
     flat = logits.reshape(-1, logits.shape[-1])
     return _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group).mean()

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from disttrain.parallel.dtypes import accumulation_dtype
 from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm, mixed
 
@@ -187,15 +188,21 @@ class ZeroOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm
         before clipping (in mixed precision: of the unscaled fp32 master gradients; inf
-        when this fp16 step overflowed and will be skipped). Call after backward, before
+        when this fp16 step overflowed and will be skipped), summed in the gradients'
+        dtype (float64 stays float64; fp16/bf16 in fp32). Call after backward, before
         step(); blocks (one tiny all-reduce at stages 1-3, where each rank holds its shard)."""
         self.prepare()
         self._to_masters()
         if self._found_inf:
             return torch.tensor(float("inf"))
-        grads = [p.grad for p in self._params() if p.grad is not None]
-        sq = torch.stack([g.float().square().sum() for g in grads]).sum() if grads \
-            else torch.zeros(())
+        params = self._params()
+        # NOTE: the dtype comes from the shard parameters (masters: fp32), the same on
+        # every rank of the all-reduce; a rank may hold no gradient at all
+        sq = torch.zeros((), dtype=accumulation_dtype(*(p.dtype for p in params)),
+                         device=params[0].device if params else None)
+        grads = [p.grad for p in params if p.grad is not None]
+        for g in grads:
+            sq += g.to(sq.dtype).square().sum()
         if self.layout.stage > 0:
             comm.all_reduce(sq, self.layout.group, self.layout.comm_stats)
         norm = sq.sqrt()
