@@ -9,8 +9,9 @@ by `apply_tp` before anything is swapped, which also refuses a plan that cannot 
 (heads that do not divide over tp) instead of letting it compute a wrong answer.
 
 Embeddings and the LM head stay replicated in these plans: a model that computes its own
-loss needs whole logits (sharding the head needs the vocab-parallel loss, i.e. a model
-returning logits and `loss_fn=token_loss(tp_group)`). Pure: no process talks here.
+loss needs whole logits (parallelize refuses a plan that shards its head; a model
+returning logits with a sharded head gets the vocab-parallel loss, default_loss.py).
+Pure: no process talks here.
 """
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ class MasterWeights:
     def __init__(self, shards: list[nn.Parameter]):
         self.shards = shards
         # (S,) fp32 each: what the optimizer updates; a DeepSpeed-style copy of the
-        # (already cast) low-precision shard
+        # (already cast) low-precision shard. NOTE: built only for precision bf16/fp16
+        # (Zero casts the module to it first), so .float() widens, never lowers
         self.masters = [nn.Parameter(s.detach().float().clone()) for s in shards]
 
     @torch.no_grad()
