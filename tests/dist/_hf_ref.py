@@ -84,7 +84,7 @@ def run_parallel(mesh, steps=STEPS, batch=8, plan=None, kind="gpt2", probe=None,
 def assert_matches(out, ref, atol=1e-9, rtol=1e-6):
     losses, grads0, state = out
     ref_losses, ref_grads0, ref_state = ref
-    assert losses == pytest.approx(ref_losses, rel=1e-12)  # float64 end to end
+    assert losses == pytest.approx(ref_losses, rel=1e-6)  # transformers: fp32 loss
     assert state.keys() == ref_state.keys()
     for name in ref_state:
         torch.testing.assert_close(grads0[name], ref_grads0[name], atol=atol, rtol=rtol,
