@@ -159,10 +159,11 @@ def divergence_warning(stats: dict) -> str | None:
     momentum that, with the implicit momentum of its measured staleness, reaches 1; else
     None. `stats`: a server's report (Server.stats() or the trace's "ps server stats").
 
-    The threshold is Mitliagkas et al. 2016's: the total momentum is about explicit +
-    implicit, implicit = s / (s + 1) for mean staleness s, and at a total momentum of 1
+    The threshold is Mitliagkas et al. 2016's model: the total momentum is about explicit
+    + implicit, implicit = s / (s + 1) for mean staleness s, and at a total momentum of 1
     or more the momentum recursion no longer decays (heavy-ball SGD converges only below
-    1). So a momentum mu is in that range once mu >= 1 / (s + 1). Not flagged: Sync and
+    1). So a momentum mu is in that range once mu >= 1 / (s + 1). It is the model's edge,
+    not a measured one: a small enough learning rate may still train there. Not flagged: Sync and
     the K-sync modes (staleness 0), momentum="corrected" (the total is kept below 1) and
     step="inverse-staleness" (Zhang et al. 2016: the lr / tau rule that their analysis
     shows converges under staleness; measured in docs/benchmarks.md).
@@ -179,6 +180,6 @@ def divergence_warning(stats: dict) -> str | None:
     return (f"momentum {mu:g} with mean staleness {s:.1f} under {stats.get('policy', '?')} "
             f"at full learning rate: asynchrony adds an implicit momentum of about s/(s+1) = "
             f"{implicit:.2f} (Mitliagkas et al. 2016), a total of {mu + implicit:.2f} >= 1, "
-            f"outside the range where momentum SGD converges; use step='inverse-staleness' "
+            f"where momentum SGD does not converge in that model; use step='inverse-staleness' "
             f"(the default of Async, KAsync, KBatchAsync and SSP), momentum='corrected', or "
             f"a momentum below {1.0 - implicit:.2f}")
