@@ -4,15 +4,16 @@ A policy that applies stale gradients (Async, KAsync, KBatchAsync, SSP) carries 
 `UpdateRule`; the server builds a `StaleStep` over its optimizer and steps through it.
 
 - step="inverse-staleness" (Zhang, Gupta, Lian, Liu 2016, "Staleness-aware Async-SGD for
-  distributed deep learning", IJCAI, eq. 5): a gradient of staleness tau (server version
-  at apply time minus the version it was computed on) gets learning rate lr / max(1, tau).
+  distributed deep learning", IJCAI): a gradient of staleness tau (server version at
+  apply time minus the version it was computed on) gets learning rate lr / tau; a fresh
+  one (tau = 0) keeps lr, hence lr / max(1, tau).
 - momentum="corrected" (Mitliagkas, Zhang, Hadjis, Re 2016, "Asynchrony begets momentum,
-  with an application to deep learning", Theorem 2 and section V): under the paper's
-  queueing model, M asynchronous workers make the staleness geometric with mean M - 1 and
-  add an implicit momentum 1 - 1/M; the total momentum is about the explicit plus the
-  implicit one. The server measures the mean staleness s of the gradients it applied,
-  takes M = s + 1, so implicit = s / (s + 1), and steps with explicit momentum
-  max(0, user's momentum - implicit): the total stays at the user's value.
+  with an application to deep learning"): under the paper's queueing model, M
+  asynchronous workers make the staleness geometric with mean M - 1 and add an implicit
+  momentum 1 - 1/M; the total momentum is about the explicit plus the implicit one. The
+  server measures the mean staleness s of the gradients it applied, takes M = s + 1, so
+  implicit = s / (s + 1), and steps with explicit momentum max(0, user's momentum -
+  implicit): the total stays at the user's value.
 
 What is done to the user's optimizer, exactly (docs/design/parameter-server.md,
 "Staleness-aware updates"):
