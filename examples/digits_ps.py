@@ -43,6 +43,12 @@ parser.add_argument("--k", type=int, default=None,
                     help="gradients (ksync, kasync) or minibatches (kbatch-*) per update; "
                          "default: number of workers")
 parser.add_argument("--staleness", type=int, default=2, help="SSP bound s (clocks)")
+parser.add_argument("--step", choices=ps.STEPS, default=None,
+                    help="async modes: lr of a stale gradient (default: the policy's, "
+                         "inverse-staleness)")
+parser.add_argument("--momentum-rule", choices=ps.MOMENTA, default=None,
+                    help="async modes: the server's momentum as given or corrected for the "
+                         "implicit momentum of asynchrony (default: the policy's, as-given)")
 parser.add_argument("--straggler", default="none",
                     help="delay model, e.g. exp:mean=0.05, shifted-exp:shift=0.02,mean=0.05, "
                          "fixed:rank=1,delay=0.2")
@@ -66,10 +72,11 @@ args = parser.parse_args()
 disttrain.init()
 workers = disttrain.world_size() - int(disttrain.runtime.num_servers())
 k = args.k or workers
+rule = {n: v for n, v in (("step", args.step), ("momentum", args.momentum_rule)) if v}
 policy = {"sync": lambda: ps.Sync(), "ksync": lambda: ps.KSync(k),
-          "kbatch-sync": lambda: ps.KBatchSync(k), "async": lambda: ps.Async(),
-          "kasync": lambda: ps.KAsync(k), "kbatch-async": lambda: ps.KBatchAsync(k),
-          "ssp": lambda: ps.SSP(args.staleness)}[args.mode]()
+          "kbatch-sync": lambda: ps.KBatchSync(k), "async": lambda: ps.Async(**rule),
+          "kasync": lambda: ps.KAsync(k, **rule), "kbatch-async": lambda: ps.KBatchAsync(k, **rule),
+          "ssp": lambda: ps.SSP(args.staleness, **rule)}[args.mode]()
 straggler = ps.parse_straggler(args.straggler, seed=args.seed)
 torch.manual_seed(args.seed)  # same init on every rank; the servers' copy is the start
 

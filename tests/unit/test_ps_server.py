@@ -41,7 +41,7 @@ def test_chunked_shard_steps_like_whole_tensors_and_snapshots(tmp_path):
             p.grad = grads[k]
         ref_opt.step()
         flat = {c.key: grads[c.name].reshape(-1)[c.start:c.stop] for c in s.chunks}
-        s._apply([flat])
+        s._apply([flat], [0])
     for c in s.chunks:
         torch.testing.assert_close(s.params[c.key].detach(),
                                    ref[c.name].detach().reshape(-1)[c.start:c.stop])

@@ -116,7 +116,14 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
 
 
 def format_stats(stats: dict) -> str:
-    """One line for a server's (or a job's) report."""
+    """One line for a server's (or a job's) report, and a second one when its momentum and
+    staleness are in the range where training diverges (staleness.divergence_warning)."""
+    warning = stats.get("warning")
+    return _stats_line(stats) + (f"\n[ps server{stats.get('server', '?')}] WARNING: {warning}"
+                                 if warning else "")
+
+
+def _stats_line(stats: dict) -> str:
     return (f"[ps server{stats.get('server', '?')}] {stats['policy']}: "
             f"{stats.get('keys', '?')} keys, {stats.get('bytes', 0) / 1e6:.2f} MB, "
             f"version {stats['version']}, "

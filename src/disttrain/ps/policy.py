@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from disttrain.ps.staleness import UpdateRule, mean_staleness
+
 __all__ = [
     "Decision",
     "Policy",
@@ -37,6 +39,8 @@ class Decision:
     """workers whose parked pull may now be answered with the current parameters."""
     error: str | None = None
     """the job cannot go on (e.g. Sync lost a worker); the server stops with this."""
+    staleness: list[int] = field(default_factory=list)
+    """staleness of each push in `apply`, in the same order (versions behind the server)."""
 
 
 class Policy:
@@ -50,6 +54,9 @@ class Policy:
     cancels = False
     per_batch = False
     tolerates_loss = True
+    rule = UpdateRule()
+    """How the server steps stale gradients (staleness.py); the asynchronous policies take
+    it as options, `step=` and `momentum=`."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -64,8 +71,9 @@ class Policy:
         self.lost_workers: list[int] = []
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in self._args().items())
-        return f"{type(self).__name__}({args})"
+        args = {**self._args(), **{k: repr(v) for k, v in vars(self.rule).items()
+                                   if v != getattr(type(self).rule, k)}}
+        return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in args.items())})"
 
     def _args(self) -> dict[str, int]:
         return {}
@@ -132,9 +140,9 @@ class Policy:
         out = Decision()
         if self.buffer and len(self.buffer) >= self._need():
             out.apply = [pid for pid, _, _ in self.buffer]
+            out.staleness = [self.version - v for _, _, v in self.buffer]
             contributors = {w for _, w, _ in self.buffer}
-            for _, _, v in self.buffer:
-                self.staleness[self.version - v] += 1
+            self.staleness.update(out.staleness)
             self.applied += len(self.buffer)
             self.buffer = []
             self.version += 1
@@ -149,11 +157,20 @@ class Policy:
         self.parked.difference_update(ready)
         return ready
 
+    def mean_staleness(self) -> float:
+        """Mean staleness of the gradients applied so far (0 before the first)."""
+        return mean_staleness(self.staleness)
+
     def stats(self) -> dict:
         """Counters for the job report (plain types, msgpack/JSON-safe)."""
         return {"policy": repr(self), "version": self.version, "applied": self.applied,
                 "dropped": self.dropped, "lost_workers": list(self.lost_workers),
                 "staleness": {int(k): int(v) for k, v in sorted(self.staleness.items())}}
+
+
+# NOTE: the default for every policy that applies stale gradients (docs/benchmarks.md,
+# "Staleness-aware updates": measured against the other rules)
+STALE_DEFAULT = UpdateRule(step="inverse-staleness", momentum="as-given")
 
 
 def _check_k(k: int) -> int:
@@ -206,20 +223,36 @@ class KBatchSync(_KPolicy):
 
 
 class KAsync(_KPolicy):
-    """Apply the first k gradients (any version); nobody is cancelled (Dutta et al. 2018)."""
+    """Apply the first k gradients (any version); nobody is cancelled (Dutta et al. 2018).
+    `step`, `momentum`: how stale gradients are stepped (staleness.py)."""
+
+    rule = STALE_DEFAULT
+
+    def __init__(self, k: int, *, step: str = STALE_DEFAULT.step,
+                 momentum: str = STALE_DEFAULT.momentum):
+        super().__init__(k)
+        self.rule = UpdateRule(step, momentum)
 
 
 class KBatchAsync(_KPolicy):
-    """Apply every k minibatches (any version); workers never wait, nobody is cancelled."""
+    """Apply every k minibatches (any version); workers never wait, nobody is cancelled.
+    `step`, `momentum`: how stale gradients are stepped (staleness.py)."""
 
     per_batch = True
+    rule = STALE_DEFAULT
+
+    def __init__(self, k: int, *, step: str = STALE_DEFAULT.step,
+                 momentum: str = STALE_DEFAULT.momentum):
+        super().__init__(k)
+        self.rule = UpdateRule(step, momentum)
 
 
 class Async(KBatchAsync):
-    """Apply every push at once (Hogwild-style ASGD on a server); staleness is recorded."""
+    """Apply every push at once (Hogwild-style ASGD on a server); staleness is recorded.
+    `step`, `momentum`: how stale gradients are stepped (staleness.py)."""
 
-    def __init__(self) -> None:
-        super().__init__(1)
+    def __init__(self, *, step: str = STALE_DEFAULT.step, momentum: str = STALE_DEFAULT.momentum):
+        super().__init__(1, step=step, momentum=momentum)
 
     def _args(self) -> dict[str, int]:
         return {}
@@ -227,13 +260,18 @@ class Async(KBatchAsync):
 
 class SSP(Policy):
     """Stale synchronous parallel (Ho et al. 2013): apply at once; a worker that finished c
-    iterations starts the next only while c - min(live workers' counts) <= s."""
+    iterations starts the next only while c - min(live workers' counts) <= s.
+    `step`, `momentum`: how stale gradients are stepped (staleness.py)."""
 
-    def __init__(self, s: int):
+    rule = STALE_DEFAULT
+
+    def __init__(self, s: int, *, step: str = STALE_DEFAULT.step,
+                 momentum: str = STALE_DEFAULT.momentum):
         super().__init__()
         if not isinstance(s, int) or s < 0:
             raise ValueError(f"SSP staleness bound s must be an integer >= 0, got {s!r}")
         self.s = s
+        self.rule = UpdateRule(step, momentum)
 
     def _args(self) -> dict[str, int]:
         return {"s": self.s}

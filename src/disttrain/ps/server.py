@@ -30,6 +30,7 @@ from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, grou
 from disttrain.ps.policy import Decision, Policy
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.session import Session
+from disttrain.ps.staleness import StaleStep
 from disttrain.ps.transport import ServerEndpoint, bind, encrypt_setting, remove_folder
 from disttrain.trace import events as trace_events
 
@@ -63,6 +64,7 @@ class Server:
         self.params = {c.key: torch.nn.Parameter(
             init[c.name].detach().reshape(-1)[c.start:c.stop].clone()) for c in chunks}
         self.optimizer = optimizer(list(self.params.values())) if chunks else None
+        self.stepper = StaleStep(self.optimizer, policy.rule)  # raises for a rule it cannot do
         big = max((p.numel() * p.element_size() for p in self.params.values()), default=0)
         if big > limits.max_tensor_bytes:  # NOTE: its sockets would drop such a part (MAXMSGSIZE)
             raise ValueError(f"server {index}: a key of {big} bytes exceeds Limits.max_tensor_bytes="
@@ -185,7 +187,7 @@ class Server:
             have = self.partial[w] = PartialPush(clock, version, {})
         grads = {k: g for k, g in grads.items() if k not in have.grads}
         if self.policy.applies_alone():  # NOTE: step each chunk as soon as it is complete
-            self._apply([grads])
+            self._apply([grads], [self.policy.version - have.version])
             grads = dict.fromkeys(grads)
         have.grads.update(grads)
         if len(have.grads) == len(self.keys):
@@ -204,7 +206,7 @@ class Server:
             raise PSError(f"server {self.index}: {d.error}")
         if d.apply:
             with trace_events.span("apply", "ps", server=self.index, pushes=len(d.apply)):
-                self._apply([self.complete.pop(p) for p in d.apply])
+                self._apply([self.complete.pop(p) for p in d.apply], d.staleness)
                 trace_events.ps_applied(self.index, d.apply, self.policy.version)
             self._after_update()
         for p in d.drop:
@@ -216,8 +218,10 @@ class Server:
             if w in self.parked:
                 self._send_params(w, self.parked.pop(w))
 
-    def _apply(self, grads: list[dict[str, torch.Tensor]]) -> None:
-        """Average `grads` (dicts over the same keys) and step those keys' parameters."""
+    def _apply(self, grads: list[dict[str, torch.Tensor]], staleness: list[int]) -> None:
+        """Average `grads` (dicts over the same keys, of these staleness values) and step
+        those keys' parameters under the policy's update rule (staleness.py)."""
+        staleness = [s for g, s in zip(grads, staleness) if g]
         grads = [g for g in grads if g]
         if self.optimizer is None or not grads:
             return
@@ -226,15 +230,9 @@ class Server:
             # NOTE: copy on write: a zero-copy params frame may still read this memory
             if any(not t.done for t in self._sending.pop(k, [])):
                 p.data = p.data.clone()
-            if len(grads) == 1:  # Async: the received buffer itself, no copy
-                p.grad = grads[0][k].to(p.dtype)
-                continue
-            total = grads[0][k].to(p.dtype).clone()
-            for g in grads[1:]:
-                total += g[k]
-            p.grad = total.div_(len(grads))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            # Async with an unscaled gradient: the received buffer itself, no copy
+            p.grad = self.stepper.combine([g[k] for g in grads], staleness, p.dtype)
+        self.stepper.step(staleness, self.policy.mean_staleness())
 
     def _send_params(self, w: int, have: int) -> None:
         """Answer worker w's pull: the shard as a stream of chunk messages, the last one
@@ -270,6 +268,7 @@ class Server:
                    push_bytes=self.ep.recv_bytes.get("push", 0),
                    push_frames=self.ep.recv_frames.get("push", 0),
                    sparse_pushes=self.sparse_pushes)
+        out.update(self.stepper.stats(out))
         return out
 
     def keep_snapshots(self, path: str, every: int = 0) -> str | None:

@@ -13,7 +13,8 @@ per step; `diagnose(run)` returns sentences, the most important first:
   ideal bubble (p-1)/(m+p-1) of more micro-batches;
 - exposed communication above 25% of the median step, with the bytes per collective and,
   when gradient buckets fire late, a bucket_mb computed from the trace (commstats.py);
-- PS staleness (from the servers' final stats) and per-server load (applied updates).
+- PS staleness (from the servers' final stats) and per-server load (applied updates), with
+  a server's warning when its momentum and staleness are in the diverging range.
 
 Standard library only; report.py draws the charts.
 """
@@ -194,8 +195,11 @@ def _staleness(events: list[dict]) -> str | None:
         return None
     n = sum(hist.values())
     mean = sum(k * v for k, v in hist.items()) / n
+    warned = [s["warning"] for _, s in sorted(servers.items()) if s.get("warning")]
+    warning = (f"; WARNING ({len(warned)} of {len(servers)} servers; the first): {warned[0]}"
+               if warned else "")
     return (f"parameter server: {n} pushes applied by {len(servers)} server(s), mean staleness "
-            f"{mean:.2f} versions (max {max(hist)})")
+            f"{mean:.2f} versions (max {max(hist)}){warning}")
 
 
 def diagnose(run: dict) -> list[str]:
