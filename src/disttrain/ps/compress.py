@@ -137,4 +137,3 @@ def densify(keys: list[str], tensors: list[torch.Tensor], sizes: dict[str, int],
         dense[idx.long()] = val.to(dtype[key])
         out[key] = dense
     return out
-
