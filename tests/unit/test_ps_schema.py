@@ -301,11 +301,11 @@ class FakeServer:
         self.ctx.term()
 
 
-def _worker(server: FakeServer) -> tuple[Worker, torch.nn.Module]:
+def _worker(server: FakeServer, timeout: float = 10) -> tuple[Worker, torch.nn.Module]:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)  # keys weight, bias
     plan = plan_keys([(n, p.numel(), 4) for n, p in model.named_parameters()], 1)
-    return Worker(model, 0, [server.address], plan, KEY, "Sync()", timeout=10,
+    return Worker(model, 0, [server.address], plan, KEY, "Sync()", timeout=timeout,
                   overlap=False), model
 
 
@@ -384,3 +384,23 @@ def test_every_message_the_code_sends_fits_the_schema():
         check(Message(op, dict(meta, worker=0) if "worker" in SCHEMA[op].meta else dict(meta),
                       ["w#0"] * n, [torch.ones(4)] * n), SCHEMA[op].to)
     _twin()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_whose_answer_does_not_verify_is_named_as_another_protocol():
+    """What a protocol-2 server does (it welcomes a protocol-3 hello on keys of its own
+    version) reads, after the timeout, as a version mismatch, not as plain silence."""
+    other = Session(bytes(32), new_nonce(), new_nonce(), 0, 0, "server")
+    server = FakeServer(on_hello=lambda s, nw: _renonce(other, s, nw))
+    with pytest.raises(PSError, match=f"does not verify: it speaks another wire protocol "
+                                      rf"\(this worker {PROTOCOL}"):
+        _worker(server, timeout=1)
+    server.close()
+
+
+def _renonce(other: Session, s: Session, nonce_w: bytes) -> list:
+    """A welcome under keys the worker cannot derive, with its session's nonces."""
+    parts = other.seal(Message("welcome", {"version": 0}))
+    env = bytearray(parts[0])
+    env[8:24], env[24:40] = nonce_w, s.nonce_s
+    return [bytes(env), *parts[1:]]

@@ -325,8 +325,13 @@ class Worker:
         now = time.monotonic()
         for s, w in enumerate(waiting):
             if any(w.values()) and now - heard[s] > self.timeout and self._error is None:
+                # NOTE: a bad MAC before any session: the answer to our hello (same secret)
+                unread = eps[s].session is None and eps[s].rejected.get("bad MAC")
                 self._error = PSError(f"server {s} at {self.addresses[s]} silent for "
-                                      f"{now - heard[s]:.1f}s (timeout {self.timeout}s)")
+                                      f"{now - heard[s]:.1f}s (timeout {self.timeout}s)" + (
+                    f"; its answer to the hello does not verify: it speaks another wire "
+                    f"protocol (this worker {PROTOCOL}; older than 3 if it does not say)"
+                    if unread else ""))
         return True
 
     def _fail(self, text: str) -> None:
