@@ -20,7 +20,12 @@ FUNCTION_LINES = 60
 ROOT = Path(__file__).resolve().parents[1] / "src" / "disttrain"
 
 # "path relative to src/disttrain[:function qualname]" -> why it may be larger.
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "ps/worker.py": "one object whose state (versions, floors, handles, the model's shard "
+    "map) both the compute thread's API and the communication thread use; splitting the "
+    "two halves apart is its own change, left until the wire settles (issue 21 items 1 "
+    "and 5 both change this file)",
+}
 
 
 def functions(tree: ast.AST, prefix: str = ""):

@@ -215,7 +215,7 @@ def test_every_policy_treats_a_sparse_push_as_the_dense_gradient_it_stands_for(p
                 want[c.key] = torch.zeros(c.stop - c.start).index_put_((idx.long(),), val)
             meta = {"clock": step, "version": sparse.policy.version}
             assert sparse._push(w, Message("push", dict(meta, sparse=1), keys, tensors))
-            dense._push(w, Message("push", meta, list(want), list(want.values())))
+            dense._push(w, Message("push", dict(meta, sparse=0), list(want), list(want.values())))
     assert sparse.policy.stats() == dense.policy.stats() and sparse.policy.version >= 3
     for k in sparse.keys:
         assert torch.equal(sparse.params[k], dense.params[k])

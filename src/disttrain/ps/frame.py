@@ -6,7 +6,7 @@ tensor: header = {"op": str, "meta": {str: int|str|...}, "keys": [str]*n, "dtype
 tensor's memory (no copy). `unpack` checks the header against hard `Limits` and the
 buffers, and builds tensors as views of the received memory; anything wrong raises
 `FrameError`, never another exception. No pickle. session.py authenticates these parts,
-transport.py moves them.
+transport.py moves them, schema.py checks each op's meta once they are authenticated.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-__all__ = ["Message", "FrameError", "Limits", "DEFAULT_LIMITS", "OPS", "pack", "unpack",
-           "check_sizes", "group_keys"]
+__all__ = ["Message", "FrameError", "Limits", "DEFAULT_LIMITS", "OPS", "PROTOCOL", "pack",
+           "unpack", "check_sizes", "group_keys"]
 
+PROTOCOL = 3
+"""The wire protocol version a hello carries; a peer of another one is refused, naming
+both (docs/design/parameter-server.md, "Header schema and protocol version"). Bump it
+whenever what a frame means changes: ops, meta fields (schema.py), envelope, keys."""
 OPS = ("hello", "welcome", "push", "ack", "pull", "params", "cancel", "beat", "done",
-       "bye", "error", "ping", "pong")
+       "bye", "error", "pong")
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int8, torch.uint8)}
@@ -58,6 +62,11 @@ class FrameError(ValueError):
     """A received frame is malformed, too big, not authenticated or out of sequence.
 
     The text before the first ':' is the reason the receiver counts it under."""
+
+    @property
+    def reason(self) -> str:
+        """What the receiver counts this frame under (`rejected`)."""
+        return str(self).split(":")[0][:40]
 
 
 @dataclass

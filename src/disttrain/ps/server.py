@@ -29,6 +29,7 @@ from disttrain.ps.compress import densify
 from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, group_keys
 from disttrain.ps.policy import Decision, Policy
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
+from disttrain.ps.schema import check_keys
 from disttrain.ps.session import Session
 from disttrain.ps.staleness import StaleStep
 from disttrain.ps.transport import ServerEndpoint, bind, encrypt_setting, remove_folder
@@ -65,6 +66,7 @@ class Server:
             init[c.name].detach().reshape(-1)[c.start:c.stop].clone()) for c in chunks}
         self.optimizer = optimizer(list(self.params.values())) if chunks else None
         self.stepper = StaleStep(self.optimizer, policy.rule)  # raises for a rule it cannot do
+        self.shard = {k: (p.numel(), p.dtype) for k, p in self.params.items()}
         big = max((p.numel() * p.element_size() for p in self.params.values()), default=0)
         if big > limits.max_tensor_bytes:  # NOTE: its sockets would drop such a part (MAXMSGSIZE)
             raise ValueError(f"server {index}: a key of {big} bytes exceeds Limits.max_tensor_bytes="
@@ -135,10 +137,10 @@ class Server:
         if msg.op == "hello":
             self._hello(session, msg)
         elif msg.op == "push":
-            if self._push(w, msg, session) and msg.meta.get("ack"):
-                self.ep.send(session, Message("ack", {"seq": msg.meta.get("seq")}))
+            if self._push(w, msg, session) and msg.meta["ack"]:
+                self.ep.send(session, Message("ack"))
         elif msg.op == "pull":
-            self.parked[w] = int(msg.meta.get("have", -1))
+            self.parked[w] = msg.meta["have"]
             self._execute(self.policy.pull(w))
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
@@ -148,12 +150,13 @@ class Server:
                 self.finished.add(w)
                 self._execute(self.policy.leave(w))
             # NOTE: msgpack maps here have string keys only; the histogram goes as pairs
-            stats = dict(self.stats(), staleness=list(self.stats()["staleness"].items()))
-            self.ep.send(session, Message("bye", {"stats": stats}))
+            stats = self.stats()
+            staleness = [[k, v] for k, v in stats.pop("staleness").items()]
+            self.ep.send(session, Message("bye", {"stats": stats, "staleness": staleness}))
 
     def _hello(self, session: Session, msg: Message) -> None:
         want = {"keys": self.keys, "policy": repr(self.policy)}
-        got = {"keys": msg.meta.get("keys"), "policy": msg.meta.get("policy")}
+        got = {"keys": msg.meta["keys"], "policy": msg.meta["policy"]}
         if got != want:
             self.ep.send(session, Message("error", {"message": (
                 f"server {self.index} holds keys {self.keys[:4]}... under {want['policy']}, "
@@ -163,23 +166,23 @@ class Server:
         self.ep.send(session, Message("welcome", {"version": self.policy.version}))
 
     def _push(self, w: int, msg: Message, session: Session | None = None) -> bool:
-        """Take one push message; False (nothing changed, the worker told) if it is malformed."""
-        clock, version = int(msg.meta["clock"]), int(msg.meta["version"])
-        if msg.meta.get("sparse"):
-            try:
-                grads = densify(msg.keys, msg.tensors,
-                                {k: p.numel() for k, p in self.params.items()},
-                                {k: p.dtype for k, p in self.params.items()})
-            except FrameError as e:
-                self.ep.rejected["bad sparse push"] += 1
-                if session is not None:
-                    self.ep.send(session, Message("error", {"message": (
-                        f"server {self.index} rejected a push from worker {w}: {e}")}))
-                return False
-            self.sparse_pushes += 1
-        else:
-            grads = {k: t for k, t in zip(msg.keys, msg.tensors)
-                     if k in self.params and t.numel() == self.params[k].numel()}
+        """Take one push message (meta checked by schema.py); False (nothing changed, the
+        worker told) if its tensors do not fit this shard."""
+        clock, version, sparse = msg.meta["clock"], msg.meta["version"], msg.meta["sparse"]
+        try:
+            if sparse:
+                grads = densify(msg.keys, msg.tensors, {k: n for k, (n, _) in self.shard.items()},
+                                {k: d for k, (_, d) in self.shard.items()})
+            else:
+                check_keys(msg, self.shard)
+                grads = dict(zip(msg.keys, msg.tensors))
+        except FrameError as e:
+            self.ep.rejected["bad sparse push" if sparse else e.reason] += 1
+            if session is not None:
+                self.ep.send(session, Message("error", {"message": (
+                    f"server {self.index} rejected a push from worker {w}: {e}")}))
+            return False
+        self.sparse_pushes += bool(sparse)
         have = self.partial.get(w)
         if have is None or have.clock != clock:
             if have is not None:  # NOTE: a newer clock means the old attempt was abandoned

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from disttrain.ps.frame import (
     DEFAULT_LIMITS,
+    PROTOCOL,
     FrameError,
     Limits,
     Message,
@@ -55,7 +56,11 @@ def new_nonce() -> bytes:
 
 
 def hello_key(secret: bytes) -> bytes:
-    """The key that signs hello frames, derived from the job secret."""
+    """The key that signs hello frames (and a server's refusal of one), from the job secret.
+
+    NOTE: frozen, as is the hello's layout: it is what every protocol version shares, so
+    a peer of another version is heard and told so (its label keeps the "/2" of the
+    version that introduced it); the session keys carry frame.PROTOCOL instead."""
     return HKDF(hashes.SHA256(), 32, None, b"disttrain-ps/2 hello").derive(secret)
 
 
@@ -103,16 +108,17 @@ def _hello_tag(key: bytes, head: bytes, header, buffers) -> bytes:
     return h.digest()[:TAG_BYTES]
 
 
-def open_hello(key: bytes, env: Envelope, parts: list) -> Message:
-    """Check a hello's tag and parse it; raises FrameError."""
+def open_hello(key: bytes, env: Envelope, parts: list, op: str = "hello") -> Message:
+    """Check a hello's tag and parse it (op "error": a server's refusal of a hello, signed
+    the same way); raises FrameError."""
     if env.kind != HELLO or env.nonce_s != _ZERO_NONCE or env.seq != 0 or env.flags:
         raise FrameError("bad envelope: not a hello")
     head = bytes(parts[0])[:_HEAD.size]
     if not hmac.compare_digest(env.tag, _hello_tag(key, head, parts[1], parts[2:])):
         raise FrameError("bad MAC: hello not signed with this job's DISTTRAIN_SECRET")
     msg = unpack(parts[1], parts[2:])
-    if msg.op != "hello":
-        raise FrameError(f"bad header: {msg.op!r} frame signed as a hello")
+    if msg.op != op:
+        raise FrameError(f"bad header: {msg.op!r} frame signed as a {op}")
     return msg
 
 
@@ -126,7 +132,7 @@ class Session:
 
     def __init__(self, secret: bytes, nonce_w: bytes, nonce_s: bytes, worker: int,
                  server: int, side: str, encrypt: bool = False):
-        info = b"disttrain-ps/2 session" + struct.pack("<QQ", worker, server)
+        info = b"disttrain-ps/%d session" % PROTOCOL + struct.pack("<QQ", worker, server)
         keys = HKDF(hashes.SHA256(), 64, nonce_w + nonce_s, info).derive(secret)
         mine, theirs = (W2S, S2W) if side == "worker" else (S2W, W2S)
         self._key = {W2S: keys[:32], S2W: keys[32:]}

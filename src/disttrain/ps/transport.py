@@ -10,8 +10,12 @@ Handshake: the worker sends `hello` (fresh nonce_w, signed under the job secret)
 server answers `welcome` as frame 0 of a new session, which replaces the worker's old
 session only once a frame that needs the new key arrives on it: a replayed hello never
 takes a worker over. A frame that fails any check is dropped and counted by reason
-(`rejected`), so one bad peer never stops a server. Sockets are used from one thread
-only (the server loop or the worker's communication thread).
+(`rejected`), so one bad peer never stops a server. An authenticated frame is then
+checked against its op's schema (schema.py) before anyone reads it; a server answers a
+frame that fails with an `error` naming op and field (a hello of another protocol
+version or a malformed hello: a refusal signed like a hello, the one frame every
+version can read). Sockets are used from one thread only (the server loop or the
+worker's communication thread).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections import Counter, OrderedDict
 
 import zmq
 
-from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message
+from disttrain.ps.frame import DEFAULT_LIMITS, PROTOCOL, FrameError, Limits, Message
+from disttrain.ps.schema import SchemaError, VersionError, check, check_protocol
 from disttrain.ps.session import (
     HELLO,
     Session,
@@ -102,7 +107,7 @@ class _Counted:
         frames[op] = frames.get(op, 0) + 1
 
     def _reject(self, e: FrameError) -> None:
-        self.rejected[str(e).split(":")[0][:40]] += 1
+        self.rejected[e.reason] += 1
 
     def _put(self, prefix: list, parts: list, op: str, track: bool = False):
         """Queue one frame; big ones go without a copy (leave their memory alone until
@@ -141,6 +146,7 @@ class ServerEndpoint(_Counted):
         it was dropped (counted in `rejected`)."""
         frames = self.sock.recv_multipart(copy=False)
         ident, parts = frames[0].bytes, [f.buffer for f in frames[1:]]
+        s = env = None
         try:
             env = read_envelope(parts, self.limits)
             if env.kind == HELLO:
@@ -148,20 +154,25 @@ class ServerEndpoint(_Counted):
             else:
                 s = self._session(ident, env)
                 msg = s.open(env, parts)
-                if msg.meta.get("worker") != s.worker:
+                check(msg, "server")
+                if msg.meta["worker"] != s.worker:
                     raise FrameError(f"worker of another session: frame says "
-                                     f"{msg.meta.get('worker')!r}, session is {s.worker}")
+                                     f"{msg.meta['worker']}, session is {s.worker}")
                 if self._pending.get(ident) is s:
                     self._promote(s)
         except FrameError as e:
             self._reject(e)
+            if isinstance(e, SchemaError):
+                self._refuse(ident, env, s, e)
             return None
         self._count("recv", msg.op, parts)
         return s, msg
 
     def _greet(self, ident: bytes, env, parts) -> tuple[Session, Message]:
         msg = open_hello(self._hello_key, env, parts)
-        w, index = msg.meta.get("worker"), msg.meta.get("server")
+        check_protocol(msg)
+        check(msg, "server")
+        w, index = msg.meta["worker"], msg.meta["server"]
         if index != self.index:
             raise FrameError(f"hello for another server: {index!r}, this is {self.index}")
         if w not in self.workers:
@@ -175,6 +186,22 @@ class ServerEndpoint(_Counted):
         while len(self._pending) > _MAX_PENDING:
             self._pending.popitem(last=False)
         return s, msg
+
+    def _refuse(self, ident: bytes, env, s: Session | None, e: SchemaError) -> None:
+        """Tell the sender of an authenticated frame `e` refused why (does not block): on
+        its session, or for a hello (no session yet) in a frame signed like a hello."""
+        if isinstance(e, VersionError):
+            text = (f"server {self.index} speaks wire protocol {PROTOCOL}, this worker "
+                    f"{e.theirs if type(e.theirs) is int else 'an older one (none given)'}: "
+                    "install the same disttrain version on every rank")
+        else:
+            text = (f"server {self.index} refused a {e.op} frame from worker "
+                    f"{'?' if s is None else s.worker}: {e}")
+        msg = Message("error", {"message": text, "protocol": PROTOCOL})
+        if s is None:
+            self._put([ident], seal_hello(self._hello_key, env.nonce_w, msg), "error")
+        else:
+            self.send(s, msg)
 
     def _session(self, ident: bytes, env) -> Session:
         have = [s for s in (self._by_ident.get(ident), self._pending.get(ident)) if s]
@@ -212,7 +239,7 @@ class WorkerLink(_Counted):
         msg.meta["worker"] = self.worker
         if msg.op == "hello":
             self._nonce_w, self.session = new_nonce(), None
-            msg.meta["server"] = self.server
+            msg.meta.update(server=self.server, protocol=PROTOCOL)
             parts = seal_hello(hello_key(self.secret), self._nonce_w, msg)
         elif self.session is None:
             raise RuntimeError(f"worker {self.worker}: no session with server {self.server} "
@@ -223,10 +250,20 @@ class WorkerLink(_Counted):
         return parts
 
     def recv(self) -> Message | None:
-        """One ready message (blocks until one arrives); None if it was dropped."""
+        """One ready message (blocks until one arrives); None if it was dropped (counted).
+
+        Raises SchemaError (counted) for an authenticated reply that breaks its op's
+        schema: the server is broken or of another version; the worker cannot go on."""
         parts = [f.buffer for f in self.sock.recv_multipart(copy=False)]
         try:
             env = read_envelope(parts, self.limits)
+            if env.kind == HELLO:  # the server refused our hello (e.g. another version)
+                if self.session is not None or env.nonce_w != self._nonce_w:
+                    raise FrameError("other session: a refusal of another hello")
+                msg = open_hello(hello_key(self.secret), env, parts, op="error")
+                check(msg, "worker")
+                self._count("recv", msg.op, parts)
+                return msg
             s = self.session
             if s is None and self._nonce_w is not None and env.nonce_w == self._nonce_w:
                 s = Session(self.secret, env.nonce_w, env.nonce_s, self.worker, self.server,
@@ -238,9 +275,12 @@ class WorkerLink(_Counted):
             # server's explanation (e.g. other keys) must reach the user, not a timeout
             if self.session is None and msg.op not in ("welcome", "error"):
                 raise FrameError(f"bad header: {msg.op!r} before welcome")
+            check(msg, "worker")
             self.session = s
         except FrameError as e:
             self._reject(e)
+            if isinstance(e, SchemaError):
+                raise
             return None
         self._count("recv", msg.op, parts)
         return msg

@@ -25,9 +25,10 @@ import torch
 import zmq
 
 from disttrain.ps.compress import ErrorFeedback, TopK
-from disttrain.ps.frame import DEFAULT_LIMITS, Limits, Message, group_keys
+from disttrain.ps.frame import DEFAULT_LIMITS, PROTOCOL, Limits, Message, group_keys
 from disttrain.ps.handle import Cancelled, Handle  # re-exported: disttrain.ps.worker.Handle
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
+from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
 from disttrain.ps.transport import WorkerLink, encrypt_setting
 from disttrain.trace import events as trace_events
@@ -54,7 +55,10 @@ class Worker:
         bad = [n for n, p in self.params.items() if not p.is_contiguous()]
         if bad:
             raise ValueError(f"parameters {bad} are not contiguous; call .contiguous() on them")
-        self._secret, self._limits, self._plan = secret, limits, plan
+        self._secret, self._limits = secret, limits
+        self._by_key = {c.key: c for chunks in plan for c in chunks}
+        self._shards = [{c.key: (c.stop - c.start, self.params[c.name].dtype) for c in chunks}
+                        for chunks in plan]  # what server s may send: schema.check_keys
         self.feedback = ErrorFeedback(compression) if compression is not None else None
         self._eps: list[WorkerLink] = []
         self._version = [-1] * len(addresses)
@@ -75,11 +79,16 @@ class Worker:
         self._wake_out.connect(self._wake_addr)
         self._thread = threading.Thread(target=self._run, name=f"ps-worker{rank}", daemon=True)
         self._thread.start()
+        self._hooks: list = []
         hello = Handle(self._raise_if_failed, "hello")
         for s in range(len(addresses)):
             self._send(s, Message("hello", {"keys": [c.key for c in plan[s]],
                                             "policy": policy_repr}), hello, "welcome")
-        hello.seal().wait()
+        try:
+            hello.seal().wait()
+        except PSError:  # NOTE: no Worker is returned: its thread must not outlive this
+            self.close()
+            raise
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n))
                        for n, p in self.params.items() if p.requires_grad]
 
@@ -163,16 +172,15 @@ class Worker:
     def close(self) -> list[dict]:
         """Tell every server this worker is done; blocks for their goodbye (bounded by the
         timeout) and returns their stats (staleness histograms, drops, lost workers)."""
-        if self._thread.is_alive() and self._error is None:
-            bye = Handle(self._raise_if_failed, "close")
-            for s in range(len(self.addresses)):
-                self._send(s, Message("done", {}), bye, "bye")
+        if self._thread.is_alive():
             try:
-                bye.seal().wait()
-            finally:
-                self._cmds.put(None)
-                self._wake()
-        self._thread.join(self.timeout)
+                if self._error is None:
+                    bye = Handle(self._raise_if_failed, "close")
+                    for s in range(len(self.addresses)):
+                        self._send(s, Message("done", {}), bye, "bye")
+                    bye.seal().wait()
+            finally:  # NOTE: after a failure too: the thread must end, not idle on
+                self._stop()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -242,6 +250,12 @@ class Worker:
         self._cmds.put((s, msg, handle, reply))
         self._wake()
 
+    def _stop(self) -> None:
+        """End the communication thread (blocks up to the timeout for it)."""
+        self._cmds.put(None)
+        self._wake()
+        self._thread.join(self.timeout)
+
     def _wake(self) -> None:
         with self._wake_lock:
             self._wake_out.send(b"")
@@ -299,46 +313,69 @@ class Worker:
                 waiting[s][reply].append(handle)
         for s, ep in enumerate(eps):
             while ep.sock in events and ep.sock.poll(0):
-                got = ep.recv()
+                try:
+                    got = ep.recv()
+                except SchemaError as e:  # counted in wire_stats()["rejected"]
+                    self._fail(f"server {s} at {self.addresses[s]} sent a malformed reply, "
+                               f"refused: {e} (a bug or another disttrain version there)")
+                    continue
                 if got is not None:
                     heard[s] = time.monotonic()
                     self._on_reply(s, got, waiting[s])
         now = time.monotonic()
         for s, w in enumerate(waiting):
             if any(w.values()) and now - heard[s] > self.timeout and self._error is None:
+                # NOTE: a bad MAC before any session: the answer to our hello (same secret)
+                unread = eps[s].session is None and eps[s].rejected.get("bad MAC")
                 self._error = PSError(f"server {s} at {self.addresses[s]} silent for "
-                                      f"{now - heard[s]:.1f}s (timeout {self.timeout}s)")
+                                      f"{now - heard[s]:.1f}s (timeout {self.timeout}s)" + (
+                    f"; its answer to the hello does not verify: it speaks another wire "
+                    f"protocol (this worker {PROTOCOL}; older than 3 if it does not say)"
+                    if unread else ""))
         return True
 
+    def _fail(self, text: str) -> None:
+        """The job cannot go on: the next wait() (or push/pull) raises PSError(text)."""
+        self._error = self._error or PSError(text)
+
     def _on_reply(self, s: int, msg: Message, waiting: dict[str, list[Handle]]) -> None:
+        """Act on one reply of server s (meta already checked by schema.py)."""
         if msg.op == "cancel":
-            self._floor[s] = max(self._floor[s], int(msg.meta["version"]))
+            self._floor[s] = max(self._floor[s], msg.meta["version"])
             self._cancel_event.set()
             return
         if msg.op == "error":
-            self._error = PSError(msg.meta.get("message", "server error"))
+            p = msg.meta.get("protocol", PROTOCOL)
+            versions = f" speaks wire protocol {p}, this worker {PROTOCOL}" if p != PROTOCOL else ""
+            self._fail(f"server {s} at {self.addresses[s]}{versions}: {msg.meta['message']}")
             return
         if msg.op == "params":
-            with torch.no_grad():
-                for k, t in zip(msg.keys, msg.tensors):
-                    name, c = self._key_chunk(s, k)
-                    self.params[name].data.view(-1)[c.start:c.stop].copy_(t)
-            self._version[s] = int(msg.meta["version"])
-            if not msg.meta.get("last"):
+            if not self._write_params(s, msg):
+                return
+            self._version[s] = msg.meta["version"]
+            if not msg.meta["last"]:
                 return  # NOTE: more chunks of this pull follow
         if msg.op == "welcome":
             self._version[s] = -1
         if msg.op == "bye":
-            stats = dict(msg.meta.get("stats", {}))
-            stats["staleness"] = {int(k): int(v) for k, v in stats.get("staleness", [])}
+            stats = dict(msg.meta["stats"], staleness=dict(msg.meta["staleness"]))
             self.server_stats.append(stats)
         pending = waiting.get({"ack": "ack", "params": "params", "welcome": "welcome",
                                "bye": "bye"}.get(msg.op, ""), [])
         if pending:
             pending.pop(0).finish_one()
 
-    def _key_chunk(self, s: int, key: str) -> tuple[str, Chunk]:
-        if not hasattr(self, "_by_key"):
-            self._by_key = {c.key: c for chunks in self._plan for c in chunks}
-        c = self._by_key[key]
-        return c.name, c
+    def _write_params(self, s: int, msg: Message) -> bool:
+        """Copy a params chunk of server s into the model; False (the job fails, naming the
+        server and key) when a key is not one of s's or its tensor does not fit it."""
+        try:
+            check_keys(msg, self._shards[s])
+        except SchemaError as e:
+            self._eps[s].rejected[e.reason] += 1
+            self._fail(f"server {s} at {self.addresses[s]} sent params that do not fit: {e}")
+            return False
+        with torch.no_grad():
+            for k, t in zip(msg.keys, msg.tensors):
+                c = self._by_key[k]
+                self.params[c.name].data.view(-1)[c.start:c.stop].copy_(t)
+        return True

@@ -1,0 +1,194 @@
+"""What each parameter-server op's header holds: one declared table, checked in one place.
+
+`SCHEMA` declares every op: who receives it, each meta field (name, type, range,
+required or optional) and how many tensors (and keys) it carries; nothing else is
+allowed. The MAC proves who sent a frame, not that its contents are sane, so both ends
+call `check` at their receive point (transport.py), after the frame is authenticated
+and before any handler runs. A frame that breaks its op's schema raises `SchemaError`;
+the receiver counts it under "schema:<op>.<field>" and the handlers only ever see values
+of the declared types (no int(...) on a peer's input).
+
+The hello's `protocol` (frame.PROTOCOL) is checked first and apart (`check_protocol`):
+a peer of another version gets "speaks wire protocol X, this is Y", not a complaint
+about fields its version never meant to send. `check_keys` is the part that needs the
+receiver's shard (a push's or a params frame's keys, dtypes and sizes); the handlers call
+it. Pure: no sockets, no tensor's data read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disttrain.ps.frame import OPS, PROTOCOL, FrameError, Message
+
+__all__ = ["Field", "Op", "SCHEMA", "SchemaError", "VersionError", "check", "check_protocol",
+           "check_keys"]
+
+MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Field:
+    """One meta entry of an op's header."""
+
+    kind: str
+    """"int" (a msgpack integer, never a bool), "str", "strs" (a list of str), "pairs"
+    (a list of [int, int]) or "map" (str keys, any plain values)."""
+    lo: int = 0
+    """smallest value allowed (kind "int")."""
+    hi: int = MAX
+    """largest value allowed (kind "int")."""
+    required: bool = True
+    """False: the field may be absent; `check` then fills in `default` (if not None)."""
+    default: int | None = None
+    """the value an absent optional field reads as."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """What one op's frame may hold."""
+
+    to: str
+    """who receives it: "server" or "worker"."""
+    meta: dict[str, Field] = field(default_factory=dict)
+    """every meta field, in the order they are checked; any other field is refused."""
+    tensors: tuple[int, int] = (0, 0)
+    """least and most tensors (one key each) it carries."""
+
+
+WORKER = Field("int", 0, 2**31 - 1)  # the sender's worker id: every frame a worker sends
+FLAG = Field("int", 0, 1, required=False, default=0)
+VERSION = Field("int", 0)  # a server's parameter version
+KNOWN = Field("int", -1)  # a version a worker holds; -1: none yet
+
+SCHEMA: dict[str, Op] = {
+    # worker -> server
+    "hello": Op("server", {"worker": WORKER, "server": Field("int", 0, 2**31 - 1),
+                           "protocol": Field("int"), "keys": Field("strs"),
+                           "policy": Field("str")}),
+    "push": Op("server", {"worker": WORKER, "clock": Field("int"), "version": KNOWN,
+                          "sparse": FLAG, "ack": FLAG}, tensors=(1, MAX)),
+    "pull": Op("server", {"worker": WORKER, "have": KNOWN}),
+    "beat": Op("server", {"worker": WORKER}),
+    "done": Op("server", {"worker": WORKER}),
+    # server -> worker
+    "welcome": Op("worker", {"version": VERSION}),
+    "ack": Op("worker"),
+    "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1)}, tensors=(0, MAX)),
+    "cancel": Op("worker", {"version": VERSION}),
+    "pong": Op("worker"),
+    "bye": Op("worker", {"stats": Field("map"), "staleness": Field("pairs")}),
+    "error": Op("worker", {"message": Field("str"),
+                           "protocol": Field("int", required=False)}),
+}
+assert set(SCHEMA) == set(OPS), "every op on the wire has a schema"
+
+_RECEIVES = {side: [op for op, o in SCHEMA.items() if o.to == side] for side in ("server", "worker")}
+
+
+class SchemaError(FrameError):
+    """An authenticated frame whose header breaks its op's schema (op and field named)."""
+
+    def __init__(self, op: str, name: str | None, text: str):
+        self.op, self.field = op, name
+        super().__init__(f"{self.reason}: {text}")
+
+    @property
+    def reason(self) -> str:
+        return f"schema:{self.op}.{self.field}" if self.field else f"schema:{self.op}"
+
+
+class VersionError(SchemaError):
+    """A hello of another wire protocol version (or of none)."""
+
+    def __init__(self, theirs):
+        self.theirs = theirs
+        super().__init__("hello", "protocol", (
+            f"peer speaks wire protocol {theirs}, this is {PROTOCOL}" if _is_int(theirs) else
+            f"peer's hello carries no wire protocol version ({_show(theirs)}; disttrain "
+            f"older than protocol {PROTOCOL}?), this is {PROTOCOL}"))
+
+    @property
+    def reason(self) -> str:
+        return "protocol"
+
+
+def check_protocol(msg: Message) -> None:
+    """Raise VersionError unless the hello `msg` speaks this PROTOCOL (never blocks)."""
+    theirs = msg.meta.get("protocol")
+    if not _is_int(theirs) or theirs != PROTOCOL:
+        raise VersionError(theirs)
+
+
+def check(msg: Message, side: str) -> None:
+    """Raise SchemaError naming the first field of `msg` that breaks its op's schema, for
+    `side` ("server" or "worker") receiving it; fills in absent optional fields' defaults.
+
+    Never blocks, never raises anything else (`msg` came from frame.unpack: its op is one
+    of OPS, its keys and tensors agree, its meta is a map).
+    """
+    op = SCHEMA[msg.op]
+    if op.to != side:
+        raise SchemaError(msg.op, None, f"a {side} does not receive {msg.op} frames (it "
+                                        f"receives {', '.join(_RECEIVES[side])})")
+    unknown = [k for k in msg.meta if k not in op.meta]
+    if unknown:
+        raise SchemaError(msg.op, "unknown-field", f"{_show(unknown[0])} is not a {msg.op} "
+                                                   f"field (fields: {', '.join(op.meta)})")
+    for name, f in op.meta.items():
+        if name not in msg.meta:
+            if f.required:
+                raise SchemaError(msg.op, name, "missing")
+            if f.default is not None:
+                msg.meta[name] = f.default
+            continue
+        problem = _problem(f, msg.meta[name])
+        if problem:
+            raise SchemaError(msg.op, name, problem)
+    lo, hi = op.tensors
+    if not lo <= len(msg.tensors) <= hi:
+        raise SchemaError(msg.op, "tensors", f"{len(msg.tensors)} tensors; a {msg.op} carries "
+                                             + (f"{lo}" if lo == hi else f"at least {lo}"))
+
+
+def check_keys(msg: Message, shard: dict) -> None:
+    """Raise SchemaError(op, "keys") unless every key of `msg` is one of `shard`'s (key ->
+    (numel, dtype)), unrepeated, with a 1-D tensor of that numel and dtype: a tensor is
+    never silently dropped, cut or cast. Never blocks."""
+    seen = set()
+    for key, t in zip(msg.keys, msg.tensors):
+        if key not in shard or key in seen:
+            raise SchemaError(msg.op, "keys", f"key {key[:80]!r} is "
+                              + ("repeated" if key in seen else "not one of this shard's"))
+        seen.add(key)
+        numel, dtype = shard[key]
+        if t.dtype != dtype or t.dim() != 1 or t.numel() != numel:
+            raise SchemaError(msg.op, "keys", f"{key!r} must be 1-D {dtype} of {numel} "
+                                              f"entries, got {t.dtype} of shape {list(t.shape)}")
+
+
+def _problem(f: Field, v) -> str | None:
+    if f.kind == "int":
+        if not _is_int(v):
+            return f"must be an integer, got {_show(v)}"
+        if not f.lo <= v <= f.hi:
+            return f"must be in [{f.lo}, {f.hi}], got {v}"
+        return None
+    ok = {"str": lambda: isinstance(v, str),
+          "strs": lambda: isinstance(v, list) and all(isinstance(x, str) for x in v),
+          "pairs": lambda: isinstance(v, list) and all(
+              isinstance(p, list) and len(p) == 2 and all(_is_int(x) for x in p) for p in v),
+          "map": lambda: isinstance(v, dict) and all(isinstance(k, str) for k in v)}[f.kind]
+    return None if ok() else f"must be {_KINDS[f.kind]}, got {_show(v)}"
+
+
+_KINDS = {"str": "a string", "strs": "a list of strings", "pairs": "a list of [int, int]",
+          "map": "a map with string keys"}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _show(v) -> str:
+    return f"{type(v).__name__} {repr(v)[:40]}"
