@@ -16,6 +16,7 @@ from disttrain import ps
 from disttrain.ps.frame import Message
 from disttrain.ps.policy import KAsync
 from disttrain.ps.ring import plan_keys
+from disttrain.ps.schema import check
 from disttrain.ps.server import Server
 from disttrain.ps.staleness import StaleStep, UpdateRule, divergence_warning
 from disttrain.trace import analysis
@@ -44,8 +45,9 @@ def _stale_server_run(policy, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=
         for clock in range(STEPS):
             version = server.policy.version - STALENESS
             grad = CURVATURE * (history[version] - 1)  # computed on version `version`
-            assert server._push(0, Message("push", {"clock": clock, "version": version},
-                                           [chunk.key], [grad]))
+            push = Message("push", {"worker": 0, "clock": clock, "version": version}, [chunk.key], [grad])
+            check(push, "server")  # NOTE: as the receive point does: fills the defaults
+            assert server._push(0, push)
             history.append(server.params[chunk.key].detach().clone())
             assert len(history) == server.policy.version + 1
         return _loss(history[-1]), server.stats()
