@@ -22,6 +22,7 @@ from disttrain.testing import spawn
 from tests.dist import _gpt_ref as gref
 
 MAX_NORM = 0.05  # below every run's norm: clipping acts
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 TOL = dict(atol=1e-12, rtol=1e-12)
 GPT_WHOLE_HEAD = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise",
                   "mlp.proj": "rowwise"}
@@ -71,10 +72,12 @@ def parallel(make, x, y, mesh, plan, **kw):
     grads = pm.full_state_dict(grads=True)
     norm = pm.clip_grad_norm_(MAX_NORM)
     clipped = pm.full_state_dict(grads=True)
-    losses = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    world = dist.get_world_size()
+    losses = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(losses, loss.to(torch.float64))
-    dtypes = [None] * dist.get_world_size()
-    dist.all_gather_object(dtypes, str(loss.dtype))
+    codes = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(codes, torch.tensor(DTYPES.index(loss.dtype)))
+    dtypes = [str(DTYPES[int(c)]) for c in codes]  # the returned loss's dtype, by rank
     return (loss, grads, norm, clipped, losses, dtypes) if disttrain.rank() == 0 else None
 
 

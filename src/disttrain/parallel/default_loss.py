@@ -32,7 +32,8 @@ from disttrain.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["token_loss", "default_loss", "vocab_sharded"]
+__all__ = ["token_loss", "own_loss", "default_loss", "vocab_sharded", "output_layer",
+           "unpaired_columns"]
 
 
 def token_loss(group=None):
