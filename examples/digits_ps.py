@@ -16,7 +16,9 @@ between forward and backward; in ksync / kbatch-sync a worker whose round closed
 meanwhile gets `ps.Cancelled`, drops the step and pulls the new version. With --topk R
 each worker pushes only the R largest-magnitude fraction of every gradient (indices +
 values) and keeps the rest for its next push (top-k with error feedback); every worker
-prints the bytes it pushed per step.
+prints the bytes it pushed per step. In the asynchronous modes the servers divide the
+learning rate of a gradient by its staleness (--step, --momentum-rule choose another rule,
+e.g. `--step constant` for the plain one, which the servers' report warns about).
 Worker 0 ends with `final test accuracy: 0.9xxx`.
 """
 
