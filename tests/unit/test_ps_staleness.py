@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from disttrain import ps
+from disttrain.ps.connect import format_stats
 from disttrain.ps.frame import Message
 from disttrain.ps.policy import KAsync
 from disttrain.ps.ring import plan_keys
@@ -67,6 +68,8 @@ def test_gradients_8_versions_old_diverge_with_the_old_rule_and_converge_by_defa
     corrected, stats = _stale_server_run(ps.Async(step="constant", momentum="corrected"))
     assert corrected < 1e-4 * start, (corrected, start)
     assert stats["applied_momentum"] == pytest.approx(0.9 - 8 / 9) and "warning" not in stats
+    assert "momentum 0.9 stepped as 0.011 (corrected" in format_stats(stats)
+    assert format_stats(old_stats).splitlines()[1].startswith("[ps server0] WARNING: momentum 0.9")
     assert ps.Async(step="constant").rule == UpdateRule("constant", "as-given")
 
 
