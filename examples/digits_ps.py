@@ -45,11 +45,11 @@ parser.add_argument("--k", type=int, default=None,
                     help="gradients (ksync, kasync) or minibatches (kbatch-*) per update; "
                          "default: number of workers")
 parser.add_argument("--staleness", type=int, default=2, help="SSP bound s (clocks)")
-parser.add_argument("--step", choices=ps.STEPS, default=None,
-                    help="async modes: lr of a stale gradient (default: the policy's, "
-                         "inverse-staleness)")
-parser.add_argument("--momentum-rule", choices=ps.MOMENTA, default=None,
-                    help="async modes: the server's momentum as given or corrected for the "
+parser.add_argument("--step", default=None,
+                    help="async modes: lr of a stale gradient, constant or inverse-staleness "
+                         "(default: the policy's, inverse-staleness)")
+parser.add_argument("--momentum-rule", default=None,
+                    help="async modes: the server's momentum as-given or corrected for the "
                          "implicit momentum of asynchrony (default: the policy's, as-given)")
 parser.add_argument("--straggler", default="none",
                     help="delay model, e.g. exp:mean=0.05, shifted-exp:shift=0.02,mean=0.05, "
