@@ -16,7 +16,9 @@ between forward and backward; in ksync / kbatch-sync a worker whose round closed
 meanwhile gets `ps.Cancelled`, drops the step and pulls the new version. With --topk R
 each worker pushes only the R largest-magnitude fraction of every gradient (indices +
 values) and keeps the rest for its next push (top-k with error feedback); every worker
-prints the bytes it pushed per step.
+prints the bytes it pushed per step. In the asynchronous modes the servers divide the
+learning rate of a gradient by its staleness (--step, --momentum-rule choose another rule,
+e.g. `--step constant` for the plain one, which the servers' report warns about).
 Worker 0 ends with `final test accuracy: 0.9xxx`.
 """
 
@@ -43,11 +45,11 @@ parser.add_argument("--k", type=int, default=None,
                     help="gradients (ksync, kasync) or minibatches (kbatch-*) per update; "
                          "default: number of workers")
 parser.add_argument("--staleness", type=int, default=2, help="SSP bound s (clocks)")
-parser.add_argument("--step", choices=ps.STEPS, default=None,
-                    help="async modes: lr of a stale gradient (default: the policy's, "
-                         "inverse-staleness)")
-parser.add_argument("--momentum-rule", choices=ps.MOMENTA, default=None,
-                    help="async modes: the server's momentum as given or corrected for the "
+parser.add_argument("--step", default=None,
+                    help="async modes: lr of a stale gradient, constant or inverse-staleness "
+                         "(default: the policy's, inverse-staleness)")
+parser.add_argument("--momentum-rule", default=None,
+                    help="async modes: the server's momentum as-given or corrected for the "
                          "implicit momentum of asynchrony (default: the policy's, as-given)")
 parser.add_argument("--straggler", default="none",
                     help="delay model, e.g. exp:mean=0.05, shifted-exp:shift=0.02,mean=0.05, "

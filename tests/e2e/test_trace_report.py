@@ -72,10 +72,12 @@ def test_slow_loader_rank_is_named_and_the_page_renders_in_chromium(tmp_path):
 @pytest.mark.timeout(300)
 def test_ps_straggler_worker_is_named(tmp_path):
     out = _traced(tmp_path, "--workers", "3", "--servers", "1", str(ROOT / "examples" / "digits_ps.py"),
-                  "--epochs", "1", "--mode", "async", "--straggler", "fixed:rank=1,delay=0.04")
+                  "--epochs", "1", "--mode", "async", "--straggler", "fixed:rank=1,delay=0.04",
+                  "--step", "constant")  # the old rule: momentum 0.9 at full lr, warned about
     lines = _report(out)
     assert lines[0].startswith("rank 1 is ") and "idle in 'sleep (injected delay)'" in lines[0], lines
-    assert any(x.startswith("parameter server: ") and "mean staleness" in x for x in lines), lines
+    ps_line = next(x for x in lines if x.startswith("parameter server: "))
+    assert "mean staleness" in ps_line and "WARNING" in ps_line and "momentum 0.9" in ps_line, ps_line
     assert (out / "report" / "ps.png").exists()
     tr = json.loads((out / "trace.json").read_text())
     assert trace.problems(tr) == []  # flows included: every arrow has both ends, inside spans

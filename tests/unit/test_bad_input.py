@@ -76,6 +76,8 @@ NO_GROUP = [
     ("ksync-k-more-than-workers", straggler_ksync, ValueError,
      "waits for 5 workers per round but the job has 3", r"use k <= 3"),
     ("ssp-negative-staleness", lambda: ps.SSP(-1), ValueError, "staleness bound", ">= 0"),
+    ("async-unknown-step", lambda: ps.Async(step="fast"), ValueError, "step='fast'",
+     "use one of 'constant', 'inverse-staleness'"),
     ("backup-workers-all", lambda: ps.backup_workers(3, 3), ValueError, "backups", r"\[0, 3\)"),
     ("straggler-unknown-model", lambda: ps.parse_straggler("slowest:rank=1"), ValueError,
      "unknown model 'slowest'", "use one of"),

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from disttrain import ps
+from disttrain.ps.connect import format_stats
 from disttrain.ps.frame import Message
 from disttrain.ps.policy import KAsync
 from disttrain.ps.ring import plan_keys
@@ -69,6 +70,8 @@ def test_gradients_8_versions_old_diverge_with_the_old_rule_and_converge_by_defa
     corrected, stats = _stale_server_run(ps.Async(step="constant", momentum="corrected"))
     assert corrected < 1e-4 * start, (corrected, start)
     assert stats["applied_momentum"] == pytest.approx(0.9 - 8 / 9) and "warning" not in stats
+    assert "momentum 0.9 stepped as 0.011 (corrected" in format_stats(stats)
+    assert format_stats(old_stats).splitlines()[1].startswith("[ps server0] WARNING: momentum 0.9")
     assert ps.Async(step="constant").rule == UpdateRule("constant", "as-given")
 
 
@@ -84,7 +87,7 @@ def test_sgd_gets_each_gradient_scaled_and_its_settings_back():
     grads = [(torch.randn(5), 0), (torch.randn(5), 4), (torch.randn(5), 2)]
     for g, s in grads:
         p.grad = step.combine([g], [s], p.dtype)
-        step.step([s], measured=3.0)
+        step.step([s], measured=lambda: 3.0)
         ref.grad = g / max(1, s)
         ref_opt.step()
     torch.testing.assert_close(p, ref)
@@ -104,7 +107,7 @@ def test_adam_gets_the_steps_lr_scaled_and_restored():
     for s in (0, 4, 2):
         g = torch.randn(5)
         p.grad = step.combine([g], [s], p.dtype)
-        step.step([s], measured=2.0)
+        step.step([s], measured=lambda: 2.0)
         ref.grad = g
         ref_opt.param_groups[0]["lr"] = 0.1 / max(1, s)
         ref_opt.step()

@@ -3,8 +3,8 @@
 `connect(model, policy=..., optimizer=...)` is the whole user surface (connect.py): on
 a server rank it serves, on a worker it returns a `Worker` whose `push()`/`pull()`
 return `Handle`s. Consistency is a policy object the servers apply (policy.py; write
-your own from `Policy` and `Decision`); how stale gradients are stepped
-(`step=`, `momentum=` of the asynchronous policies) is staleness.py; placement is the consistent-hash `HashRing`
+your own from `Policy` and `Decision`; how the asynchronous ones step stale gradients,
+`step=` and `momentum=`, is staleness.py); placement is the consistent-hash `HashRing`
 (ring.py); the wire is transport.py (sockets), session.py (authenticated, sequenced
 sessions) and frame.py (message layout); top-k pushes with error feedback are compress.py;
 `Straggler` delays make stragglers reproducible on one machine.
@@ -27,7 +27,6 @@ from disttrain.ps.policy import (
 )
 from disttrain.ps.ring import HashRing
 from disttrain.ps.server import PSError
-from disttrain.ps.staleness import MOMENTA, STEPS
 from disttrain.ps.straggler import Straggler, parse_straggler
 from disttrain.ps.worker import Worker
 
@@ -48,8 +47,6 @@ __all__ = [
     "KBatchAsync",
     "SSP",
     "backup_workers",
-    "STEPS",
-    "MOMENTA",
     "HashRing",
     "TopK",
     "Straggler",

@@ -133,6 +133,8 @@ def _stats_line(stats: dict) -> str:
             + (f", pushes received {stats['push_bytes'] / 1e6:.3f} MB in "
                f"{stats['push_frames']} frames ({stats.get('sparse_pushes', 0)} sparse)"
                if "push_bytes" in stats else "")
+            + (f", momentum {stats['momentum']:g} stepped as {stats['applied_momentum']:.3f} "
+               "(corrected for asynchrony)" if stats.get("momentum_rule") == "corrected" else "")
             + (f", restored version {stats['restored_version']} (lost updates "
                f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else ""))
 

@@ -235,7 +235,7 @@ class Server:
                 p.data = p.data.clone()
             # Async with an unscaled gradient: the received buffer itself, no copy
             p.grad = self.stepper.combine([g[k] for g in grads], staleness, p.dtype)
-        self.stepper.step(staleness, self.policy.mean_staleness())
+        self.stepper.step(staleness, self.policy.mean_staleness)
 
     def _send_params(self, w: int, have: int) -> None:
         """Answer worker w's pull: the shard as a stream of chunk messages, the last one

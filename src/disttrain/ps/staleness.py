@@ -34,6 +34,7 @@ What is done to the user's optimizer, exactly (docs/design/parameter-server.md,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -112,13 +113,14 @@ class StaleStep:
             total.add_(g.to(dtype), alpha=s)
         return total.div_(len(grads))
 
-    def step(self, staleness: list[int], measured: float) -> None:
+    def step(self, staleness: list[int], measured: Callable[[], float]) -> None:
         """optimizer.step() for gradients of these staleness values, with the lr and
-        momentum the rule asks for (restored afterwards); then zero_grad."""
+        momentum the rule asks for (restored afterwards); then zero_grad. `measured()`
+        gives the mean staleness so far (asked only by momentum="corrected")."""
         lr_factor = 1.0
         if not self.scale_grads:
             lr_factor = sum(self.rule.scale(s) for s in staleness) / len(staleness)
-        implicit = implicit_momentum(measured) if self.rule.momentum == "corrected" else None
+        implicit = implicit_momentum(measured()) if self.rule.momentum == "corrected" else None
         with _hyper(self.optimizer, lr_factor, implicit):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
