@@ -129,7 +129,8 @@ def _stats_line(stats: dict) -> str:
             f"version {stats['version']}, "
             f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
             f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "
-            f"rejected frames {stats.get('rejected_frames', 0)}, staleness {stats['staleness']}"
+            f"rejected frames {stats.get('rejected_frames', 0)}{_reasons(stats)}, "
+            f"staleness {stats['staleness']}"
             + (f", pushes received {stats['push_bytes'] / 1e6:.3f} MB in "
                f"{stats['push_frames']} frames ({stats.get('sparse_pushes', 0)} sparse)"
                if "push_bytes" in stats else "")
@@ -137,6 +138,12 @@ def _stats_line(stats: dict) -> str:
                "(corrected for asynchrony)" if stats.get("momentum_rule") == "corrected" else "")
             + (f", restored version {stats['restored_version']} (lost updates "
                f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else ""))
+
+
+def _reasons(stats: dict) -> str:
+    """Why frames were rejected, e.g. " (schema:push.clock 2, protocol 1)"; "" if none."""
+    counts = stats.get("rejected") or {}
+    return f" ({', '.join(f'{k} {n}' for k, n in counts.items())})" if counts else ""
 
 
 def _or_unknown(n) -> str:

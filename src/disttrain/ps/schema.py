@@ -102,15 +102,19 @@ class VersionError(SchemaError):
     """A hello of another wire protocol version (or of none)."""
 
     def __init__(self, theirs):
-        self.theirs = theirs
-        super().__init__("hello", "protocol", (
-            f"peer speaks wire protocol {theirs}, this is {PROTOCOL}" if _is_int(theirs) else
-            f"peer's hello carries no wire protocol version ({_show(theirs)}; disttrain "
-            f"older than protocol {PROTOCOL}?), this is {PROTOCOL}"))
+        self.theirs = (str(theirs) if _is_int(theirs) else "an older one (none given)"
+                       if theirs is None else f"an unknown one ({_show(theirs)})")
+        super().__init__("hello", "protocol", f"peer speaks wire protocol {self.theirs}, "
+                                              f"this is {PROTOCOL}")
 
     @property
     def reason(self) -> str:
         return "protocol"
+
+    def answer(self, server: int) -> str:
+        """What server `server` tells the peer: both versions, and the fix."""
+        return (f"server {server} speaks wire protocol {PROTOCOL}, this worker {self.theirs}: "
+                "install the same disttrain version on every rank")
 
 
 def check_protocol(msg: Message) -> None:

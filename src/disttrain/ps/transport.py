@@ -190,13 +190,9 @@ class ServerEndpoint(_Counted):
     def _refuse(self, ident: bytes, env, s: Session | None, e: SchemaError) -> None:
         """Tell the sender of an authenticated frame `e` refused why (does not block): on
         its session, or for a hello (no session yet) in a frame signed like a hello."""
-        if isinstance(e, VersionError):
-            text = (f"server {self.index} speaks wire protocol {PROTOCOL}, this worker "
-                    f"{e.theirs if type(e.theirs) is int else 'an older one (none given)'}: "
-                    "install the same disttrain version on every rank")
-        else:
-            text = (f"server {self.index} refused a {e.op} frame from worker "
-                    f"{'?' if s is None else s.worker}: {e}")
+        text = e.answer(self.index) if isinstance(e, VersionError) else (
+            f"server {self.index} refused a {e.op} frame from worker "
+            f"{'?' if s is None else s.worker}: {e}")
         msg = Message("error", {"message": text, "protocol": PROTOCOL})
         if s is None:
             self._put([ident], seal_hello(self._hello_key, env.nonce_w, msg), "error")
