@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disttrain.ps.connect import format_stats
-from disttrain.ps.frame import PROTOCOL, Message
+from disttrain.ps.frame import OPS, PROTOCOL, Message
 from disttrain.ps.policy import Sync
 from disttrain.ps.ring import plan_keys
 from disttrain.ps.schema import SCHEMA, SchemaError, check
@@ -382,6 +382,7 @@ def test_check_raises_only_schema_errors_on_any_meta(op, side, meta, n):
 
 def test_every_message_the_code_sends_fits_the_schema():
     """A valid frame of every op passes (the live twin run checks what the code sends)."""
+    assert set(_VALID) == set(SCHEMA) == set(OPS)
     for op, meta in _VALID.items():
         n = 1 if op == "push" else 0
         check(Message(op, dict(meta, worker=0) if "worker" in SCHEMA[op].meta else dict(meta),
@@ -397,7 +398,7 @@ def test_a_server_whose_answer_does_not_verify_is_named_as_another_protocol():
     server = FakeServer(on_hello=lambda s, nw: _renonce(other, s, nw))
     with pytest.raises(PSError, match=f"does not verify: it speaks another wire protocol "
                                       rf"\(this worker {PROTOCOL}"):
-        _worker(server, timeout=1)
+        _worker(server, timeout=2)
     server.close()
 
 
