@@ -27,6 +27,7 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from disttrain.ps.frame import (
@@ -50,6 +51,7 @@ ENCRYPTED = 1
 PLAIN = 2  # the buffers are not authenticated (same-user Unix socket: transport.py)
 W2S, S2W = 0, 1
 _ZERO_NONCE = bytes(16)
+_JOIN_BELOW = 64 << 10  # frames this small are tagged in one call (_gmac)
 
 
 def new_nonce() -> bytes:
@@ -136,6 +138,7 @@ class Session:
         keys = HKDF(hashes.SHA256(), 64, nonce_w + nonce_s, info).derive(secret)
         mine, theirs = (W2S, S2W) if side == "worker" else (S2W, W2S)
         self._key = {W2S: keys[:32], S2W: keys[32:]}
+        self._aead = {d: AESGCM(k) for d, k in self._key.items()}
         self._out, self._in = mine, theirs
         self.nonce_w, self.nonce_s, self.worker, self.server = nonce_w, nonce_s, worker, server
         self.flags = ENCRYPTED if encrypt else 0
@@ -160,19 +163,31 @@ class Session:
         plain = bool(self.plain_out and buffers and not self.flags & ENCRYPTED)
         flags = self.flags | (PLAIN if plain else 0)
         head = _HEAD.pack(SESSION, flags, self.nonce_w, self.nonce_s, seq)
+        covered = [head + _lengths([header, *buffers]), header]
+        if not self.flags & ENCRYPTED:  # NOTE: PLAIN: buffers out of the tag, lengths in it
+            tag = self._gmac(self._out, seq, covered if plain else covered + list(buffers))
+            return [head + tag, header, *buffers]
         enc = self._cipher(self._out, seq)
-        enc.authenticate_additional_data(head + _lengths([header, *buffers]))
-        enc.authenticate_additional_data(header)
-        if self.flags & ENCRYPTED:
-            out = [bytearray(len(b)) for b in buffers]
-            for b, o in zip(buffers, out):
-                enc.update_into(b, o)
-            buffers = out
-        elif not plain:  # NOTE: PLAIN: buffers out of the tag, their lengths still in it
-            for b in buffers:
-                enc.authenticate_additional_data(b)
+        for part in covered:
+            enc.authenticate_additional_data(part)
+        out = [bytearray(len(b)) for b in buffers]
+        for b, o in zip(buffers, out):
+            enc.update_into(b, o)
         enc.finalize()
-        return [head + enc.tag, header, *buffers]
+        return [head + enc.tag, header, *out]
+
+    def _gmac(self, direction: int, seq: int, parts: list) -> bytes:
+        """AES-GCM's tag with `parts` as associated data and no plaintext (GMAC). Small
+        frames are joined and tagged in one call (no per-frame cipher set-up); big
+        buffers are fed in place, never joined. Both give the same tag."""
+        iv = struct.pack("<IQ", direction, seq)
+        if sum(len(p) for p in parts) <= _JOIN_BELOW:
+            return self._aead[direction].encrypt(iv, b"", b"".join(parts))
+        enc = Cipher(algorithms.AES(self._key[direction]), modes.GCM(iv)).encryptor()
+        for part in parts:
+            enc.authenticate_additional_data(part)
+        enc.finalize()
+        return enc.tag
 
     def open(self, env: Envelope, parts: list, plain_ok: bool = False) -> Message:
         """Authenticate the next incoming frame and parse it; raises FrameError.
@@ -191,23 +206,29 @@ class Session:
             raise FrameError("unauthenticated payload: a frame without a MAC over its "
                              "buffers from a peer that is not this user on a Unix socket")
         header, buffers = parts[1], parts[2:]
-        dec = self._cipher(self._in, env.seq, env.tag)
-        dec.authenticate_additional_data(bytes(parts[0])[:_HEAD.size] + _lengths(parts[1:]))
-        dec.authenticate_additional_data(header)
-        if self.flags & ENCRYPTED:
-            out = [bytearray(len(b)) for b in buffers]
-            for b, o in zip(buffers, out):
-                dec.update_into(b, o)
-            buffers = out
-        elif not plain:  # NOTE: PLAIN: buffers out of the tag, their lengths still in it
-            for b in buffers:
-                dec.authenticate_additional_data(b)
-        try:
-            dec.finalize()
-        except InvalidTag:
-            raise FrameError("bad MAC: frame not signed with this session's key") from None
+        covered = [bytes(parts[0])[:_HEAD.size] + _lengths(parts[1:]), header]
+        if not self.flags & ENCRYPTED:
+            tag = self._gmac(self._in, env.seq, covered if plain else covered + list(buffers))
+            if not hmac.compare_digest(tag, env.tag):
+                raise FrameError("bad MAC: frame not signed with this session's key")
+        else:
+            buffers = self._decrypt(env, covered, buffers)
         if env.seq != self.recv_seq:
             raise FrameError(f"replayed or reordered: frame {env.seq}, expected "
                              f"{self.recv_seq}")
         self.recv_seq += 1
         return unpack(header, buffers)
+
+    def _decrypt(self, env: Envelope, covered: list, buffers: list) -> list:
+        """The plaintext of an encrypted frame's buffers once its tag verified."""
+        dec = self._cipher(self._in, env.seq, env.tag)
+        for part in covered:
+            dec.authenticate_additional_data(part)
+        out = [bytearray(len(b)) for b in buffers]
+        for b, o in zip(buffers, out):
+            dec.update_into(b, o)
+        try:
+            dec.finalize()
+        except InvalidTag:
+            raise FrameError("bad MAC: frame not signed with this session's key") from None
+        return out
