@@ -230,7 +230,8 @@ def _before_block(sizes: list[int], rep: int, chunk: int) -> dict:
 
 def _run_before(src: str, sizes: list[int], rep: int, chunk: int) -> dict:
     """_before_block in a subprocess whose `disttrain` is the export at `src`."""
-    env = dict(os.environ, PYTHONPATH=src)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # NOTE: its disttrain first
+        [src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, __file__, "--block-before", json.dumps([sizes, rep, chunk])]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     if res.returncode != 0:

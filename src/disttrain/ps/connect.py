@@ -24,7 +24,7 @@ from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
 from disttrain.ps.server import Server
-from disttrain.ps.transport import job_secret
+from disttrain.ps.transport import job_secret, keep_freed_memory
 from disttrain.ps.worker import Worker
 
 __all__ = ["connect", "format_stats"]
@@ -105,6 +105,7 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
         if report:
             print(report, flush=True)
     store.set(f"disttrain/{name}/addr{index}", server.address)
+    keep_freed_memory()  # NOTE: this process only serves: its receive buffers are reused
     stats = server.serve()
     if path:
         server.snapshot(path)
