@@ -1,7 +1,14 @@
 """Push+pull round trip: disttrain.ps vs a torch.distributed.rpc parameter server vs raw ZeroMQ.
 
     python benchmarks/ps_transport.py [--sizes 1K,64K,1M,4M,16M,64M] [--reps 5] [--rpc-tcp]
-        [--chunk 4M] [--tcp] [--before REV]
+        [--chunk 4M] [--tcp] [--compare-tcp] [--compare-mac] [--before REV]
+    python benchmarks/ps_transport.py --targets [--reps 5]   # issue 21's three rows
+
+`--targets` is `--sizes 1K,4M,16M,64M --compare-tcp --compare-mac --before c7c37ba` and
+ends with a table of the targets: loopback servers on ipc:// (the default: tensor buffers
+without a MAC between processes of one user) vs rpc, TCP with a MAC on every frame vs
+rpc, and 1 KB frames vs the HMAC-SHA256 wire (c7c37ba); the load average before and
+after is printed with it.
 
 Two processes (one trainer/worker, one server), the same layout for all sides; one
 iteration sends a gradient of the given size to the server and brings the updated
@@ -9,11 +16,15 @@ parameters (same size) back:
 
 - disttrain: `ps.connect` with one float32 parameter of the given size, `Async()` policy,
   server-side SGD; one iteration = `push()` then `pull()`, both queued at once (ps-lite
-  style), then `wait()` on both. Every frame authenticated (session MAC) both ways; the
-  server steps its optimizer and answers the pull with the new version's parameters.
+  style), then `wait()` on both. Every frame authenticated (session MAC) both ways, on
+  ipc:// between processes of one user without the tensor buffers (envelope, part
+  lengths and header only; docs/design/parameter-server.md, "Threat model"); the server
+  steps its optimizer and answers the pull with the new version's parameters.
   `--chunk` sets `chunk_bytes` (keys and chunk messages; a list runs each, interleaved);
   `--tcp` sets DISTTRAIN_PS_IPC=0 (TCP loopback instead of the ipc:// Unix socket a
-  loopback server uses); `--compare-tcp` adds a TCP run of the first chunk size.
+  loopback server uses); `--compare-tcp` adds a TCP run of the first chunk size (every
+  byte authenticated); `--compare-mac` adds an ipc:// run with DISTTRAIN_PS_MAC=always
+  (every byte authenticated there too: what skipping the buffers' MAC saves).
 - before: the same disttrain side with the library of git revision REV (`--before`),
   run from an export of that revision's src/ in a subprocess: the wire before this one.
 - torch rpc: the PyTorch "batch-updating parameter server" tutorial's pattern: the
@@ -60,6 +71,7 @@ from disttrain import ps
 from disttrain.testing import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HMAC_WIRE = "c7c37ba"  # the last revision with the HMAC-SHA256 hash-then-MAC wire
 
 
 class RpcParameterServer:
@@ -218,7 +230,8 @@ def _before_block(sizes: list[int], rep: int, chunk: int) -> dict:
 
 def _run_before(src: str, sizes: list[int], rep: int, chunk: int) -> dict:
     """_before_block in a subprocess whose `disttrain` is the export at `src`."""
-    env = dict(os.environ, PYTHONPATH=src)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # NOTE: its disttrain first
+        [src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, __file__, "--block-before", json.dumps([sizes, rep, chunk])]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     if res.returncode != 0:
@@ -227,7 +240,10 @@ def _run_before(src: str, sizes: list[int], rep: int, chunk: int) -> dict:
 
 
 def _export(rev: str) -> str:
-    """src/ of git revision `rev`, exported to a temporary folder; returns its path."""
+    """src/ of git revision `rev`, exported to a temporary folder; returns its path (a
+    folder `rev` holding a src/ is used as it is: a machine without the git history)."""
+    if os.path.isdir(rev):
+        return os.path.join(os.path.abspath(rev), "src")
     folder = tempfile.mkdtemp(prefix="ps-before-")
     archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "src"], check=True,
                              capture_output=True).stdout
@@ -241,13 +257,14 @@ def _env() -> dict:
 
 
 def run(sizes: list[int], reps: int, rpc_tcp: bool, variants: list[tuple[str, int, dict]],
-        before: str | None) -> dict:
+        before: str | None, save: str | None = None) -> dict:
     """All blocks, rotating which side goes first; {size: {side: [seconds per rep]}}.
 
     `variants` are (label, chunk_bytes, extra env) of the disttrain side: each runs as its
     own block in the rotation (disttrain, its echo and MAC floor), its results keyed
     "disttrain@<label>"; the first variant's are also plain "disttrain", "zmq", "mac".
-    `before` runs with the first variant's chunk size.
+    `before` runs with the first variant's chunk size. With `save`, the results so far are
+    written there as JSON after every repetition.
 
     NOTE: each block runs in a fresh pair of processes (same layout: rank 0 trainer,
     rank 1 server): TensorPipe's default shared-memory transport busy-polls a core per
@@ -255,6 +272,7 @@ def run(sizes: list[int], reps: int, rpc_tcp: bool, variants: list[tuple[str, in
     a small machine, and RRefs do not survive an rpc re-init in one process.
     """
     src = _export(before) if before else None
+    keep = bool(before) and os.path.isdir(before)
     sides = ["rpc", *range(len(variants))] + (["before"] if before else [])
     out = {str(n): {k: [] for k in ("disttrain", "rpc", "zmq", "mac", "before")}
            for n in sizes}
@@ -274,7 +292,10 @@ def run(sizes: list[int], reps: int, rpc_tcp: bool, variants: list[tuple[str, in
             for size, times in got.items():
                 for k, v in times.items():
                     out[size].setdefault(k, []).append(v)
-    if src:
+        if save:
+            with open(save, "w") as f:
+                json.dump(out, f)
+    if src and not keep:
         shutil.rmtree(os.path.dirname(src), ignore_errors=True)
     return out
 
@@ -303,8 +324,15 @@ def main() -> None:
                         help="disttrain and the echo over TCP loopback (DISTTRAIN_PS_IPC=0)")
     parser.add_argument("--compare-tcp", action="store_true",
                         help="also run disttrain and the echo over TCP, interleaved")
+    parser.add_argument("--compare-mac", action="store_true",
+                        help="also run disttrain over ipc:// with DISTTRAIN_PS_MAC=always")
     parser.add_argument("--before", default=None, metavar="REV",
-                        help="also time the disttrain side of git revision REV")
+                        help="also time the disttrain side of git revision REV (or of REV/src)")
+    parser.add_argument("--save", default=None, metavar="JSON",
+                        help="write the results so far to JSON after every repetition")
+    parser.add_argument("--targets", action="store_true",
+                        help="issue 21's targets: 1K,4M,16M,64M, ipc vs tcp+MAC vs ipc+MAC "
+                             "vs rpc, 1K vs the HMAC wire (c7c37ba); a targets table at the end")
     parser.add_argument("--block-before", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.block_before:  # NOTE: the subprocess of _run_before
@@ -312,13 +340,24 @@ def main() -> None:
         print(json.dumps(spawn(_before_block, 2, sizes, rep, chunk, env=_env(),
                                timeout=1500)[0]))
         return
+    if args.targets:
+        args.sizes, args.compare_tcp, args.compare_mac = "1K,4M,16M,64M", True, True
+        args.before = args.before or HMAC_WIRE
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     chunks = [_parse_size(c) for c in args.chunk.split(",")]
     ipc = {"DISTTRAIN_PS_IPC": "0" if args.tcp else "1"}
     variants = [(_label(c), c, ipc) for c in chunks]
     if args.compare_tcp:
         variants.append(("tcp", chunks[0], {"DISTTRAIN_PS_IPC": "0"}))
-    results = run(sizes, args.reps, args.rpc_tcp, variants, args.before)
+    if args.compare_mac:
+        variants.append(("ipc+MAC", chunks[0], {"DISTTRAIN_PS_IPC": "1",
+                                                "DISTTRAIN_PS_MAC": "always"}))
+    load = os.getloadavg()
+    print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+          f"({os.cpu_count()} cores)", flush=True)
+    results = run(sizes, args.reps, args.rpc_tcp, variants, args.before, args.save)
+    load = os.getloadavg()
+    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     print(f"{'size':>8} {'disttrain ms':>13} {'rpc ms':>9} {'zmq ms':>9} {'4xMAC ms':>9} "
           f"{'before ms':>10} {'disttrain MB/s':>15} {'rpc MB/s':>9} {'zmq MB/s':>9} "
           f"{'dt/rpc':>7} {'dt/zmq':>7} {'dt/before':>9}")
@@ -341,6 +380,30 @@ def main() -> None:
                       statistics.median(res[f"zmq@{v[0]}"]) * 1e3) for v in variants]
             print(f"{_label(nbytes):>8} " + " ".join(
                 f"{ms:8.3f} ({rpc_ms / ms:4.2f}x) zmq {z:7.3f}" for ms, z in cells), flush=True)
+    if args.targets:
+        _print_targets(results, args.reps)
+
+
+def _print_targets(results: dict, reps: int) -> None:
+    """Issue 21's targets: the ratio of medians (> 1: disttrain faster) and met or not."""
+    rows = [("ipc:// (default)", "4M", "disttrain", "rpc", 1.0),
+            ("ipc:// (default)", "16M", "disttrain", "rpc", 1.0),
+            ("ipc:// (default)", "64M", "disttrain", "rpc", 1.1)]
+    rows += [("tcp, MAC on every frame", n, "disttrain@tcp", "rpc", 0.8) for n in ("4M", "16M", "64M")]
+    rows += [("ipc://, DISTTRAIN_PS_MAC=always", n, "disttrain@ipc+MAC", "rpc", None)
+             for n in ("4M", "16M", "64M")]
+    rows += [("1K frames vs HMAC wire (ipc)", "1K", "disttrain", "before", 1.0),
+             ("1K frames vs HMAC wire (tcp)", "1K", "disttrain@tcp", "before", None)]
+    print(f"\ntargets ({reps} interleaved repetitions, medians; ratio = other / disttrain):")
+    print(f"{'path':>30} {'size':>5} {'disttrain ms':>13} {'other':>7} {'other ms':>9} "
+          f"{'ratio':>7} {'target':>7} {'met':>4}")
+    for path, size, ours, other, target in rows:
+        res = results[str(_parse_size(size))]
+        a, b = statistics.median(res[ours]), statistics.median(res[other])
+        met = "-" if target is None else ("yes" if b / a >= target else "NO")
+        want = "-" if target is None else f">={target:.1f}x"
+        print(f"{path:>30} {size:>5} {a * 1e3:13.3f} {other:>7} {b * 1e3:9.3f} "
+              f"{b / a:6.2f}x {want:>7} {met:>4}", flush=True)
 
 
 def _label(nbytes: int) -> str:

@@ -2,8 +2,12 @@
 worker side a `WorkerLink`, and an attacker that resends frames it captured (the exact
 parts the worker sent). Replays change nothing and are counted; a replayed hello takes
 no worker over; frames of another session or another worker id are refused; the server
-keeps serving and the job finishes."""
+keeps serving and the job finishes. The attacks run on both paths of a loopback server:
+`mac` (DISTTRAIN_PS_MAC=always: every byte authenticated) and `plain` (the default
+between processes of one user on a Unix socket: tensor buffers without a MAC, envelope,
+lengths and header authenticated)."""
 
+import os
 import threading
 import time
 
@@ -12,23 +16,28 @@ import torch
 import zmq
 
 from disttrain.ps.frame import DEFAULT_LIMITS, Limits, Message
-from disttrain.ps.policy import Async
+from disttrain.ps.policy import Async, Sync
 from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server
+from disttrain.ps.session import PLAIN
 from disttrain.ps.transport import WorkerLink
 
 KEY = bytes(range(32))
 KEYS = ["w#0", "w#1"]
+PATHS = ["mac", "plain"]
 
 
 class Job:
     """A server (SGD lr=1 on w = zeros(8), keys w#0 and w#1) serving on a thread."""
 
-    def __init__(self, workers=(0,), encrypt=False, limits=DEFAULT_LIMITS):
+    def __init__(self, workers=(0,), encrypt=False, limits=DEFAULT_LIMITS, path="mac",
+                 policy=None, momentum=0.0):
         plan = plan_keys([("w", 8, 4)], 1, chunk_bytes=16)
-        self.server = Server(0, plan[0], {"w": torch.zeros(8)}, Async(),
-                             lambda p: torch.optim.SGD(p, lr=1.0), list(workers), KEY,
-                             timeout=30, encrypt=encrypt, limits=limits)
+        self.always_mac = path == "mac"
+        self.server = Server(0, plan[0], {"w": torch.zeros(8)}, policy or Async(),
+                             lambda p: torch.optim.SGD(p, lr=1.0, momentum=momentum),
+                             list(workers), KEY, timeout=30, encrypt=encrypt, limits=limits,
+                             always_mac=self.always_mac)
         assert self.server.keys == KEYS
         self.ctx = zmq.Context()
         self.out: dict = {}
@@ -42,7 +51,8 @@ class Job:
         return sock
 
     def link(self, worker: int, secret: bytes = KEY, encrypt: bool = False) -> WorkerLink:
-        return WorkerLink(self.socket(), secret, worker, 0, encrypt=encrypt)
+        return WorkerLink(self.socket(), secret, worker, 0, encrypt=encrypt,
+                          always_mac=self.always_mac)
 
     def rejected(self, reason: str, n: int) -> None:
         """Wait until `n` frames were dropped for `reason`."""
@@ -83,8 +93,8 @@ def call(link: WorkerLink, msg: Message, want: str):
     return parts, got
 
 
-def hello(link: WorkerLink):
-    return call(link, Message("hello", {"keys": KEYS, "policy": "Async()"}), "welcome")
+def hello(link: WorkerLink, policy: str = "Async()"):
+    return call(link, Message("hello", {"keys": KEYS, "policy": policy}), "welcome")
 
 
 def push(clock: int, value: float, worker: int = 0) -> Message:
@@ -98,10 +108,12 @@ def params(link: WorkerLink) -> torch.Tensor:
 
 
 @pytest.mark.timeout(60)
-def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted():
-    job = Job()
+@pytest.mark.parametrize("path", PATHS)
+def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted(path):
+    job = Job(path=path)
     worker = job.link(0)
     hello(worker)
+    assert worker.session.plain_out == (path == "plain")
     captured, _ = call(worker, push(0, 1.0), "ack")
     assert torch.equal(params(worker), torch.full((8,), -1.0))
     worker.sock.send_multipart(captured)  # same connection
@@ -112,10 +124,12 @@ def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted(
     for part in range(4):  # one flipped bit in any part of a fresh, unsent push
         fresh = [bytes(p) for p in worker.session.seal(push(1, 5.0))]
         worker.session.send_seq -= 1  # NOTE: never sent: the real push below takes its number
+        assert bool(fresh[0][1] & PLAIN) == (path == "plain")
         flipped = bytearray(fresh[part])
         flipped[len(flipped) // 2] ^= 1
         attacker.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
-        worker.sock.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
+        if part < 2 or path == "mac":  # NOTE: plain: only this connection's owner could
+            worker.sock.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
     fresh = [bytes(p) for p in worker.session.seal(push(1, 5.0))]
     worker.session.send_seq -= 1
     for cut in (fresh[:-1], [*fresh[:2], fresh[2][:-4], fresh[3]], [fresh[0][:40], *fresh[1:]],
@@ -125,12 +139,14 @@ def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted(
     assert torch.equal(params(worker), torch.full((8,), -1.0))  # still one update
     stats = job.finish(worker)
     assert stats["version"] == 1 and stats["applied"] == 1
-    assert stats["rejected_frames"] == sum(stats["rejected"].values()) == 14, stats["rejected"]
+    want = 14 if path == "mac" else 12
+    assert stats["rejected_frames"] == sum(stats["rejected"].values()) == want, stats["rejected"]
 
 
 @pytest.mark.timeout(60)
-def test_replayed_hello_takes_no_worker_over():
-    job = Job()
+@pytest.mark.parametrize("path", PATHS)
+def test_replayed_hello_takes_no_worker_over(path):
+    job = Job(path=path)
     worker = job.link(0)
     captured, _ = hello(worker)
     assert torch.equal(params(worker), torch.zeros(8))
@@ -152,8 +168,9 @@ def test_replayed_hello_takes_no_worker_over():
 
 
 @pytest.mark.timeout(60)
-def test_reordered_and_duplicated_chunks_are_rejected():
-    job = Job()
+@pytest.mark.parametrize("path", PATHS)
+def test_reordered_and_duplicated_chunks_are_rejected(path):
+    job = Job(path=path)
     worker = job.link(0)
     hello(worker)
     meta = {"clock": 0, "version": 0, "worker": 0}
@@ -171,8 +188,9 @@ def test_reordered_and_duplicated_chunks_are_rejected():
 
 
 @pytest.mark.timeout(60)
-def test_frames_of_another_session_worker_id_or_secret_are_rejected():
-    job = Job(workers=(0, 1))
+@pytest.mark.parametrize("path", PATHS)
+def test_frames_of_another_session_worker_id_or_secret_are_rejected(path):
+    job = Job(workers=(0, 1), path=path)
     w0, w1 = job.link(0), job.link(1)
     hello(w0)
     hello(w1)
@@ -218,13 +236,14 @@ def test_a_refused_hello_gets_the_servers_reason_not_silence():
 
 
 @pytest.mark.timeout(60)
-def test_after_a_server_restart_old_frames_are_refused_and_a_reconnect_opens_a_new_session():
-    first = Job()
+@pytest.mark.parametrize("path", PATHS)
+def test_after_a_server_restart_old_frames_are_refused_and_a_reconnect_opens_a_new_session(path):
+    first = Job(path=path)
     worker = first.link(0)
     old_hello, _ = hello(worker)
     old_push, _ = call(worker, push(0, 1.0), "ack")
     first.finish(worker)
-    second = Job()  # the restarted server: same job secret, nonces it saw forgotten
+    second = Job(path=path)  # the restarted server: same job secret, nonces it saw forgotten
     attacker = second.socket()
     attacker.send_multipart(old_hello)  # accepted as a hello (a fresh server cannot tell)...
     assert attacker.poll(5000)  # ...and answered on a session only the real worker could use
@@ -256,3 +275,127 @@ def test_a_part_over_the_limits_drops_its_connection_before_the_server_reads_it(
     assert stats["rejected_frames"] == 1, stats["rejected"]  # the 4 MB part was never read
     with pytest.raises(ValueError, match="key of 16 bytes exceeds Limits.max_tensor_bytes=15"):
         Job(limits=Limits(max_tensor_bytes=15))  # keys of 4 floats: said, not dropped unseen
+
+
+def _state(job: Job) -> list[torch.Tensor]:
+    """Every server tensor a push may change: parameters and optimizer state, copied."""
+    out = [p.detach().clone() for p in job.server.params.values()]
+    for p in job.server.params.values():
+        out += [v.clone() for v in job.server.optimizer.state.get(p, {}).values()
+                if isinstance(v, torch.Tensor)]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_push_with_its_last_byte_flipped_changes_no_parameter_and_no_optimizer_state():
+    """MAC path: the tag is checked before anything is applied, for a push of one frame
+    (Async steps it on arrival) and for a push of two chunks whose first one verified
+    (Sync waits for the whole push)."""
+    for policy, frames in ((Async(), 1), (Sync(), 2)):
+        job = Job(policy=policy, momentum=0.9)
+        worker = job.link(0)
+        hello(worker, repr(policy))
+        call(worker, push(0, 1.0), "ack")  # momentum buffers exist from here on
+        before = _state(job)
+        assert len(before) == 4
+        meta = {"clock": 1, "version": 1, "worker": 0}
+        if frames == 1:
+            last = [bytes(p) for p in worker.session.seal(push(1, 3.0))]
+        else:
+            worker.sock.send_multipart(worker.session.seal(
+                Message("push", meta, KEYS[:1], [torch.full((4,), 3.0)])))
+            last = [bytes(p) for p in worker.session.seal(
+                Message("push", dict(meta, ack=1), KEYS[1:], [torch.full((4,), 3.0)]))]
+        last[-1] = last[-1][:-1] + bytes([last[-1][-1] ^ 0x01])
+        worker.sock.send_multipart(last)
+        job.rejected("bad MAC", 1)
+        after = _state(job)
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+        worker.session.send_seq -= 1  # NOTE: the refused frame did not move the sequence
+        call(worker, push(1, 3.0) if frames == 1 else Message(
+            "push", dict(meta, ack=1), KEYS[1:], [torch.full((4,), 3.0)]), "ack")
+        assert not torch.equal(_state(job)[0], before[0])  # the intact one is applied
+        assert job.finish(worker)["applied"] == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["tcp", "server says always", "worker says always"])
+def test_buffers_go_without_a_mac_only_between_consenting_same_user_unix_peers(
+        where, monkeypatch):
+    """Neither side sends PLAIN frames unless both allow it on a Unix socket, and the side
+    that does not allow it refuses one (the other side forced to send it)."""
+    if where == "tcp":
+        monkeypatch.setenv("DISTTRAIN_PS_IPC", "0")
+    job = Job(path="mac" if where == "server says always" else "plain")
+    worker = WorkerLink(job.socket(), KEY, 0, 0, always_mac=where == "worker says always")
+    hello(worker)
+    call(worker, push(0, 1.0), "ack")
+    server_side = job.server.ep.active[0]
+    assert not worker.session.plain_out and not server_side.plain_out
+    assert torch.equal(params(worker), torch.full((8,), -1.0))  # both ways MAC'd, accepted
+    if where != "worker says always":  # the server refuses a worker's PLAIN push
+        worker.session.plain_out = True
+        worker.send(push(1, 2.0))
+        job.rejected("unauthenticated payload", 1)
+        worker.session.send_seq -= 1
+        worker.session.plain_out = False
+        assert torch.equal(params(worker), torch.full((8,), -1.0))
+    if where != "server says always":  # the worker refuses the server's PLAIN parameters
+        server_side.plain_out = True
+        worker.send(Message("pull", {"have": -1}))
+        assert reply(worker, wait=1.0) is None
+        assert worker.rejected == {"unauthenticated payload": 1}
+        server_side.plain_out = False
+        worker.session.recv_seq += 1  # NOTE: skip the refused frame's number
+    refused = {} if where == "worker says always" else {"unauthenticated payload": 1}
+    assert job.finish(worker)["rejected"] == refused
+
+
+def _as_nobody(address: str, plain: bool) -> int:
+    """In a forked child running as uid 65534: hello, then (plain) a push sent without a
+    MAC over its buffers although the server did not offer it. Exit status: 0 as
+    expected, 3 when the welcome offered PLAIN, 4 when no welcome came, 1 on error."""
+    pid = os.fork()
+    if pid:
+        return os.waitpid(pid, 0)[1] >> 8
+    code = 1
+    try:
+        os.setgid(65534)
+        os.setuid(65534)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(address)
+        link = WorkerLink(sock, KEY, 0, 0)
+        link.send(Message("hello", {"keys": KEYS, "policy": "Async()"}))
+        got = reply(link, wait=1.0 if not plain else 5.0)
+        if got is None or got.op != "welcome":
+            code = 4
+        elif link.session.plain_out:
+            code = 3
+        else:
+            link.session.plain_out = True
+            link.send(push(0, 1.0))
+            code = 0
+        sock.close()
+        ctx.term()
+    finally:
+        os._exit(code)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a peer as another user")
+def test_another_user_cannot_connect_and_gets_no_plain_path_where_it_can():
+    job = Job(path="plain")
+    folder = os.path.dirname(job.server.address.removeprefix("ipc://"))
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert _as_nobody(job.server.address, plain=False) == 4  # the kernel refused it
+    os.chmod(folder, 0o755)  # NOTE: opened up by hand, to reach the server's own check
+    os.chmod(job.server.address.removeprefix("ipc://"), 0o777)
+    assert _as_nobody(job.server.address, plain=True) == 0  # MAC'd hello welcomed...
+    job.rejected("unauthenticated payload", 1)  # ...its PLAIN push refused: uid != ours
+    worker = job.link(0)
+    hello(worker)
+    assert worker.session.plain_out  # this user still gets the plain path
+    assert torch.equal(params(worker), torch.zeros(8))
+    assert job.finish(worker)["rejected"] == {"unauthenticated payload": 1}

@@ -1,15 +1,21 @@
 """Frames and sessions: round trip, MAC and sequence checks, limits, and a fuzzed parser
 that never crashes. The attacks on a live server (replays, hijacks) are test_ps_session.py."""
 
+import struct
+
 import msgpack
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, group_keys, pack
 from disttrain.ps.session import (
+    ENCRYPTED,
     ENVELOPE_BYTES,
+    PLAIN,
     Session,
     hello_key,
     new_nonce,
@@ -165,8 +171,9 @@ _HEADERISH = st.fixed_dictionaries({
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.binary(max_size=80), min_size=0, max_size=6), _ENVELOPE, st.booleans())
-def test_fuzzed_frames_never_crash_the_parser(parts, envelope, sign):
+@given(st.lists(st.binary(max_size=80), min_size=0, max_size=6), _ENVELOPE, st.booleans(),
+       st.booleans())
+def test_fuzzed_frames_never_crash_the_parser(parts, envelope, sign, plain_ok):
     """Random parts, or random headers behind a correctly signed envelope whose kind,
     flags and sequence number are drawn too (so the checks after the MAC run)."""
     w, s = _pair()
@@ -179,7 +186,7 @@ def test_fuzzed_frames_never_crash_the_parser(parts, envelope, sign):
         raw[0] = kind
         parts[0] = bytes(raw)
     try:
-        _open(s, parts, Limits(max_tensors=8))
+        s.open(read_envelope(parts, Limits(max_tensors=8)), parts, plain_ok)
     except FrameError:
         pass
 
@@ -197,3 +204,49 @@ def test_fuzzed_signed_msgpack_headers_never_crash(obj, buffers):
         open_hello(hello_key(KEY), read_envelope(parts), parts)
     except FrameError:
         pass
+
+
+@pytest.mark.timeout(10)
+def test_plain_frames_leave_only_the_buffers_out_of_the_tag():
+    """PLAIN (a same-user Unix socket, transport.py): refused unless the receiver allows
+    it; the envelope, header and part lengths still verified; replays still refused."""
+    w, s = _pair()
+    w.plain_out = True
+    parts = [bytes(p) for p in w.seal(_msg())]
+    env = read_envelope(parts)
+    assert env.flags == PLAIN
+    with pytest.raises(FrameError, match="unauthenticated payload"):
+        s.open(env, parts)
+    for part, at in ((0, 1), (0, 40), (1, 3)):
+        bad = list(parts)
+        bad[part] = bad[part][:at] + bytes([bad[part][at] ^ 1]) + bad[part][at + 1:]
+        with pytest.raises(FrameError):
+            s.open(read_envelope(bad), bad, plain_ok=True)
+    resplit = [*parts[:2], parts[2][:-4], parts[3][:0] + parts[2][-4:] + parts[3], parts[4]]
+    with pytest.raises(FrameError, match="bad MAC"):
+        s.open(read_envelope(resplit), resplit, plain_ok=True)
+    assert s.open(env, parts, plain_ok=True).keys == _msg().keys
+    with pytest.raises(FrameError, match="replayed or reordered"):
+        s.open(env, parts, plain_ok=True)
+    enc, _ = _pair(encrypt=True)
+    enc.plain_out = True  # never with encryption
+    assert read_envelope(enc.seal(_msg())).flags == ENCRYPTED
+
+
+@pytest.mark.timeout(10)
+def test_small_frames_get_the_same_tag_as_streamed_ones():
+    w, _ = _pair()
+    parts = [b"h" * 48, b"x" * 1000, bytes(range(256)) * 3]
+    small = w._gmac(0, 9, parts)
+    big = [*parts, bytes(70 << 10)]
+    streamed = w._gmac(0, 9, big)
+    enc = Cipher(algorithms.AES(w._key[0]), modes.GCM(struct.pack("<IQ", 0, 9))).encryptor()
+    for p in big:
+        enc.authenticate_additional_data(p)
+    enc.finalize()
+    assert streamed == enc.tag
+    assert small == AESGCM(w._key[0]).encrypt(struct.pack("<IQ", 0, 9), b"", b"".join(parts))
+    one = Cipher(algorithms.AES(w._key[0]), modes.GCM(struct.pack("<IQ", 0, 9))).encryptor()
+    one.authenticate_additional_data(b"".join(parts))
+    one.finalize()
+    assert small == one.tag

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from disttrain import runtime
 from disttrain.ps.compress import TopK, parse_compression
+from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
 from disttrain.ps.server import Server
@@ -105,6 +106,7 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
         if report:
             print(report, flush=True)
     store.set(f"disttrain/{name}/addr{index}", server.address)
+    keep_freed_memory()  # NOTE: this process only serves: its receive buffers are reused
     stats = server.serve()
     if path:
         server.snapshot(path)

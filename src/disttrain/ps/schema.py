@@ -65,14 +65,14 @@ SCHEMA: dict[str, Op] = {
     # worker -> server
     "hello": Op("server", {"worker": WORKER, "server": Field("int", 0, 2**31 - 1),
                            "protocol": Field("int"), "keys": Field("strs"),
-                           "policy": Field("str")}),
+                           "policy": Field("str"), "plain": FLAG}),
     "push": Op("server", {"worker": WORKER, "clock": Field("int"), "version": KNOWN,
                           "sparse": FLAG, "ack": FLAG}, tensors=(1, MAX)),
     "pull": Op("server", {"worker": WORKER, "have": KNOWN}),
     "beat": Op("server", {"worker": WORKER}),
     "done": Op("server", {"worker": WORKER}),
     # server -> worker
-    "welcome": Op("worker", {"version": VERSION}),
+    "welcome": Op("worker", {"version": VERSION, "plain": FLAG}),
     "ack": Op("worker"),
     "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1)}, tensors=(0, MAX)),
     "cancel": Op("worker", {"version": VERSION}),

@@ -32,7 +32,13 @@ from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.schema import check_keys
 from disttrain.ps.session import Session
 from disttrain.ps.staleness import StaleStep
-from disttrain.ps.transport import ServerEndpoint, bind, encrypt_setting, remove_folder
+from disttrain.ps.transport import (
+    ServerEndpoint,
+    bind,
+    encrypt_setting,
+    mac_setting,
+    remove_folder,
+)
 from disttrain.trace import events as trace_events
 
 __all__ = ["Server", "PSError"]
@@ -59,7 +65,8 @@ class Server:
     def __init__(self, index: int, chunks: list[Chunk], init: dict[str, torch.Tensor],
                  policy: Policy, optimizer: Callable, workers: list[int], secret: bytes, *,
                  host: str = "127.0.0.1", timeout: float = 10.0, limits: Limits = DEFAULT_LIMITS,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, encrypt: bool | None = None):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, encrypt: bool | None = None,
+                 always_mac: bool | None = None):
         self.index, self.chunks, self.policy, self.timeout = index, chunks, policy, timeout
         self.keys = [c.key for c in chunks]
         self.params = {c.key: torch.nn.Parameter(
@@ -81,7 +88,8 @@ class Server:
         sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
         self.address, self._folder = bind(sock, host)
         self.ep = ServerEndpoint(sock, secret, index, self.workers, limits,
-                                 encrypt_setting() if encrypt is None else encrypt)
+                                 encrypt_setting() if encrypt is None else encrypt,
+                                 mac_setting() if always_mac is None else always_mac)
         self.partial: dict[int, PartialPush] = {}  # worker -> the push still arriving
         self.complete: dict[int, dict[str, torch.Tensor]] = {}  # push id -> grads
         self.parked: dict[int, int] = {}  # worker -> version it already has

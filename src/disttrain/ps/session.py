@@ -7,7 +7,9 @@ number and the tag. A `hello` is signed HMAC-SHA256 under a key derived from the
 secret; every later frame gets an AES-GCM tag (GMAC: all parts as associated data; with
 DISTTRAIN_PS_ENCRYPT=1 the buffers encrypted) under its session's key for its direction,
 HKDF-SHA256(secret, both nonces, worker, server), with the GCM nonce = direction | seq.
-A receiver accepts frame n of a direction only after n-1.
+A receiver accepts frame n of a direction only after n-1. Between two processes of one
+user on a Unix socket the buffers may be left out of the tag (flag PLAIN; who may do it
+and why: transport.py), never the envelope, the part lengths or the header.
 
 Who talks to whom: transport.py seals and opens every frame through a `Session` (one per
 worker and server). The exact layout, what is authenticated, how keys and nonces are made
@@ -25,6 +27,7 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from disttrain.ps.frame import (
@@ -46,8 +49,10 @@ TAG_BYTES = 16
 ENVELOPE_BYTES = _HEAD.size + TAG_BYTES
 HELLO, SESSION = 0, 1
 ENCRYPTED = 1
+PLAIN = 2  # the buffers are not authenticated (same-user Unix socket: transport.py)
 W2S, S2W = 0, 1
 _ZERO_NONCE = bytes(16)
+_JOIN_BELOW = 64 << 10  # frames this small are tagged in one call (_gmac)
 
 
 def new_nonce() -> bytes:
@@ -79,7 +84,7 @@ def read_envelope(parts: list, limits: Limits = DEFAULT_LIMITS) -> Envelope:
     check_sizes(parts, limits, ENVELOPE_BYTES)
     raw = bytes(parts[0])
     kind, flags, nw, ns, seq = _HEAD.unpack_from(raw)
-    if kind not in (HELLO, SESSION) or flags & ~ENCRYPTED:
+    if kind not in (HELLO, SESSION) or flags & ~(ENCRYPTED | PLAIN) or flags == ENCRYPTED | PLAIN:
         raise FrameError(f"bad envelope: kind {kind}, flags {flags}")
     return Envelope(kind, flags, nw, ns, seq, raw[_HEAD.size:])
 
@@ -126,8 +131,11 @@ class Session:
     """One worker<->server session: its keys and both directions' sequence numbers.
 
     `side` is "worker" or "server"; `seal` numbers and authenticates outgoing frames,
-    `open` accepts only the next frame of the other direction. Not thread-safe: one
-    session is used from one thread (the server loop, the worker's comm thread).
+    `open` accepts only the next frame of the other direction. With `plain_out` set
+    (transport.py decides: a same-user Unix socket whose peer accepts it) the buffers of
+    outgoing frames are left out of the tag and the PLAIN flag says so; the envelope, the
+    part lengths and the header stay authenticated. Not thread-safe: one session is used
+    from one thread (the server loop, the worker's comm thread).
     """
 
     def __init__(self, secret: bytes, nonce_w: bytes, nonce_s: bytes, worker: int,
@@ -136,10 +144,13 @@ class Session:
         keys = HKDF(hashes.SHA256(), 64, nonce_w + nonce_s, info).derive(secret)
         mine, theirs = (W2S, S2W) if side == "worker" else (S2W, W2S)
         self._key = {W2S: keys[:32], S2W: keys[32:]}
+        self._aead = {d: AESGCM(k) for d, k in self._key.items()}
         self._out, self._in = mine, theirs
         self.nonce_w, self.nonce_s, self.worker, self.server = nonce_w, nonce_s, worker, server
         self.flags = ENCRYPTED if encrypt else 0
         self.send_seq = self.recv_seq = 0
+        self.plain_out = False  # send buffers without a MAC (never with encrypt)
+        self.peer_local = False  # the peer is this user on a Unix socket (server side)
         self.ident: bytes | None = None  # the server's ROUTER identity of this connection
 
     def _cipher(self, direction: int, seq: int, tag: bytes | None = None):
@@ -155,49 +166,75 @@ class Session:
     def seal_parts(self, header: bytes, buffers: list) -> list:
         """Authenticate (and maybe encrypt) a packed header and buffers as the next frame."""
         seq, self.send_seq = self.send_seq, self.send_seq + 1
-        head = _HEAD.pack(SESSION, self.flags, self.nonce_w, self.nonce_s, seq)
+        plain = bool(self.plain_out and buffers and not self.flags & ENCRYPTED)
+        flags = self.flags | (PLAIN if plain else 0)
+        head = _HEAD.pack(SESSION, flags, self.nonce_w, self.nonce_s, seq)
+        covered = [head + _lengths([header, *buffers]), header]
+        if not self.flags & ENCRYPTED:  # NOTE: PLAIN: buffers out of the tag, lengths in it
+            tag = self._gmac(self._out, seq, covered if plain else covered + list(buffers))
+            return [head + tag, header, *buffers]
         enc = self._cipher(self._out, seq)
-        enc.authenticate_additional_data(head + _lengths([header, *buffers]))
-        enc.authenticate_additional_data(header)
-        if self.flags & ENCRYPTED:
-            out = [bytearray(len(b)) for b in buffers]
-            for b, o in zip(buffers, out):
-                enc.update_into(b, o)
-            buffers = out
-        else:
-            for b in buffers:
-                enc.authenticate_additional_data(b)
+        for part in covered:
+            enc.authenticate_additional_data(part)
+        out = [bytearray(len(b)) for b in buffers]
+        for b, o in zip(buffers, out):
+            enc.update_into(b, o)
         enc.finalize()
-        return [head + enc.tag, header, *buffers]
+        return [head + enc.tag, header, *out]
 
-    def open(self, env: Envelope, parts: list) -> Message:
+    def _gmac(self, direction: int, seq: int, parts: list) -> bytes:
+        """AES-GCM's tag with `parts` as associated data and no plaintext (GMAC). Small
+        frames are joined and tagged in one call (no per-frame cipher set-up); big
+        buffers are fed in place, never joined. Both give the same tag."""
+        iv = struct.pack("<IQ", direction, seq)
+        if sum(len(p) for p in parts) <= _JOIN_BELOW:
+            return self._aead[direction].encrypt(iv, b"", b"".join(parts))
+        enc = Cipher(algorithms.AES(self._key[direction]), modes.GCM(iv)).encryptor()
+        for part in parts:
+            enc.authenticate_additional_data(part)
+        enc.finalize()
+        return enc.tag
+
+    def open(self, env: Envelope, parts: list, plain_ok: bool = False) -> Message:
         """Authenticate the next incoming frame and parse it; raises FrameError.
 
         The caller has matched env's nonces to this session. The tag is checked before
         the sequence number and before anything is parsed; plaintext (encrypted mode)
-        is used only after the tag verified.
+        is used only after the tag verified. A PLAIN frame (buffers not in the tag) is
+        refused unless `plain_ok` (transport.py: this frame came from a process of this
+        user over a Unix socket).
         """
-        if env.kind != SESSION or env.flags != self.flags:
+        if env.kind != SESSION or env.flags & ENCRYPTED != self.flags:
             raise FrameError(f"encryption mismatch: frame flags {env.flags}, this job's "
                              f"{self.flags} (set DISTTRAIN_PS_ENCRYPT alike on every rank)")
+        plain = bool(env.flags & PLAIN)
+        if plain and not plain_ok:
+            raise FrameError("unauthenticated payload: a frame without a MAC over its "
+                             "buffers from a peer that is not this user on a Unix socket")
         header, buffers = parts[1], parts[2:]
-        dec = self._cipher(self._in, env.seq, env.tag)
-        dec.authenticate_additional_data(bytes(parts[0])[:_HEAD.size] + _lengths(parts[1:]))
-        dec.authenticate_additional_data(header)
-        if self.flags & ENCRYPTED:
-            out = [bytearray(len(b)) for b in buffers]
-            for b, o in zip(buffers, out):
-                dec.update_into(b, o)
-            buffers = out
+        covered = [bytes(parts[0])[:_HEAD.size] + _lengths(parts[1:]), header]
+        if not self.flags & ENCRYPTED:
+            tag = self._gmac(self._in, env.seq, covered if plain else covered + list(buffers))
+            if not hmac.compare_digest(tag, env.tag):
+                raise FrameError("bad MAC: frame not signed with this session's key")
         else:
-            for b in buffers:
-                dec.authenticate_additional_data(b)
-        try:
-            dec.finalize()
-        except InvalidTag:
-            raise FrameError("bad MAC: frame not signed with this session's key") from None
+            buffers = self._decrypt(env, covered, buffers)
         if env.seq != self.recv_seq:
             raise FrameError(f"replayed or reordered: frame {env.seq}, expected "
                              f"{self.recv_seq}")
         self.recv_seq += 1
         return unpack(header, buffers)
+
+    def _decrypt(self, env: Envelope, covered: list, buffers: list) -> list:
+        """The plaintext of an encrypted frame's buffers once its tag verified."""
+        dec = self._cipher(self._in, env.seq, env.tag)
+        for part in covered:
+            dec.authenticate_additional_data(part)
+        out = [bytearray(len(b)) for b in buffers]
+        for b, o in zip(buffers, out):
+            dec.update_into(b, o)
+        try:
+            dec.finalize()
+        except InvalidTag:
+            raise FrameError("bad MAC: frame not signed with this session's key") from None
+        return out

@@ -16,6 +16,16 @@ frame that fails with an `error` naming op and field (a hello of another protoco
 version or a malformed hello: a refusal signed like a hello, the one frame every
 version can read). Sockets are used from one thread only (the server loop or the
 worker's communication thread).
+
+Same-user Unix sockets: a frame's buffers (the tensors) go without a MAC when the
+connection is `ipc://` and the peer process runs as this user, read from the kernel
+(SO_PEERCRED, which ZeroMQ reports in every message's "Peer-Address" as
+`host:uid:gid:pid`), both ends allow it (`DISTTRAIN_PS_MAC=always` or
+DISTTRAIN_PS_ENCRYPT=1 forbid it) and the peer said so in its hello or welcome. The
+receiver checks the uid again on every such frame. The envelope, the part lengths and
+the header (op, worker, clock, version, keys, shapes) stay authenticated and sequenced.
+Why that protects as much as a MAC would there: docs/design/parameter-server.md,
+"Threat model".
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from disttrain.ps.frame import DEFAULT_LIMITS, PROTOCOL, FrameError, Limits, Mes
 from disttrain.ps.schema import SchemaError, VersionError, check, check_protocol
 from disttrain.ps.session import (
     HELLO,
+    PLAIN,
     Session,
     hello_key,
     new_nonce,
@@ -39,8 +50,8 @@ from disttrain.ps.session import (
     seal_hello,
 )
 
-__all__ = ["ServerEndpoint", "WorkerLink", "job_secret", "encrypt_setting", "bind",
-           "remove_folder"]
+__all__ = ["ServerEndpoint", "WorkerLink", "job_secret", "encrypt_setting", "mac_setting",
+           "peer_uid", "bind", "remove_folder"]
 
 _COPY_BELOW = 64 << 10  # smaller buffers are copied: cheaper than zero-copy bookkeeping
 _MAX_PENDING = 64  # sessions greeted but not yet used; older ones are forgotten
@@ -72,6 +83,27 @@ def encrypt_setting() -> bool:
     return raw == "1"
 
 
+def mac_setting() -> bool:
+    """True when DISTTRAIN_PS_MAC=always: authenticate every byte even between processes of
+    one user on a Unix socket (default `auto`: tensor buffers go without a MAC there)."""
+    raw = os.environ.get("DISTTRAIN_PS_MAC", "auto")
+    if raw not in ("auto", "always"):
+        raise ValueError(f"DISTTRAIN_PS_MAC={raw!r} must be 'auto' or 'always'")
+    return raw == "always"
+
+
+def peer_uid(frame: zmq.Frame) -> int | None:
+    """The uid of the process at the other end of the ipc:// connection `frame` came on:
+    the kernel's SO_PEERCRED, which ZeroMQ appends to the message's Peer-Address
+    (`host:uid:gid:pid`). None when there is none (call it for ipc:// connections only:
+    an IPv6 TCP address has colons too)."""
+    try:
+        fields = frame.get("Peer-Address").rsplit(":", 3)
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return int(fields[1]) if len(fields) == 4 and fields[1].isdigit() else None
+
+
 def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
     """Bind `sock`; returns (address to publish, folder to remove at close or None).
 
@@ -93,8 +125,11 @@ def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
 class _Counted:
     """Per-op byte and frame counters (plain dicts: another thread may copy them)."""
 
-    def __init__(self, sock: zmq.Socket, secret: bytes, limits: Limits, encrypt: bool):
+    def __init__(self, sock: zmq.Socket, secret: bytes, limits: Limits, encrypt: bool,
+                 always_mac: bool):
         self.sock, self.secret, self.limits, self.encrypt = sock, secret, limits, encrypt
+        ipc = sock.getsockopt(zmq.LAST_ENDPOINT).startswith(b"ipc://")
+        self.plain_ok = ipc and not (encrypt or always_mac)  # buffers may skip the MAC
         self.rejected: Counter[str] = Counter()
         self.sent_bytes: dict[str, int] = {}
         self.sent_frames: dict[str, int] = {}
@@ -105,6 +140,10 @@ class _Counted:
         nbytes, frames = getattr(self, what + "_bytes"), getattr(self, what + "_frames")
         nbytes[op] = nbytes.get(op, 0) + sum(len(p) for p in parts)
         frames[op] = frames.get(op, 0) + 1
+
+    def _local(self, frame: zmq.Frame) -> bool:
+        """May this received frame's buffers go without a MAC: this user on a Unix socket?"""
+        return self.plain_ok and peer_uid(frame) == os.getuid()
 
     def _reject(self, e: FrameError) -> None:
         self.rejected[e.reason] += 1
@@ -128,8 +167,8 @@ class ServerEndpoint(_Counted):
     """A server's ROUTER: greets workers, keeps one live session per worker."""
 
     def __init__(self, sock: zmq.Socket, secret: bytes, index: int, workers: list[int],
-                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False):
-        super().__init__(sock, secret, limits, encrypt)
+                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False, always_mac: bool = False):
+        super().__init__(sock, secret, limits, encrypt, always_mac)
         self.index, self.workers = index, set(workers)
         self._hello_key = hello_key(secret)
         self.active: dict[int, Session] = {}  # worker -> its live session
@@ -139,6 +178,8 @@ class ServerEndpoint(_Counted):
 
     def send(self, to: Session, msg: Message, track: bool = False):
         """Queue `msg` on session `to` (does not block); a tracker if `track` and big."""
+        if msg.op == "welcome":  # NOTE: tells the worker whether it may skip the buffers' MAC
+            msg.meta["plain"] = int(to.peer_local)
         return self._put([to.ident], to.seal(msg), msg.op, track)
 
     def recv(self) -> tuple[Session, Message] | None:
@@ -150,10 +191,10 @@ class ServerEndpoint(_Counted):
         try:
             env = read_envelope(parts, self.limits)
             if env.kind == HELLO:
-                s, msg = self._greet(ident, env, parts)
+                s, msg = self._greet(ident, env, parts, self._local(frames[-1]))
             else:
                 s = self._session(ident, env)
-                msg = s.open(env, parts)
+                msg = s.open(env, parts, bool(env.flags & PLAIN) and self._local(frames[-1]))
                 check(msg, "server")
                 if msg.meta["worker"] != s.worker:
                     raise FrameError(f"worker of another session: frame says "
@@ -168,7 +209,7 @@ class ServerEndpoint(_Counted):
         self._count("recv", msg.op, parts)
         return s, msg
 
-    def _greet(self, ident: bytes, env, parts) -> tuple[Session, Message]:
+    def _greet(self, ident: bytes, env, parts, local: bool) -> tuple[Session, Message]:
         msg = open_hello(self._hello_key, env, parts)
         check_protocol(msg)
         check(msg, "server")
@@ -181,7 +222,8 @@ class ServerEndpoint(_Counted):
             raise FrameError("replayed hello: its nonce was used before")
         self._seen.add(env.nonce_w)
         s = Session(self.secret, env.nonce_w, new_nonce(), w, self.index, "server", self.encrypt)
-        s.ident = ident
+        s.ident, s.peer_local = ident, local
+        s.plain_out = local and msg.meta["plain"] == 1
         self._pending[ident] = s
         while len(self._pending) > _MAX_PENDING:
             self._pending.popitem(last=False)
@@ -223,8 +265,8 @@ class WorkerLink(_Counted):
     """A worker's DEALER to one server and its session (after `hello` got `welcome`)."""
 
     def __init__(self, sock: zmq.Socket, secret: bytes, worker: int, server: int,
-                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False):
-        super().__init__(sock, secret, limits, encrypt)
+                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False, always_mac: bool = False):
+        super().__init__(sock, secret, limits, encrypt, always_mac)
         self.worker, self.server = worker, server
         self.session: Session | None = None
         self._nonce_w: bytes | None = None
@@ -235,7 +277,8 @@ class WorkerLink(_Counted):
         msg.meta["worker"] = self.worker
         if msg.op == "hello":
             self._nonce_w, self.session = new_nonce(), None
-            msg.meta.update(server=self.server, protocol=PROTOCOL)
+            # NOTE: plain is checked per frame on receipt
+            msg.meta.update(server=self.server, protocol=PROTOCOL, plain=int(self.plain_ok))
             parts = seal_hello(hello_key(self.secret), self._nonce_w, msg)
         elif self.session is None:
             raise RuntimeError(f"worker {self.worker}: no session with server {self.server} "
@@ -250,7 +293,8 @@ class WorkerLink(_Counted):
 
         Raises SchemaError (counted) for an authenticated reply that breaks its op's
         schema: the server is broken or of another version; the worker cannot go on."""
-        parts = [f.buffer for f in self.sock.recv_multipart(copy=False)]
+        frames = self.sock.recv_multipart(copy=False)
+        parts = [f.buffer for f in frames]
         try:
             env = read_envelope(parts, self.limits)
             if env.kind == HELLO:  # the server refused our hello (e.g. another version)
@@ -266,12 +310,15 @@ class WorkerLink(_Counted):
                             "worker", self.encrypt)
             if s is None or (s.nonce_w, s.nonce_s) != (env.nonce_w, env.nonce_s):
                 raise FrameError("other session: frame's nonces are not this session's")
-            msg = s.open(env, parts)
+            local = self._local(frames[-1])
+            msg = s.open(env, parts, bool(env.flags & PLAIN) and local)
             # NOTE: a refused hello is answered with an error on the new session: the
             # server's explanation (e.g. other keys) must reach the user, not a timeout
             if self.session is None and msg.op not in ("welcome", "error"):
                 raise FrameError(f"bad header: {msg.op!r} before welcome")
             check(msg, "worker")
+            if msg.op == "welcome":
+                s.plain_out = local and msg.meta["plain"] == 1
             self.session = s
         except FrameError as e:
             self._reject(e)

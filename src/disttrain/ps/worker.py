@@ -30,7 +30,7 @@ from disttrain.ps.handle import Cancelled, Handle  # re-exported: disttrain.ps.w
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
-from disttrain.ps.transport import WorkerLink, encrypt_setting
+from disttrain.ps.transport import WorkerLink, encrypt_setting, mac_setting
 from disttrain.trace import events as trace_events
 
 __all__ = ["Worker", "Handle", "Cancelled"]
@@ -43,10 +43,11 @@ class Worker:
                  plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
                  timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
                  compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 encrypt: bool | None = None):
+                 encrypt: bool | None = None, always_mac: bool | None = None):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
         self.chunk_bytes = chunk_bytes
         self._encrypt = encrypt_setting() if encrypt is None else encrypt
+        self._always_mac = mac_setting() if always_mac is None else always_mac
         self.params = dict(model.named_parameters())
         self._chunks: dict[str, list[tuple[int, Chunk]]] = defaultdict(list)
         for s, chunks in enumerate(plan):
@@ -272,7 +273,8 @@ class Worker:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
             sock.connect(addr)
-            eps.append(WorkerLink(sock, self._secret, self.rank, s, self._limits, self._encrypt))
+            eps.append(WorkerLink(sock, self._secret, self.rank, s, self._limits, self._encrypt,
+                                  self._always_mac))
         self._eps = eps
         poller = zmq.Poller()
         poller.register(self._wake_in, zmq.POLLIN)
