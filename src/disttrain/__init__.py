@@ -12,6 +12,7 @@ from disttrain.parallel.config import Parallelism
 from disttrain.parallel.parallelize import ParallelModel, parallelize, token_loss
 from disttrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from disttrain.parallel.zero import LossScaler, Zero
+from disttrain.preempt import preempted
 from disttrain.runtime import (
     backend,
     device,
@@ -53,6 +54,7 @@ __all__ = [
     "local_world_size",
     "memory",
     "parallelize",
+    "preempted",
     "print0",
     "rank",
     "role",

@@ -307,6 +307,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
         (["run", "--cluster", "c", "--rdzv-id", "x", "S"], "drop --nnodes, --node-rank, --master-addr, --local-addr"),
         (["run", "--cluster", "c", "--trace-steps", "1:2", "S"], "--trace-steps needs --trace DIR"),
         (["run", "--timeout", "0", "S"], "--timeout must be > 0"),
+        (["run", "--grace-seconds", "nan", "S"], "--grace-seconds must be >= 0"),
     ],
 )
 def test_bad_flags_are_clear_errors(capsys, argv, message):

@@ -15,7 +15,7 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
                'NonFiniteGradError', 'ParallelModel', 'Parallelism', 'SyncBatchNorm', 'Zero',
                'backend', 'comm', 'convert_sync_batchnorm', 'data', 'device', 'init',
                'is_initialized', 'local_rank', 'local_world_size', 'log', 'memory',
-               'parallelize', 'print0', 'ps', 'rank', 'role', 'shutdown', 'testing',
+               'parallelize', 'preempted', 'print0', 'ps', 'rank', 'role', 'shutdown', 'testing',
                'token_loss', 'trace', 'world_size'],
  'disttrain.checkpoint': ['CheckpointError', 'CheckpointMismatchError', 'CheckpointWarning',
                           'Checkpointer', 'CorruptCheckpointError', 'LoadsShardedState',

@@ -127,6 +127,8 @@ NO_GROUP = [
      "mutually exclusive", "use --nproc N for a data-parallel job"),
     ("timeout-zero", lambda: RunConfig(script=HERE, timeout=0), ValueError,
      "--timeout", "must be > 0 seconds"),
+    ("grace-negative", lambda: RunConfig(script=HERE, grace_seconds=-1), ValueError,
+     "--grace-seconds must be >= 0", "0: stop at once"),
     ("short-secret", lambda: rank_env(RunConfig(script=HERE), {"DISTTRAIN_SECRET": "abc"}), ValueError,
      "DISTTRAIN_SECRET has 3 characters", "export DISTTRAIN_SECRET="),
     ("init-unknown-backend", lambda: init_alone(backend="mpi"), ValueError,

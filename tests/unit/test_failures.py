@@ -148,3 +148,41 @@ def test_failure_kind_looks_through_the_exception_chain():
             raise ValueError("my loop failed") from err
     except ValueError as err:
         assert _entry.failure_kind(err) == "peer-lost"
+
+
+def test_a_rank_stopped_before_its_first_heartbeat_is_placed_by_its_live_file(tmp_path):
+    """The flake of issue 21: rank 1 was SIGKILLed and the agent stopped rank 0 before its
+    watchdog wrote any state. Where rank 0 waits is in its live file from the moment the
+    collective started, so the report names it anyway."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    rec = FlightRecorder(0, 2, timeout=60, report_dir=str(reports), interval=3600)
+    rec.end(rec.start("all_reduce", "world", [0, 1], [[4]], "float32"))
+    rec.start("all_reduce", "world", [0, 1], [[4]], "float32")
+    assert not (reports / "rank0.a0.json").exists()  # no heartbeat, no write_state
+    failures = {0: ProcessFailure(0, 1000, -signal.SIGTERM, str(tmp_path / "none0.json")),
+                1: ProcessFailure(1, 1001, -signal.SIGKILL, str(tmp_path / "none1.json"))}
+    out = io.StringIO()
+    assert report_failures(failures, out, str(reports), 2) == 128 + signal.SIGKILL
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "disttrain run: rank 1 was killed by SIGKILL (pid 1001)", lines
+    assert lines[-1].startswith("disttrain run: rank 1 was killed by SIGKILL while rank 0 waited in "
+                                "all_reduce #2 (test_failures.py:"), lines
+    assert "stopped rank 0" not in out.getvalue()
+
+
+def test_the_live_file_beats_a_stale_heartbeat(tmp_path):
+    """A heartbeat written while rank 0 waited in #1 is stale once #1 completed and #2
+    started; the report says #2, as the live file does."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    rec = FlightRecorder(0, 2, timeout=60, report_dir=str(reports), interval=3600)
+    first = rec.start("all_reduce", "world", [0, 1], [[4]], "float32")
+    rec.write_state()
+    rec.end(first)
+    rec.start("broadcast", "world", [0, 1], [[4]], "float32")
+    failures = {0: ProcessFailure(0, 1000, -signal.SIGTERM, str(tmp_path / "none0.json")),
+                1: ProcessFailure(1, 1001, -signal.SIGKILL, str(tmp_path / "none1.json"))}
+    out = io.StringIO()
+    report_failures(failures, out, str(reports), 2)
+    assert "while rank 0 waited in broadcast #2 (test_failures.py:" in out.getvalue(), out.getvalue()

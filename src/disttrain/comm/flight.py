@@ -4,6 +4,9 @@ Who talks to whom:
 - comm/ops.py calls `recorder().start(...)` before and `.end(entry)` after a collective
   (for `async_op=True`, when its future completes or `wait()` returns), and
   `.fail(entry, err)` when the backend raises (gloo raises after the group's timeout).
+- `start` also writes the collective into this rank's live file (comm/live.py, a mapped
+  file in the report folder) and `end` clears it, so where a rank waits is on disk the
+  moment it waits, whenever and however the rank is stopped.
 - The watchdog thread (daemon) writes the state to `$DISTTRAIN_REPORT_DIR/rank{R}.a{A}.json`
   whenever it changed (at most every `interval` seconds, so it costs nothing per
   collective); when a collective is overdue (timeout + grace) it writes a final dump with
@@ -27,6 +30,8 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+
+from disttrain.comm.live import LiveSlots
 
 __all__ = ["EXIT_HANG", "Entry", "FlightRecorder", "user_site", "is_library", "thread_stacks", "report_path"]
 
@@ -127,7 +132,7 @@ class FlightRecorder:
 
     def __init__(self, rank: int, world_size: int, timeout: float, report_dir: str | None = None,
                  *, attempt: int = 0, keep: int = 16, grace: float | None = None,
-                 interval: float | None = None, on_hang=None):
+                 interval: float | None = None, on_hang=None, live: bool = True):
         if timeout <= 0:
             raise ValueError(f"collective timeout must be > 0 seconds, got {timeout}")
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
@@ -153,6 +158,17 @@ class FlightRecorder:
         self._written = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._live = self._open_live() if live and report_dir else None
+        self._slots: dict[int, int] = {}  # id(entry) -> its live slot
+        self._ranks_text: dict[str, str] = {}  # group -> format_ranks(its ranks)
+
+    def _open_live(self) -> LiveSlots | None:
+        path = report_path(self.report_dir, self.rank, self.attempt, "live")
+        try:
+            return LiveSlots(path)
+        except (OSError, ValueError) as err:  # the JSON heartbeat still reports
+            print(f"disttrain: cannot map {path}: {err}", file=sys.stderr, flush=True)
+            return None
 
     # ---- recording (called around every collective) ----
 
@@ -170,6 +186,12 @@ class FlightRecorder:
             self._counts[(group, op, entry.site)] += 1
             self._in_flight[id(entry)] = entry
             self._version += 1
+            if self._live is not None:
+                text = self._ranks_text.get(group)
+                if text is None:
+                    text = self._ranks_text[group] = format_ranks(ranks)
+                self._slots[id(entry)] = self._live.put(entry.seq, self._version, op, group, text,
+                                                        func, entry.site)
         return entry
 
     def end(self, entry: Entry) -> None:
@@ -177,6 +199,8 @@ class FlightRecorder:
         with self._lock:
             if self._in_flight.pop(id(entry), None) is None:
                 return
+            if self._live is not None:
+                self._live.clear(self._slots.pop(id(entry), -1))
             entry.ended = time.time()
             self._recent.append(entry)
             self._version += 1

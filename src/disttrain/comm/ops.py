@@ -68,6 +68,8 @@ def recorder() -> FlightRecorder:
                 default_timeout().total_seconds(),
                 os.environ.get("DISTTRAIN_REPORT_DIR") or None,
                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                # NOTE: a forked child (DataLoader worker) must not take over the rank's live file
+                live=_recorder is None,
             )
             _recorder.start_watchdog()
             atexit.register(_recorder.finish)

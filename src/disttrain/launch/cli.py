@@ -26,6 +26,9 @@ within --timeout (default 60 s) while no rank failed ends the job with ONE repor
 missing ranks, where every rank is (op #number, file:line) and each rank's stack;
 exit code 124. Collectives are numbered when issued through
 disttrain (disttrain.comm.all_reduce, DataParallel, ...).
+SIGTERM (a scheduler's preemption) tells the ranks that call disttrain.preempted()
+to save and stop: it turns True on every rank at the same step; they get
+--grace-seconds (30) before they are stopped; exit code 143.
 Ranks get DISTTRAIN_SECRET (a fresh per-job secret unless already set: multi-node
 jobs must export the same value on every node), DISTTRAIN_SERVERS and, with several
 processes per node, OMP_NUM_THREADS = cores / processes unless set.
@@ -69,6 +72,9 @@ def add_run_parser(subparsers) -> None:
     p.add_argument("--max-restarts", type=int, default=0, help="restart the ranks up to K times after a failure (default 0)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait before the job is stopped with a report naming the "
                         "missing ranks (DISTTRAIN_TIMEOUT; default 60)")
+    p.add_argument("--grace-seconds", type=float, default=30.0, help="after SIGTERM (a scheduler's preemption): "
+                   "seconds the ranks get to save a checkpoint (disttrain.preempted()) and exit before they are "
+                   "stopped; exit code 143 (default 30; 0: stop at once)")
     p.add_argument("--log-dir", help="keep every rank's stdout/stderr/error files in this folder")
     p.add_argument("--trace", metavar="DIR", help="trace every rank into DIR: DIR/trace.json (one timeline, open it in "
                         "Perfetto's UI or chrome://tracing) and DIR/metrics.jsonl (per step and rank)")
@@ -101,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             trace=args.trace,
             trace_steps=args.trace_steps,
+            grace_seconds=args.grace_seconds,
         )
         return job.run(cfg)
     except ValueError as err:

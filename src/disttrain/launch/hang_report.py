@@ -2,7 +2,8 @@
 
 Inputs, per rank, from the report folder `disttrain run` creates (DISTTRAIN_REPORT_DIR):
 `rank{R}.a{A}.json`, the recorder's state (comm/flight.py: collectives in flight, recent
-ones, status, stacks when it failed), and `rank{R}.a{A}.stacks`, every thread's stack as
+ones, status, stacks when it failed), `rank{R}.a{A}.live`, the collectives in flight at
+this moment (comm/live.py; it overrides the JSON's, which a heartbeat writes), and `rank{R}.a{A}.stacks`, every thread's stack as
 faulthandler wrote it when the rank was stopped or crashed (launch/entry.py enables it).
 Output: per collective in flight, which ranks waited and which were missing, where each
 rank is, then the stacks (an example: docs/design/launcher.md, "Report").
@@ -20,6 +21,7 @@ import re
 import signal
 
 from disttrain.comm.flight import format_ranks, is_library
+from disttrain.comm.live import read_live
 
 __all__ = ["load_states", "collective_report", "describe", "parse_stack", "RankView"]
 
@@ -32,7 +34,7 @@ COLLECTIVES = frozenset(
     "all_reduce broadcast all_gather all_gather_into_tensor reduce_scatter reduce_scatter_tensor "
     "barrier monitored_barrier send recv isend irecv gather scatter reduce all_to_all "
     "all_to_all_single all_gather_object broadcast_object_list batch_isend_irecv".split())
-_NAME = re.compile(r"rank(\d+)\.a(\d+)\.(json|stacks)$")
+_NAME = re.compile(r"rank(\d+)\.a(\d+)\.(json|stacks|live)$")
 MAX_FRAMES = 12
 
 
@@ -128,9 +130,12 @@ def load_states(report_dir: str) -> tuple[int, dict[int, dict | None], dict[int,
     if not found:
         return 0, {}, {}
     attempt = max(a for _, a, _, _ in found)
-    states, faults = {}, {}
+    states, faults, lives = {}, {}, {}
     for rank, a, kind, path in found:
         if a != attempt:
+            continue
+        if kind == "live":
+            lives[rank] = read_live(path)
             continue
         try:
             with open(path) as fp:
@@ -140,6 +145,14 @@ def load_states(report_dir: str) -> tuple[int, dict[int, dict | None], dict[int,
                     faults[rank] = fp.read()
         except (OSError, ValueError):
             continue  # a rank killed mid-write: its older state is gone, say nothing of it
+    for rank, flying in lives.items():
+        # NOTE: the live file is written as a collective starts and ends, the JSON state by
+        # a heartbeat: the live file says where the rank waits, even if it was stopped
+        # before its first heartbeat.
+        if flying is not None and (flying or rank in states):
+            state = states.get(rank) or {"rank": rank, "status": "running", "recent": [], "counts": []}
+            state["in_flight"] = flying
+            states[rank] = state
     return attempt, states, faults
 
 

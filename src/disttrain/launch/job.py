@@ -37,6 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from disttrain import trace
 from disttrain.launch import rendezvous
 from disttrain.launch.failures import PREFIX_TEMPLATE, node_report, rank_prefix, report_failures
+from disttrain.launch.preemption import AGENT_SIGNALS, DEFAULT_GRACE, Preemption
 from disttrain.trace.merge import merge_and_tell
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
@@ -86,6 +87,9 @@ class RunConfig:
     """Trace every rank into this folder (DISTTRAIN_TRACE); merged into trace.json after the job."""
     trace_steps: str | None = None
     """'A:B': trace only steps A..B-1 (DISTTRAIN_TRACE_STEPS)."""
+    grace_seconds: float = DEFAULT_GRACE
+    """After SIGTERM: seconds the ranks get to save and exit (disttrain.preempted()) before
+    they are stopped; 0 stops them at once."""
 
     def __post_init__(self) -> None:
         self.script_args = list(self.script_args)
@@ -127,6 +131,8 @@ class RunConfig:
             raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.grace_seconds < float("inf"):
+            raise ValueError(f"--grace-seconds must be >= 0 (0: stop at once), got {self.grace_seconds}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.trace_steps is not None:
@@ -215,6 +221,7 @@ def launch_config(cfg: RunConfig, log_dir: str) -> LaunchConfig:
         log_line_prefix_template=PREFIX_TEMPLATE,
         local_addr=cfg.local_addr or (cfg.master_addr if cfg.node_rank == 0 else None),
         shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 10)),
+        signals_to_handle=AGENT_SIGNALS,  # NOTE: SIGTERM is preemption.py's
     )
 
 
@@ -222,7 +229,8 @@ def run(cfg: RunConfig) -> int:
     """Run the job to its end (blocks); return the exit code for the launcher process.
 
     0 when every rank exited 0; otherwise the root-cause rank's exit code (128+signal
-    for a rank killed by a signal, 130 when the launcher itself was interrupted).
+    for a rank killed by a signal, 130 when the launcher itself was interrupted, 143
+    (EXIT_PREEMPTED) after SIGTERM: preempted, see preemption.py).
     """
     env = rank_env(cfg, dict(os.environ))
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="disttrain-run-")
@@ -230,7 +238,8 @@ def run(cfg: RunConfig) -> int:
     # node's hang report sees the flight recorders of the other nodes' ranks too.
     report_dir = os.environ.get(CLUSTER_REPORTS) or os.path.join(log_dir, "reports")
     os.makedirs(report_dir, exist_ok=True)
-    env["DISTTRAIN_REPORT_DIR"] = report_dir
+    preemption = Preemption(report_dir, cfg.grace_seconds)
+    env.update(DISTTRAIN_REPORT_DIR=report_dir, **preemption.rank_env())
     if cfg.trace is not None and not os.environ.get(CLUSTER_REPORTS):
         trace.clear(cfg.trace)  # NOTE: under `run --cluster` the driver clears it, once
     if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
@@ -241,11 +250,11 @@ def run(cfg: RunConfig) -> int:
             flush=True,
         )
     try:
-        with _environ(env), _quiet_elastic_logs():
+        with _environ(env), _quiet_elastic_logs(), preemption:
             elastic_launch(launch_config(cfg, log_dir), sys.executable)(
                 "-u", ENTRY, cfg.script, *cfg.script_args
             )
-        return 0
+        return preemption.finished()
     except ChildFailedError as err:
         shared = os.environ.get(CLUSTER_REPORTS)
         if shared:  # NOTE: `run --cluster`: cluster/run.py prints the nodes' reports, cause first
@@ -253,8 +262,7 @@ def run(cfg: RunConfig) -> int:
                                os.path.join(shared, f"node{cfg.node_rank}.json"))
         return report_failures(err.failures, sys.stderr, report_dir, cfg.world_size)
     except SignalException as sig:
-        print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
-        return 128 + int(sig.sigval)
+        return preemption.stopped(sig.sigval)
     except KeyboardInterrupt:  # before the agent installed its handlers: no rank started
         print("disttrain run: interrupted before the ranks started", file=sys.stderr)
         return 128 + int(signal.SIGINT)
@@ -275,8 +283,7 @@ def run(cfg: RunConfig) -> int:
         sig = _signal_in_chain(err)
         if sig is None:
             raise
-        print(f"disttrain run: got {sig.sigval.name}, stopped every rank", file=sys.stderr)
-        return 128 + int(sig.sigval)
+        return preemption.stopped(sig.sigval)
     finally:
         if cfg.trace is not None and not os.environ.get(CLUSTER_REPORTS):
             merge_and_tell(cfg.trace)  # NOTE: under `run --cluster` the driver merges once

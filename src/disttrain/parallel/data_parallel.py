@@ -25,10 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from disttrain import preempt
 from disttrain.comm import ops
 from disttrain.comm.buckets import BucketSizeTuner, FlatBucket, assign_buckets
 from disttrain.comm.collectives import broadcast_tensors, global_rank
-from disttrain.comm.compression import Compression, NoCompression, resolve_compression
+from disttrain.comm.compression import (
+    BF16Compression,
+    Compression,
+    FP16Compression,
+    NoCompression,
+    resolve_compression,
+)
 from disttrain.comm.reducer import BucketReducer, all_reduce_async, check_algorithm
 from disttrain.finite import FiniteGradCheck
 
@@ -204,7 +211,8 @@ class _GradSync:
             self.flat_offset[i] = sizes.get(key, 0)
             sizes[key] = self.flat_offset[i] + self.params[i].numel()
         for key, numel in sizes.items():
-            self.flat[key] = torch.zeros(numel, dtype=key[0], device=key[1])  # (numel,)
+            # NOTE: one spare element at the end: the preemption flag (see rebucket)
+            self.flat[key] = torch.zeros(numel + 1, dtype=key[0], device=key[1])  # (numel + 1,)
         self.view_of = [self.flat[self.keys[i]].narrow(0, self.flat_offset[i], p.numel())
                         .view(p.shape) for i, p in enumerate(self.params)]
 
@@ -222,6 +230,20 @@ class _GradSync:
             self.buckets.append(FlatBucket(spec, [p.shape for p in members], members[0].dtype,
                                            members[0].device, buffer=buffer))
         self.reducer.set_buckets([spec.indices for spec in specs])
+        self._place_flag(specs[-1].key, self.flat_offset[specs[-1].indices[0]], specs[-1].numel)
+
+    def _place_flag(self, key, start: int, numel: int) -> None:
+        """Let the last bucket carry disttrain.preempted()'s flag in the spare element
+        after it (disttrain/preempt.py): only over the whole world (every rank must get
+        the same sum) and with a wire that keeps small integers exact."""
+        flat = self.flat[key]
+        exact = type(self.compression) in (NoCompression, FP16Compression, BF16Compression)
+        if self.world == dist.get_world_size() and exact and start + numel == flat.numel() - 1:
+            self._flag_bucket = len(self.buckets) - 1
+            self._flag_wire = flat.narrow(0, start, numel + 1)  # (numel + 1,) the bucket + flag
+            self._flag = flat.narrow(0, numel + start, 1)  # (1,)
+        else:
+            self._flag_bucket, self._flag_wire, self._flag = -1, None, None
 
     # ---- callbacks of the reducer ----------------------------------------------------
 
@@ -229,12 +251,18 @@ class _GradSync:
         return all_reduce_async(wire, self.algorithm, self.group)
 
     def _prepare(self, b: int):
+        if b == self._flag_bucket:
+            self._flag.fill_(preempt.flag_value())
+            return self.compression.compress(self._flag_wire)
         return self.compression.compress(self.buckets[b].buffer)
 
     def _complete(self, b: int, wire: torch.Tensor, ctx) -> None:
         out = self.compression.decompress(wire, ctx)
-        if out.data_ptr() != self.buckets[b].buffer.data_ptr():
-            self.buckets[b].buffer.copy_(out)
+        target = self._flag_wire if b == self._flag_bucket else self.buckets[b].buffer
+        if out.data_ptr() != target.data_ptr():
+            target.copy_(out)
+        if b == self._flag_bucket:
+            preempt.deliver(self._flag)
 
     def _stage(self, i: int, param: torch.Tensor) -> None:
         self._put(i, param.grad)
