@@ -21,7 +21,7 @@ F32 = torch.float32
 
 
 def _dense(idx, val, n):
-    return densify(["k", "k"], [idx, val], {"k": n}, {"k": val.dtype})["k"]
+    return densify(["k", "k"], [idx, val], {"k": (n, val.dtype)})["k"]
 
 
 @pytest.mark.timeout(10)
@@ -114,7 +114,7 @@ BAD = {
 def test_malformed_sparse_pushes_are_rejected(case):
     keys, tensors = BAD[case]
     with pytest.raises(FrameError, match="sparse push"):
-        densify(keys, tensors, {"k": 8}, {"k": F32})
+        densify(keys, tensors, {"k": (8, F32)})
 
 
 _DTYPES = st.sampled_from([torch.int32, torch.int64, torch.int8, torch.float32, torch.float16])
@@ -140,7 +140,7 @@ def test_fuzzed_sparse_frames_are_rejected_or_scatter_into_bounds(items, pair_ke
     sizes = {"k": 10, "j": 3}
     try:
         msg = unpack(*pack(Message("push", {"sparse": 1}, keys, tensors)))
-        out = densify(msg.keys, msg.tensors, sizes, dict.fromkeys(sizes, F32))
+        out = densify(msg.keys, msg.tensors, {k: (n, F32) for k, n in sizes.items()})
     except FrameError:
         return
     for i in range(0, len(keys), 2):

@@ -96,9 +96,10 @@ class ErrorFeedback:
         return idx.to(index_dtype), values
 
 
-def densify(keys: list[str], tensors: list[torch.Tensor], sizes: dict[str, int],
-            dtype: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
-    """A sparse push's (key, idx, val) pairs -> {key: dense (numel,) gradient}.
+def densify(keys: list[str], tensors: list[torch.Tensor],
+            shard: dict[str, tuple[int, torch.dtype]]) -> dict[str, torch.Tensor]:
+    """A sparse push's (key, idx, val) pairs -> {key: dense (numel,) gradient}, for a
+    server holding `shard` (key -> (numel, dtype), as schema.check_keys reads it).
 
     Raises FrameError naming the first problem: an odd tensor count, a pair whose two
     keys differ, an unknown or repeated key, indices that are not 1-D int32/int64,
@@ -112,11 +113,11 @@ def densify(keys: list[str], tensors: list[torch.Tensor], sizes: dict[str, int],
     seen: set[str] = set()
     for i in range(0, len(tensors), 2):
         key, idx, val = keys[i], tensors[i], tensors[i + 1]
-        if keys[i + 1] != key or key not in sizes or key in seen:
+        if keys[i + 1] != key or key not in shard or key in seen:
             raise FrameError(f"sparse push: bad key pair {keys[i]!r}/{keys[i + 1]!r} "
                              "(unknown, repeated or mismatched)")
         seen.add(key)
-        n = sizes[key]
+        n = shard[key][0]
         if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1:
             raise FrameError(f"sparse push: indices of {key!r} must be 1-D int32/int64, got "
                              f"{idx.dtype} of shape {list(idx.shape)}")
@@ -132,8 +133,9 @@ def densify(keys: list[str], tensors: list[torch.Tensor], sizes: dict[str, int],
         pairs.append((key, idx, val))
     out = {}
     for key, idx, val in pairs:
-        dense = torch.zeros(sizes[key], dtype=dtype[key])  # (numel,)
+        numel, dtype = shard[key]
+        dense = torch.zeros(numel, dtype=dtype)  # (numel,)
         # NOTE: indices are unique (checked above): a plain scatter is the scatter-add
-        dense[idx.long()] = val.to(dtype[key])
+        dense[idx.long()] = val.to(dtype)
         out[key] = dense
     return out

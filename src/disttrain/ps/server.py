@@ -179,8 +179,7 @@ class Server:
         clock, version, sparse = msg.meta["clock"], msg.meta["version"], msg.meta["sparse"]
         try:
             if sparse:
-                grads = densify(msg.keys, msg.tensors, {k: n for k, (n, _) in self.shard.items()},
-                                {k: d for k, (_, d) in self.shard.items()})
+                grads = densify(msg.keys, msg.tensors, self.shard)
             else:
                 check_keys(msg, self.shard)
                 grads = dict(zip(msg.keys, msg.tensors))
