@@ -47,7 +47,7 @@ class Stages(NamedTuple):
     owner: dict[str, int]
 
 
-def traced(model: nn.Module, parts: int) -> bool:
+def _traced(model: nn.Module, parts: int) -> bool:
     """Whether `split_stages` cuts `model` from its traced graph: a pipeline of `parts` > 1
     virtual stages over a model without `pipeline_layers()`."""
     return parts > 1 and not hasattr(model, "pipeline_layers")
@@ -59,7 +59,7 @@ def stage_costs(model: nn.Module, parts: int, layers: list[str] | None = None) -
 
     NOTE: parallelize takes them before TP, so stages balance the whole layers.
     """
-    if parts == 1 or traced(model, parts):
+    if parts == 1 or _traced(model, parts):
         return None
     return layer_costs(model, layer_names(model, layers))
 
@@ -82,7 +82,7 @@ def split_stages(model: nn.Module, mesh: Mesh, *, num_virtual: int = 1,
     """
     pp, stage = mesh.size("pp"), mesh.local_rank("pp")
     parts = pp * num_virtual
-    if traced(model, parts):
+    if _traced(model, parts):
         return _trace(model, mesh, num_virtual, layers, costs, recompute, example, target_arg)
     if recompute:
         apply_recompute(model, recompute)
