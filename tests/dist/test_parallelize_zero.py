@@ -54,7 +54,7 @@ def every_stage_on_two_meshes():
     # bf16 ZeRO casts the stages after parallelize saw the model: full_state_dict still
     # gathers every stage's parameters to rank 0 in the model's own dtype, near fp32's.
     base = token_loss()
-    out = run_zero(pp_dp, 1, schedule="1f1b", microbatches=2, dp_options={"precision": "bf16"},
+    out = run_zero(pp_dp, 1, schedule="1f1b", microbatches=2, precision="bf16",
                    loss_fn=lambda o, t: base(o.float(), t))
     if disttrain.rank() == 0:
         params = out[2]

@@ -17,7 +17,7 @@ from disttrain.checkpoint import Checkpointer
 from disttrain.mesh import Mesh, MeshShape
 from disttrain.models import GPT
 from disttrain.parallel.parallelize import parallelize
-from disttrain.parallel.pipeline.tied import retie, tied_names
+from disttrain.parallel.tensor.tied import retie, tied_names
 from disttrain.testing import spawn
 from tests.dist import _gpt_ref as ref
 

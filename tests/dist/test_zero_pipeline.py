@@ -46,7 +46,7 @@ def fp16_run(mesh, zero, tie=False, steps=STEPS, **kw):
     x, y = x.chunk(dp)[d], y.chunk(dp)[d]
     pm = parallelize(model, mesh, plan=GPT.tp_plan if mesh.size("tp") > 1 else None,
                      zero=zero, optimizer_factory=sgd, microbatches=2,
-                     dp_options={"precision": "fp16", "loss_scaler": disttrain.LossScaler(**SCALER)},
+                     precision="fp16", loss_scaler=disttrain.LossScaler(**SCALER),
                      **kw)
     opt, log = pm.optimizer, []
     for _ in range(steps):
@@ -105,7 +105,7 @@ def overflow_on_one_stage(mesh, zero, **kw):
     x, y = ref.make_batch(8)
     dp, d = mesh.size("dp"), mesh.local_rank("dp")
     pm = parallelize(model, mesh, zero=zero, optimizer_factory=sgd, microbatches=2,
-                     dp_options={"precision": "fp16", "loss_scaler": disttrain.LossScaler(**SCALER)},
+                     precision="fp16", loss_scaler=disttrain.LossScaler(**SCALER),
                      **kw)
     before = [c.fp32_state_dict() for c in pm.chunks]
     out = []
@@ -165,7 +165,7 @@ def loss_scaled_twice_is_refused(mesh):
     """The pre-parallelize habit (loss_fn calling scale_loss) would scale twice."""
     held, base = {}, token_loss(mesh.group("tp"))  # vocab-parallel cross-entropy
     pm = parallelize(ref.make_model(), mesh, plan=GPT.tp_plan, zero=1, optimizer_factory=sgd,
-                     dp_options={"precision": "fp16"},
+                     precision="fp16",
                      loss_fn=lambda out, y: held["pm"].optimizer.scale_loss(base(out.float(), y)))
     held["pm"] = pm
     x, y = ref.make_batch(4)

@@ -7,6 +7,7 @@ process group is touched. `parallelize` reads it; the steps it calls take plain 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -126,16 +127,37 @@ class Parallelism:
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> Parallelism:
-        """The config from `parallelize`'s keyword shorthand; `dp_options` (the older
-        spelling: a dict of DataParallel/Zero keywords) is merged into the fields."""
+        """The config from `parallelize`'s keyword shorthand. `dp_options` (a dict of
+        DataParallel/Zero keywords) is deprecated: its keys are fields, pass them as
+        keywords; it still works, with a DeprecationWarning, for one release."""
         options = dict(options)
         known = {f.name for f in fields(cls)}
-        merged = {**(options.pop("dp_options", None) or {}), **options}
-        unknown = sorted(set(merged) - known)
+        if "dp_options" in options:
+            legacy = options.pop("dp_options") or {}
+            warnings.warn(f"parallelize(dp_options={legacy!r}) is deprecated: pass its keys as "
+                          f"keyword options or Parallelism fields, e.g. parallelize(..., "
+                          f"{', '.join(f'{k}=...' for k in legacy) or 'precision=...'})",
+                          DeprecationWarning, stacklevel=3)
+            options = {**legacy, **options}
+        unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"parallelize got unknown option(s) {unknown}; the options are the "
                             f"fields of disttrain.Parallelism: {', '.join(sorted(known))}")
-        return cls(**merged)
+        return cls(**options)
+
+    def example_microbatch(self) -> tuple | None:
+        """One micro-batch of `example` (what `split_stages` traces on), or None."""
+        if self.example is None:
+            return None
+        return tuple(t.chunk(self.microbatches)[0] for t in self.example)
+
+    def data_parallel_keywords(self) -> dict[str, Any]:
+        """Keywords for `apply_data_parallel`: the one place where the config's ZeRO stage
+        picks the wrapper's options (zero=0: DataParallel's; 1-3: Zero's and the factory)."""
+        if not self.zero:
+            return self.data_parallel_options()
+        return {"zero": self.zero, "optimizer_factory": self.optimizer_factory,
+                **self.zero_options()}
 
     def data_parallel_options(self) -> dict[str, Any]:
         """Keywords for `DataParallel` (zero=0)."""

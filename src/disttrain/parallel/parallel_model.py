@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.comm import ops
+from disttrain.dtypes import accumulation_dtype
 from disttrain.mesh import Mesh
-from disttrain.parallel.dtypes import accumulation_dtype
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.tied import TiedWeights
 from disttrain.parallel.tensor import (
@@ -61,8 +61,10 @@ class ParallelModel(nn.Module):
         self._info = info or [param_info(c) for c in self.local_modules()]
         self.optimizer = optimizer
         self._tied, self._aliases = tied or TiedWeights([]), dict(aliases or {})
+        # NOTE: the one place that asks which chunks ZeRO shards; the rest reads _zero
+        self._zero = {id(c) for c in self.chunks if isinstance(c, Zero)}
         self._counted = [_counted_ranges(c, i, mesh.local_rank("tp") == 0)
-                         for c, i in zip(self.chunks, self._info) if isinstance(c, Zero)]
+                         for c, i in zip(self.chunks, self._info) if id(c) in self._zero]
         # NOTE: from the whole model's dtypes, so every rank's all-reduce agrees
         self._norm_dtype = accumulation_dtype(*(dtype for _, dtype in full_shapes.values()))
 
@@ -73,7 +75,7 @@ class ParallelModel(nn.Module):
         the same on every rank.
         """
         loss = self.pipeline.step(inputs, targets)
-        fp16 = [c.optimizer for c in self.chunks if isinstance(c, Zero) and c.optimizer.scaler]
+        fp16 = [z.optimizer for z in self._zeros() if z.optimizer.scaler]
         for opt in fp16:  # NOTE: the last stage scaled the loss; every stage's scale is equal
             opt.mark_scaled()
         if fp16:
@@ -125,7 +127,7 @@ class ParallelModel(nn.Module):
     def _clip_zero(self, max_norm: float) -> torch.Tensor:
         """clip_grad_norm_ over ZeRO shards: dp ranks hold disjoint pieces, summed too."""
         sq = torch.zeros((), dtype=self._norm_dtype, device=self.pipeline.device)
-        zeros = [c for c in self.chunks if isinstance(c, Zero)]
+        zeros = self._zeros()
         # NOTE: one fp16 overflow vote for all chunks (the world votes once per step)
         if vote_overflow([z.optimizer for z in zeros]):
             return torch.tensor(float("inf"))  # the step will be skipped on every rank
@@ -144,6 +146,10 @@ class ParallelModel(nn.Module):
         for g in (g for gs in grads for g in gs if g is not None):
             g.mul_(coef.to(g.dtype))
         return norm
+
+    def _zeros(self) -> list[Zero]:
+        """The chunks ZeRO shards, in chunk order."""
+        return [c for c in self.chunks if id(c) in self._zero]
 
     def local_modules(self) -> list[nn.Module]:
         """The stage chunks without their DataParallel/Zero wrapper (full-model names)."""
@@ -183,7 +189,7 @@ class ParallelModel(nn.Module):
         group, tp = self.mesh.group("tp"), self.mesh.size("tp")
         out = {}
         for chunk, info in zip(self.chunks, self._info):
-            if isinstance(chunk, Zero):
+            if id(chunk) in self._zero:
                 local = _unshard_zero(chunk, info, grads, self.mesh.group("dp"))
             else:
                 local = {id(p): p.grad if grads else p for p in chunk.parameters()}

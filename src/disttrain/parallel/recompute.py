@@ -6,7 +6,7 @@ checkpointing: each layer's forward runs under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which saves the layer's
 input only; backward runs the layer's forward again.
 
-`apply_recompute(model, layers)` (called by `parallelize`) swaps each named layer for a
+`apply_recompute(model, layers)` (a step of `parallelize`) swaps each named layer for a
 `Recompute` holding the same submodules and parameters under the same names, so
 checkpoints, TP plans and `full_state_dict` see the model unchanged. No process talks to
 another here; a recomputed TP layer re-issues its own forward collectives in backward
@@ -39,6 +39,11 @@ class Recompute(nn.Module):
         self._buffers = layer._buffers
         object.__setattr__(self, "_layer", layer)  # not a child: its tables are ours already
 
+    split_backward_refusal = ("schedule 'zb-h1' walks the retained graph twice (B, then W), "
+                              "which is not verified with recompute's checkpoints; use "
+                              "recompute=False or schedule='1f1b'")
+    """Why a split backward (pipeline/split_backward.py) does not run over this module."""
+
     def forward(self, *args, **kwargs):
         return checkpoint(self._layer, *args, use_reentrant=False, **kwargs)
 
@@ -69,8 +74,13 @@ def recompute_names(model: nn.Module, recompute) -> list[str]:
     return out
 
 
-def apply_recompute(model: nn.Module, layers: list[str]) -> nn.Module:
-    """Swap each named layer of `model` for `Recompute(layer)`, in place. Does not block."""
+def apply_recompute(model: nn.Module, layers=True) -> nn.Module:
+    """Swap each layer `layers` selects for `Recompute(layer)`, in place; returns `model`.
+
+    layers: True (the model's `recompute_layers()`) or module names / globs such as
+    ["blocks.*"] (`recompute_names`). Does not block.
+    """
+    layers = recompute_names(model, layers)
     for name in layers:
         layer = model.get_submodule(name)
         if isinstance(layer, Recompute):

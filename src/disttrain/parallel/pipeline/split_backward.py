@@ -85,21 +85,19 @@ def backward_weight(out: torch.Tensor, grad: torch.Tensor | None, params: list,
 
 def check_split_backward(chunks: list) -> list[bool]:
     """Refuse what a split backward (B now, W later) is not known to compose with; per
-    chunk, whether its W must be one autograd run (ZeRO 1/2 reduce in their hooks)."""
-    from disttrain.parallel.recompute import Recompute
-    from disttrain.parallel.zero import Zero
+    chunk, whether its W must be one autograd run.
 
+    A module says so itself, so this package names no wrapper (ZeRO, recompute):
+    `split_backward_refusal` (a message, or None) refuses the split backward over it;
+    `whole_weight_backward` (True) asks for one autograd run per W (ZeRO 1/2 reduce in
+    their hooks).
+    """
     for c in chunks:
-        if isinstance(c, Zero) and c.stage == 3:
-            raise ValueError("schedule 'zb-h1' (split backward) is not supported with ZeRO "
-                             "stage 3, whose parameters are flat units gathered around "
-                             "forward and backward (W has no Parameters to run on); use "
-                             "zero=1 or 2, or schedule='1f1b'")
-        if any(isinstance(m, Recompute) for m in c.modules()):
-            raise ValueError("schedule 'zb-h1' walks the retained graph twice (B, then W), "
-                             "which is not verified with recompute's checkpoints; use "
-                             "recompute=False or schedule='1f1b'")
-    return [isinstance(c, Zero) for c in chunks]
+        for m in c.modules():
+            refusal = getattr(m, "split_backward_refusal", None)
+            if refusal:
+                raise ValueError(refusal)
+    return [bool(getattr(c, "whole_weight_backward", False)) for c in chunks]
 
 
 def _capture(store: list, k: int):

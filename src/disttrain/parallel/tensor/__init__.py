@@ -3,6 +3,7 @@ communication, and sequence parallelism (Korthikanti et al. 2022).
 
 - layers.py: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
   vocab_parallel_cross_entropy; apply.py: `apply_tp(model, mesh, plan)` (the plan's styles);
+- tied.py: which parameter names share one weight (`tied_names`), kept one after sharding;
 - plans.py: `TPPlan` (styles and an attribute-edit hook) and ready plans for Hugging
   Face GPT-2 and Llama-style models;
 - comm.py: the autograd functions that communicate (Megatron's f and g, the sequence
@@ -18,7 +19,8 @@ from disttrain.parallel.tensor.layers import (
     vocab_parallel_cross_entropy,
 )
 from disttrain.parallel.tensor.plans import TPPlan, gpt2_plan, llama_plan, plan_for
+from disttrain.parallel.tensor.tied import tied_names
 
 __all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "TPPlan",
            "VocabParallelEmbedding", "apply_tp", "gpt2_plan", "llama_plan", "plan_for",
-           "vocab_parallel_cross_entropy"]
+           "tied_names", "vocab_parallel_cross_entropy"]

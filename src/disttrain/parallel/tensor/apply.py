@@ -26,12 +26,14 @@ from disttrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
     is_linear,
 )
+from disttrain.parallel.tensor.plans import plan_for
 from disttrain.parallel.tensor.sequence import (
     SEQUENCE_STYLES,
     gather_output,
     mark_sequence_parallel,
     scatter_output,
 )
+from disttrain.parallel.tensor.tied import retie, tied_names
 
 __all__ = ["apply_tp", "STYLES"]
 
@@ -71,9 +73,10 @@ def _shard_one(module: nn.Module, style: str, group, name: str) -> nn.Module:
     return VocabParallelEmbedding.from_embedding(module, group)
 
 
-def apply_tp(model: nn.Module, mesh_or_group, plan,
-             sequence_parallel: bool = False, sequence_dim: int = 1) -> nn.Module:
-    """Replace the modules named in `plan` by their tensor-parallel shards, in place.
+def apply_tp(model: nn.Module, mesh_or_group, plan, sequence_parallel: bool = False,
+             sequence_dim: int = 1, tied: list[list[str]] | None = None) -> nn.Module:
+    """Replace the modules named in `plan` by their tensor-parallel shards, in place; returns
+    `model`.
 
     Plan keys match a module's qualified name exactly, as a dotted suffix ("attn.qkv"
     matches "blocks.0.attn.qkv"), or as a glob ("blocks.*.mlp.fc"). Styles: "colwise",
@@ -81,9 +84,18 @@ def apply_tp(model: nn.Module, mesh_or_group, plan,
     ("sequence", "sequence_scatter", "sequence_gather"; sequence.py), which act
     only with `sequence_parallel=True` (activations outside the tp layers split along
     dim `sequence_dim`; the plan needs a "sequence_scatter" entry then). `mesh_or_group`
-    is a Mesh (its tp axis is used) or a process group. `plan` is a dict or a `TPPlan`,
-    whose `adjust(model, tp)` runs first. Blocks only in that shards are local copies.
+    is a Mesh (its tp axis is used) or a process group. `plan` is a dict, a `TPPlan`,
+    whose `adjust(model, tp)` runs first, or "auto" (the ready plan of a Hugging Face GPT-2
+    or Llama, plans.py). Weights tied under several names (`tied`, default the model's:
+    tied.py) share one shard afterwards, as they shared one Parameter before. Blocks only
+    in that shards are local copies.
     """
+    if not plan:
+        raise ValueError("tensor parallelism needs a plan, e.g. GPT.tp_plan, plan='auto' for a "
+                         "Hugging Face GPT-2 or Llama, or {'mlp.fc': 'colwise', ...}")
+    if isinstance(plan, str) and plan == "auto":
+        plan = plan_for(model)
+    tied = tied_names(model, tied)  # NOTE: before the swap, which gives each name its copy
     group = mesh_or_group.group("tp") if hasattr(mesh_or_group, "group") else mesh_or_group
     adjust, plan = getattr(plan, "adjust", None), getattr(plan, "styles", plan)
     for key, style in plan.items():
@@ -112,6 +124,7 @@ def apply_tp(model: nn.Module, mesh_or_group, plan,
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, _shard(getattr(parent, attr), styles[0], group, name, sp))
+    retie(model, tied)
     return model
 
 

@@ -123,6 +123,19 @@ class Zero(nn.Module):
                              group, self.overflow_group, self.comm_stats, self.state_names)
         self.optimizer = ZeroOptimizer(layout, inner, scaler)
 
+    whole_weight_backward = True
+    """A pipeline's split backward runs this module's W as one autograd run: stages 0-2
+    reduce gradients in hooks that end a step per backward (pipeline/split_backward.py)."""
+
+    @property
+    def split_backward_refusal(self) -> str | None:
+        """Why a split backward does not run over this module (stage 3), else None."""
+        if self.stage != 3:
+            return None
+        return ("schedule 'zb-h1' (split backward) is not supported with ZeRO stage 3, whose "
+                "parameters are flat units gathered around forward and backward (W has no "
+                "Parameters to run on); use zero=1 or 2, or schedule='1f1b'")
+
     def forward(self, *args, **kwargs):
         buffers = list(self.module.buffers()) if self.broadcast_buffers else []
         if buffers and self.training and torch.is_grad_enabled():

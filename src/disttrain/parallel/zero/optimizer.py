@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from disttrain.parallel.dtypes import accumulation_dtype
+from disttrain.dtypes import accumulation_dtype
 from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm, mixed
 
