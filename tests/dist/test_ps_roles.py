@@ -111,3 +111,18 @@ def test_wrong_rank_and_unknown_keyword_are_refused(results):
         assert "call ps.attach(...) on this rank" in out["misuse"]
     for out in results:
         assert "unknown keyword(s) ['snapshot_every_typo']" in out["typo"]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("call", ["serve", "attach", "connect"])
+def test_outside_a_ps_job_every_entry_point_says_how_to_launch_one(call):
+    with pytest.raises(RuntimeError, match=rf"ps\.{call}: a parameter-server job needs "
+                       r"1 <= servers < world size.*disttrain run --workers W --servers S"):
+        getattr(ps, call)(_model(), ps.Sync())
+
+
+@pytest.mark.timeout(20)
+def test_connect_exit_false_is_deprecated_in_favour_of_serve_and_attach():
+    with pytest.warns(DeprecationWarning, match=r"call ps\.serve\(\.\.\.\) on server ranks"):
+        with pytest.raises(RuntimeError, match="parameter-server job needs"):
+            ps.connect(_model(), ps.Sync(), exit=False)

@@ -188,18 +188,18 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     if unknown:
         raise TypeError(f"ps.connect got unknown keyword(s) {unknown}: it takes those of "
                         f"ps.serve {sorted(_SERVE)} and ps.attach {sorted(_ATTACH)}")
+    if not exit:
+        warnings.warn("ps.connect(exit=False) is deprecated: call ps.serve(...) on server "
+                      "ranks (it returns the stats) and ps.attach(...) on worker ranks",
+                      DeprecationWarning, stacklevel=2)
     # NOTE: checked on every rank, so a typo fails on the servers too, not only the workers
     parse_compression(options.get("compression"))
     _check_job("connect")
     if runtime.role() == "worker":
         return attach(model, policy, **{k: v for k, v in options.items() if k in _ATTACH})
-    kept = {k: v for k, v in options.items() if k in _SERVE}
+    stats = serve(model, policy, optimizer, **{k: v for k, v in options.items() if k in _SERVE})
     if not exit:
-        warnings.warn("ps.connect(exit=False) is deprecated: call ps.serve(...) on server "
-                      "ranks (it returns the stats) and ps.attach(...) on worker ranks",
-                      DeprecationWarning, stacklevel=2)
-        return serve(model, policy, optimizer, **kept)
-    stats = serve(model, policy, optimizer, **kept)
+        return stats
     print(format_stats(stats), flush=True)
     runtime.shutdown()
     raise SystemExit(0)
