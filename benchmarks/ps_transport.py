@@ -91,14 +91,23 @@ def _iters(nbytes: int) -> int:
     return max(5, min(200, (256 << 20) // max(nbytes, 1) // 4))
 
 
+def _join(model, tag: str, chunk: int):
+    """This rank's entry point: the server's stats or the worker's `Worker`."""
+    opt = lambda p: torch.optim.SGD(p, lr=0.01)  # noqa: E731
+    if not hasattr(ps, "serve"):  # NOTE: --before revisions have only connect(exit=False)
+        return ps.connect(model, ps.Async(), opt, exit=False, timeout=60, name=tag,
+                          overlap=False, chunk_bytes=chunk)
+    if disttrain.role() == "server":
+        return ps.serve(model, ps.Async(), opt, timeout=60, name=tag, chunk_bytes=chunk)
+    return ps.attach(model, ps.Async(), timeout=60, name=tag, overlap=False, chunk_bytes=chunk)
+
+
 def _bench_ps(numel: int, tag: str, chunk: int) -> float | None:
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(numel))
+    conn = _join(model, tag, chunk)
     if disttrain.role() == "server":
-        ps.serve(model, ps.Async(), lambda p: torch.optim.SGD(p, lr=0.01), timeout=60,
-                 name=tag, chunk_bytes=chunk)
         return None
-    conn = ps.attach(model, ps.Async(), timeout=60, name=tag, overlap=False, chunk_bytes=chunk)
     model.w.grad = torch.randn(numel)
     n = _iters(numel * 4)
     for i in range(n + 2):
