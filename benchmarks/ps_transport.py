@@ -14,7 +14,7 @@ Two processes (one trainer/worker, one server), the same layout for all sides; o
 iteration sends a gradient of the given size to the server and brings the updated
 parameters (same size) back:
 
-- disttrain: `ps.connect` with one float32 parameter of the given size, `Async()` policy,
+- disttrain: `ps.serve` / `ps.attach` with one float32 parameter of the given size, `Async()` policy,
   server-side SGD; one iteration = `push()` then `pull()`, both queued at once (ps-lite
   style), then `wait()` on both. Every frame authenticated (session MAC) both ways, on
   ipc:// between processes of one user without the tensor buffers (envelope, part
@@ -91,11 +91,21 @@ def _iters(nbytes: int) -> int:
     return max(5, min(200, (256 << 20) // max(nbytes, 1) // 4))
 
 
+def _join(model, tag: str, chunk: int):
+    """This rank's entry point: the server's stats or the worker's `Worker`."""
+    opt = lambda p: torch.optim.SGD(p, lr=0.01)  # noqa: E731
+    if not hasattr(ps, "serve"):  # NOTE: --before revisions have only connect(exit=False)
+        return ps.connect(model, ps.Async(), opt, exit=False, timeout=60, name=tag,
+                          overlap=False, chunk_bytes=chunk)
+    if disttrain.role() == "server":
+        return ps.serve(model, ps.Async(), opt, timeout=60, name=tag, chunk_bytes=chunk)
+    return ps.attach(model, ps.Async(), timeout=60, name=tag, overlap=False, chunk_bytes=chunk)
+
+
 def _bench_ps(numel: int, tag: str, chunk: int) -> float | None:
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(numel))
-    conn = ps.connect(model, ps.Async(), lambda p: torch.optim.SGD(p, lr=0.01),
-                      exit=False, timeout=60, name=tag, overlap=False, chunk_bytes=chunk)
+    conn = _join(model, tag, chunk)
     if disttrain.role() == "server":
         return None
     model.w.grad = torch.randn(numel)

@@ -33,9 +33,9 @@ def _slow(conn, seconds):
 def _run(mode):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    conn = ps.connect(model, MODES[mode](), exit=False, timeout=20, name=mode)
     if disttrain.role() == "server":
-        return conn
+        return ps.serve(model, MODES[mode](), timeout=20, name=mode)
+    conn = ps.attach(model, MODES[mode](), timeout=20, name=mode)
     r = disttrain.rank()
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     done = 0

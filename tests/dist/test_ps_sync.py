@@ -42,10 +42,10 @@ def _train(policy_name):
     model = _model()
     policy = {"sync": ps.Sync(), "ksync": ps.KSync(W)}[policy_name]
     # chunk_bytes=64 cuts every weight into 16-float keys spread over both servers
-    conn = ps.connect(model, policy, _opt, chunk_bytes=64, exit=False, timeout=20,
-                      name=policy_name)
     if disttrain.role() == "server":
-        return {"role": "server", "stats": conn}
+        return {"role": "server", "stats": ps.serve(model, policy, _opt, chunk_bytes=64,
+                                                    timeout=20, name=policy_name)}
+    conn = ps.attach(model, policy, chunk_bytes=64, timeout=20, name=policy_name)
     xs, ys = _data()
     r = disttrain.rank()
     for t in range(STEPS):

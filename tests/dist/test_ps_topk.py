@@ -27,10 +27,10 @@ def _opt(params):
 def _small(name, compression):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    conn = ps.connect(model, ps.Sync(), _opt, chunk_bytes=64, exit=False, timeout=20,
-                      name=name, compression=compression)
     if disttrain.role() == "server":
-        return {"stats": conn}
+        return {"stats": ps.serve(model, ps.Sync(), _opt, chunk_bytes=64, timeout=20, name=name)}
+    conn = ps.attach(model, ps.Sync(), chunk_bytes=64, timeout=20, name=name,
+                     compression=compression)
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(STEPS, W * B, 8, generator=g), torch.randn(STEPS, W * B, 3, generator=g)
     r = disttrain.rank()
@@ -51,10 +51,11 @@ def _digits(ratio, epochs=4):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    conn = ps.connect(model, ps.Sync(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-                      exit=False, timeout=20, name="digits", compression=ps.TopK(ratio))
     if disttrain.role() == "server":
-        return {"stats": conn}
+        return {"stats": ps.serve(model, ps.Sync(),
+                                  lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                                  timeout=20, name="digits")}
+    conn = ps.attach(model, ps.Sync(), timeout=20, name="digits", compression=ps.TopK(ratio))
     data = load_digits()
     x, y = torch.tensor(data.data, dtype=torch.float32), torch.tensor(data.target)  # (1797, 64)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))

@@ -43,8 +43,8 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
  'disttrain.parallel.zero': ['CommStats', 'LossScaler', 'Zero', 'ZeroOptimizer'],
  'disttrain.ps': ['Async', 'Cancelled', 'Decision', 'Handle', 'HashRing', 'KAsync',
                   'KBatchAsync', 'KBatchSync', 'KSync', 'PSError', 'Policy', 'SSP',
-                  'Straggler', 'Sync', 'TopK', 'Worker', 'backup_workers', 'connect',
-                  'parse_straggler'],
+                  'Straggler', 'Sync', 'TopK', 'Worker', 'attach', 'backup_workers',
+                  'connect', 'parse_straggler', 'serve'],
  'disttrain.trace': ['clear', 'data', 'end_step', 'is_active', 'log', 'merge', 'on_init',
                      'parse_steps', 'problems', 'start', 'stop']}
 

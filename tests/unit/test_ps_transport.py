@@ -8,14 +8,16 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, group_keys, pack
 from disttrain.ps.session import (
     ENCRYPTED,
     ENVELOPE_BYTES,
+    HELLO,
     PLAIN,
+    SESSION,
     Session,
     hello_key,
     new_nonce,
@@ -159,7 +161,8 @@ def test_keys_are_packed_into_chunk_messages_in_order():
     assert group_keys([], 8) == []
 
 
-_ENVELOPE = st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**64 - 1))
+# kind (half of them a session frame, the only kind that reaches the tag), flags, seq
+_ENVELOPE = st.tuples(st.just(1) | st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**64 - 1))
 _LEAF = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8)
 _ANY = st.recursive(_LEAF, lambda c: st.lists(c, max_size=4)
                     | st.dictionaries(st.text(max_size=6), c, max_size=5), max_leaves=20)
@@ -170,40 +173,97 @@ _HEADERISH = st.fixed_dictionaries({
     "shapes": st.lists(st.lists(st.integers(-2, 2**41), max_size=3) | _ANY, max_size=3)})
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _refusal_before_the_tag(kind: int, flags: int, plain: bool, plain_ok: bool) -> str | None:
+    """What a session must refuse a frame it signed for, before its tag is checked
+    (session.open's order); None: the tag decides."""
+    if kind not in (HELLO, SESSION) or flags == ENCRYPTED | PLAIN:
+        return "bad envelope"
+    if kind != SESSION or flags & ENCRYPTED:
+        return "encryption mismatch"
+    if plain and not plain_ok:
+        return "unauthenticated payload"
+    return None
+
+
+_GOOD = [msgpack.packb({"op": "push", "meta": {"worker": 1}, "keys": ["k"], "dtypes": ["int8"],
+                        "shapes": [[3]]}), b"abc"]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=80), min_size=0, max_size=6), _ENVELOPE, st.booleans(),
-       st.booleans())
-def test_fuzzed_frames_never_crash_the_parser(parts, envelope, sign, plain_ok):
-    """Random parts, or random headers behind a correctly signed envelope whose kind,
-    flags and sequence number are drawn too (so the checks after the MAC run)."""
+       st.booleans(), st.booleans())
+@example(_GOOD, (SESSION, 0, 5), True, False, True)  # every outcome, every run: parsed,
+@example(_GOOD, (SESSION, 0, 5), True, False, False)  # replayed or reordered,
+@example(_GOOD, (SESSION, PLAIN, 5), True, False, True)  # unauthenticated payload,
+@example(_GOOD, (SESSION, PLAIN, 5), True, True, True)  # bad MAC,
+@example([b"x"], (SESSION, 0, 5), True, False, True)  # bad header
+def test_fuzzed_frames_are_refused_for_the_right_reason(parts, envelope, sign, plain_ok,
+                                                        in_order):
+    """Random parts (always refused, nothing consumed), or random headers behind a
+    correctly signed envelope whose kind, flags and sequence number are drawn too: the
+    receiving session refuses each for the reason its checks' order gives, moves its
+    sequence number only for a genuine frame, and hands on exactly the bytes sent."""
     w, s = _pair()
     kind, flags, seq = envelope
-    if sign and parts:
-        w.send_seq, s.recv_seq = seq, seq if kind % 2 else 0
-        w.flags = flags
-        parts = w.seal_parts(parts[0], parts[1:])
+    signed = sign and bool(parts)
+    if signed:
+        w.send_seq, w.flags = seq, flags
+        s.recv_seq = seq if in_order else (seq + 1) % 2**64
+        header, sent = parts[0], parts[1:]
+        parts = w.seal_parts(header, sent)
         raw = bytearray(parts[0])
         raw[0] = kind
         parts[0] = bytes(raw)
+    before = s.recv_seq
     try:
-        s.open(read_envelope(parts, Limits(max_tensors=8)), parts, plain_ok)
-    except FrameError:
-        pass
+        msg = s.open(read_envelope(parts, Limits(max_tensors=8)), parts, plain_ok)
+    except FrameError as e:
+        msg, reason = None, e.reason
+    if not signed:
+        assert msg is None and s.recv_seq == before  # a random tag never verifies
+        return
+    plain = bool(flags & PLAIN)
+    want = _refusal_before_the_tag(kind, flags, plain, plain_ok)
+    if want is None and plain and b"".join(sent):  # tagged with its buffers, opened without
+        want = "bad MAC"
+    if want is None and not in_order:
+        want = "replayed or reordered"
+    event(f"refused: {want}" if want else "genuine: " + ("bad header" if msg is None else "parsed"))
+    if want is not None:
+        assert msg is None and reason.startswith(want), (reason, want)
+        assert s.recv_seq == before  # nothing consumed
+        return
+    assert s.recv_seq == seq + 1  # a genuine frame: its number is used up, parsed or not
+    if msg is None:
+        assert reason.startswith("bad header"), reason
+    else:
+        assert b"".join(_bytes(t) for t in msg.tensors) == b"".join(sent)
 
 
 @settings(max_examples=300, deadline=None)
 @given(_ANY | _HEADERISH, st.lists(st.binary(max_size=16), max_size=3))
-def test_fuzzed_signed_msgpack_headers_never_crash(obj, buffers):
+def test_fuzzed_signed_msgpack_headers_are_parsed_or_refused_as_bad_headers(obj, buffers):
+    """A genuine frame (or hello) with any msgpack header: refused only as a bad header;
+    accepted, it carries exactly the header's op, meta and keys and the buffers' bytes."""
     w, s = _pair()
-    try:
-        _open(s, w.seal_parts(msgpack.packb(obj), buffers))
-    except FrameError:
-        pass
-    try:  # and the same header as a hello
-        parts = seal_hello_parts(hello_key(KEY), new_nonce(), msgpack.packb(obj), buffers)
-        open_hello(hello_key(KEY), read_envelope(parts), parts)
-    except FrameError:
-        pass
+    hello_parts = seal_hello_parts(hello_key(KEY), new_nonce(), msgpack.packb(obj), buffers)
+    for opener, parts in [(lambda p: _open(s, p), w.seal_parts(msgpack.packb(obj), buffers)),
+                          (lambda p: open_hello(hello_key(KEY), read_envelope(p), p), hello_parts)]:
+        try:
+            msg = opener(parts)
+        except FrameError as e:
+            assert e.reason.startswith("bad header"), e.reason
+            event("bad header")
+            continue
+        event("parsed")
+        assert isinstance(obj, dict) and [msg.op, msg.meta, msg.keys] == [
+            obj["op"], obj["meta"], obj["keys"]]
+        assert b"".join(_bytes(t) for t in msg.tensors) == b"".join(buffers)
+    assert s.recv_seq == 1  # the session frame was genuine: its number is used up
 
 
 @pytest.mark.timeout(10)

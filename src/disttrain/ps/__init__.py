@@ -1,17 +1,19 @@
 """Parameter-server training: sharded servers, push/pull, consistency policies.
 
-`connect(model, policy=..., optimizer=...)` is the whole user surface (connect.py): on
-a server rank it serves, on a worker it returns a `Worker` whose `push()`/`pull()`
-return `Handle`s. Consistency is a policy object the servers apply (policy.py; write
-your own from `Policy` and `Decision`; how the asynchronous ones step stale gradients,
-`step=` and `momentum=`, is staleness.py); placement is the consistent-hash `HashRing`
+Entry points (connect.py), one per role: `serve(model, policy, optimizer=...)` on a
+server rank serves its shard and returns the stats; `attach(model, policy, ...)` on a
+worker returns a `Worker` whose `push()`/`pull()` return `Handle`s; `connect(...)` is the
+one-script helper that calls the rank's entry point and ends a server's process after.
+Consistency is a policy object the servers apply (policy.py; write your own from
+`Policy` and `Decision`; how the asynchronous ones step stale gradients, `step=` and
+`momentum=`, is staleness.py); placement is the consistent-hash `HashRing`
 (ring.py); the wire is transport.py (sockets), session.py (authenticated, sequenced
 sessions) and frame.py (message layout); top-k pushes with error feedback are compress.py;
 `Straggler` delays make stragglers reproducible on one machine.
 """
 
 from disttrain.ps.compress import TopK
-from disttrain.ps.connect import connect
+from disttrain.ps.connect import attach, connect, serve
 from disttrain.ps.handle import Cancelled, Handle
 from disttrain.ps.policy import (
     SSP,
@@ -31,6 +33,8 @@ from disttrain.ps.straggler import Straggler, parse_straggler
 from disttrain.ps.worker import Worker
 
 __all__ = [
+    "serve",
+    "attach",
     "connect",
     "Worker",
     "Handle",

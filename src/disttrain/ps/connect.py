@@ -1,19 +1,28 @@
-"""`disttrain.ps.connect`: one call that makes this rank a server or a worker.
+"""The entry points of a parameter-server job: `serve`, `attach`, and `connect`.
 
-One script serves both roles, as ps-lite's single binary does: `disttrain run --workers
-W --servers S script.py` makes ranks 0..W-1 workers and the last S ranks servers
-(`disttrain.role()`). Every rank builds the same model and calls `connect`; the key plan
-(consistent-hash ring, ring.py) follows from the model alone. Servers bind a ZeroMQ
-socket, publish its address (`ipc://...` on loopback, else `tcp://host:port`) in the
-job's c10d store under `disttrain/ps/<name>/addr<i>`, and serve inside `connect` until
-every worker is done; workers read those addresses (blocking until all are there) and
-get a `Worker` back.
+`disttrain run --workers W --servers S script.py` makes ranks 0..W-1 workers and the last
+S ranks servers (`disttrain.role()`). Every rank builds the same model; the key plan
+(consistent-hash ring, ring.py) follows from the model alone. Each role has its own entry
+point that returns one type, as ps-lite's `KVServer` and `KVWorker` are two objects:
+
+- `serve(model, policy, optimizer=...) -> dict` on a server rank: binds a ZeroMQ socket,
+  publishes its address (`ipc://...` on loopback, else `tcp://host:port`) in the job's
+  c10d store under `disttrain/ps/<name>/addr<i>`, serves until every worker is done or
+  lost and returns the server's stats. The process goes on: the caller decides.
+- `attach(model, policy, ...) -> Worker` on a worker rank: reads those addresses
+  (blocking until all are there) and returns a connected `Worker`.
+- `connect(model, policy, optimizer, **options)`: the one-script helper (ps-lite's one
+  binary, MXNet's kvstore server): on a worker it is `attach`; on a server it is `serve`,
+  then it prints the report and ends the server's process with `SystemExit(0)`, so a
+  script written for workers needs no role branch. It passes every keyword on: each
+  role gets the keywords its entry point takes (every rank passes the same ones).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,7 +37,7 @@ from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
 from disttrain.ps.worker import Worker
 
-__all__ = ["connect", "format_stats"]
+__all__ = ["serve", "attach", "connect", "format_stats"]
 
 
 def _default_timeout() -> float:
@@ -39,82 +48,161 @@ def _default_timeout() -> float:
         raise ValueError(f"DISTTRAIN_PS_TIMEOUT={raw!r} must be seconds, e.g. 10") from None
 
 
-def connect(model: torch.nn.Module, policy: Policy | None = None,
-            optimizer: Callable | None = None, *, timeout: float | None = None,
-            host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-            overlap: bool = True, compression: str | TopK | None = None,
-            snapshot: str | None = None, snapshot_every: int = 0,
-            exit: bool = True, name: str = "ps") -> Worker | dict:
-    """Join the parameter-server job as this rank's role. Blocks (see below).
+def _check_job(call: str) -> int:
+    """The number of servers, after checking that this is a parameter-server job."""
+    servers, world = runtime.num_servers(), runtime.world_size()
+    if servers < 1 or servers >= world:
+        raise RuntimeError(
+            f"ps.{call}: a parameter-server job needs 1 <= servers < world size, got "
+            f"DISTTRAIN_SERVERS={servers} with world size {world}; launch with "
+            "`disttrain run --workers W --servers S script.py`")
+    return servers
+
+
+def _job(model: torch.nn.Module, call: str, role: str, chunk_bytes: int):
+    """This rank's place in the job: (worker ranks, key plan), after checking that the job
+    is a parameter-server job and that this rank has the role `call` serves."""
+    servers, world = _check_job(call), runtime.world_size()
+    if runtime.role() != role:
+        other = "attach" if role == "server" else "serve"
+        raise RuntimeError(
+            f"ps.{call} on rank {runtime.rank()}, which is a {runtime.role()} "
+            f"(disttrain.role(): the last {servers} of {world} ranks serve): call "
+            f"ps.{other}(...) on this rank, or ps.connect(...), which picks the entry point "
+            "by role")
+    plan = plan_keys([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
+                     servers, chunk_bytes=chunk_bytes)
+    return list(range(world - servers)), plan
+
+
+def serve(model: torch.nn.Module, policy: Policy | None = None,
+          optimizer: Callable | None = None, *, timeout: float | None = None,
+          host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+          snapshot: str | None = None, snapshot_every: int = 0, name: str = "ps") -> dict:
+    """Serve this server rank's shard until every worker is done or lost; return its stats.
+
+    Blocks for the whole job. Call it on server ranks only (`disttrain.role() == "server"`;
+    elsewhere: RuntimeError naming `attach`). Prints nothing but a snapshot restore report;
+    `format_stats(stats)` is the report line. Sets the process's allocator to keep freed
+    receive buffers (heap.py).
 
     model: the same architecture on every rank; the servers start from the parameter
-        values of the model built on the server rank (seed every rank alike).
-    policy: consistency policy (default `Sync()`), used by the servers.
-    optimizer: `lambda params: torch.optim.X(params, ...)`, built on each server over its
+        values of the model built here (seed every rank alike).
+    policy: consistency policy (default `Sync()`); the workers must pass the same.
+    optimizer: `lambda params: torch.optim.X(params, ...)`, built over this server's
         shard (default SGD lr=0.1); must be element-wise (SGD, momentum, Adam, AdamW...).
-    timeout: seconds of silence after which a worker or server counts as lost
+    timeout: seconds of silence after which a worker counts as lost
         (default DISTTRAIN_PS_TIMEOUT or 10).
-    host: interface servers bind and advertise (default DISTTRAIN_PS_HOST or 127.0.0.1).
-    overlap: push each gradient from its hook while backward runs (default); pass False
-        when accumulating gradients over several backward passes before one push.
-    compression: None (dense pushes) or "topk:ratio=R" / `ps.TopK(R)`: each worker sends,
-        per key, only the ceil(R * numel) largest-magnitude gradient entries (indices +
-        values) and keeps the rest as a residual added to its next gradient (Deep Gradient
-        Compression, Lin et al. 2018; compress.py). Servers accept either kind of push.
-    snapshot: path template with `{server}`, e.g. "ckpt/ps{server}.safetensors": a server
-        restores from it at start if it exists (printing the version restored and how
-        many updates since that snapshot were lost) and saves to it when the job ends.
+    host: interface to bind and advertise (default DISTTRAIN_PS_HOST or 127.0.0.1).
+    chunk_bytes: largest key (ring.py) and stream chunk; the same on every rank.
+    snapshot: path template with `{server}`, e.g. "ckpt/ps{server}.safetensors": restored
+        at start if it exists (printing the version restored and how many updates since
+        that snapshot were lost) and saved when the job ends.
     snapshot_every: with `snapshot`, also save (atomically) every this many applied
         updates, so a killed server restarted by `disttrain run --max-restarts N` loses
         at most snapshot_every - 1 updates (0: only at the end).
-    exit: on a server, exit the process cleanly once served (False: return the stats).
-
-    On a worker: blocks until every server said welcome, returns a `Worker`.
-    On a server: serves until all workers are done or lost, then exits (or returns).
+    name: the job's name in the store (several PS jobs in one process group differ here).
     """
+    workers, plan = _job(model, "serve", "server", chunk_bytes)
     policy = policy if policy is not None else Sync()
-    compression = parse_compression(compression)  # NOTE: on every rank, so a typo fails everywhere
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
     timeout = timeout if timeout is not None else _default_timeout()
-    servers = runtime.num_servers()
-    world = runtime.world_size()
-    if servers < 1 or servers >= world:
-        raise RuntimeError(
-            f"parameter-server job needs 1 <= servers < world size, got DISTTRAIN_SERVERS="
-            f"{servers} with world size {world}; launch with "
-            "`disttrain run --workers W --servers S script.py`")
-    workers = list(range(world - servers))
-    plan = plan_keys([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
-                     servers, chunk_bytes=chunk_bytes)
-    store = dist.distributed_c10d._get_default_store()
-    secret = job_secret()
-    if runtime.role() == "worker":
-        addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(servers)]
-        return Worker(model, runtime.rank(), addresses, plan, secret, repr(policy),
-                      timeout=timeout, overlap=overlap, compression=compression,
-                      chunk_bytes=chunk_bytes)
     index = runtime.rank() - len(workers)
-    server = Server(index, plan[index], dict(model.named_parameters()), policy, optimizer,
-                    workers, secret, host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
-                    timeout=timeout, chunk_bytes=chunk_bytes)
     path = snapshot.format(server=index) if snapshot else None
     if snapshot_every and not path:
         raise ValueError(f"snapshot_every={snapshot_every} needs a snapshot path, e.g. "
-                         'connect(..., snapshot="ckpt/ps{server}.safetensors")')
+                         'serve(..., snapshot="ckpt/ps{server}.safetensors")')
+    server = Server(index, plan[index], dict(model.named_parameters()), policy, optimizer,
+                    workers, job_secret(),
+                    host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
+                    timeout=timeout, chunk_bytes=chunk_bytes)
     if path:
         report = server.keep_snapshots(path, snapshot_every)
         if report:
             print(report, flush=True)
-    store.set(f"disttrain/{name}/addr{index}", server.address)
-    keep_freed_memory()  # NOTE: this process only serves: its receive buffers are reused
+    dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
+                                                   server.address)
+    keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
     stats = server.serve()
     if path:
         server.snapshot(path)
+    return stats
+
+
+def attach(model: torch.nn.Module, policy: Policy | None = None, *,
+           timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+           overlap: bool = True, compression: str | TopK | None = None,
+           name: str = "ps") -> Worker:
+    """Connect this worker rank to every server; return its `Worker`.
+
+    Blocks until every server has published its address and said welcome. Call it on
+    worker ranks only (elsewhere: RuntimeError naming `serve`).
+
+    model: the model this worker trains; its parameters receive every pull.
+    policy: the servers' consistency policy (default `Sync()`); a server refuses a worker
+        whose policy differs, naming both.
+    timeout: seconds of silence after which a server counts as lost (default
+        DISTTRAIN_PS_TIMEOUT or 10).
+    chunk_bytes: largest key and stream chunk; the same on every rank.
+    overlap: push each gradient from its hook while backward runs (default); pass False
+        when accumulating gradients over several backward passes before one push.
+    compression: None (dense pushes) or "topk:ratio=R" / `ps.TopK(R)`: per key, only the
+        ceil(R * numel) largest-magnitude gradient entries (indices + values) are sent and
+        the rest kept as a residual added to the next gradient (Deep Gradient
+        Compression, Lin et al. 2018; compress.py). Servers accept either kind of push.
+    name: the job's name in the store, as given to `serve`.
+    """
+    compression = parse_compression(compression)
+    _, plan = _job(model, "attach", "worker", chunk_bytes)
+    policy = policy if policy is not None else Sync()
+    timeout = timeout if timeout is not None else _default_timeout()
+    store = dist.distributed_c10d._get_default_store()
+    addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(len(plan))]
+    return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),
+                  timeout=timeout, overlap=overlap, compression=compression,
+                  chunk_bytes=chunk_bytes)
+
+
+_SERVE = frozenset(inspect.signature(serve).parameters) - {"model"}
+_ATTACH = frozenset(inspect.signature(attach).parameters) - {"model"}
+
+
+def connect(model: torch.nn.Module, policy: Policy | None = None,
+            optimizer: Callable | None = None, *, exit: bool = True, **options) -> Worker:
+    """One script for both roles: `attach` on a worker, `serve` and end the process on a server.
+
+    On a worker: blocks until every server said welcome, returns the `Worker`.
+    On a server: serves until all workers are done or lost, prints the report
+    (`format_stats`) and raises `SystemExit(0)` after shutting the process group down, so
+    the workers' training loop after this call never runs there (finally blocks and
+    atexit handlers still do). To keep the server process, call `serve` on server ranks
+    and `attach` on workers instead.
+
+    options: every keyword of `serve` and of `attach` (timeout, host, chunk_bytes, overlap,
+        compression, snapshot, snapshot_every, name, ...); each role gets the ones its entry
+        point takes, so every rank passes the same ones. A keyword neither takes is a
+        TypeError on every rank.
+    exit: deprecated; `exit=False` made a server return its stats: call `serve` instead.
+    """
+    unknown = sorted(set(options) - _SERVE - _ATTACH)
+    if unknown:
+        raise TypeError(f"ps.connect got unknown keyword(s) {unknown}: it takes those of "
+                        f"ps.serve {sorted(_SERVE)} and ps.attach {sorted(_ATTACH)}")
+    if not exit:
+        warnings.warn("ps.connect(exit=False) is deprecated: call ps.serve(...) on server "
+                      "ranks (it returns the stats) and ps.attach(...) on worker ranks",
+                      DeprecationWarning, stacklevel=2)
+    # NOTE: checked on every rank, so a typo fails on the servers too, not only the workers
+    parse_compression(options.get("compression"))
+    _check_job("connect")
+    if runtime.role() == "worker":
+        return attach(model, policy, **{k: v for k, v in options.items() if k in _ATTACH})
+    stats = serve(model, policy, optimizer, **{k: v for k, v in options.items() if k in _SERVE})
     if not exit:
         return stats
     print(format_stats(stats), flush=True)
     runtime.shutdown()
-    sys.exit(0)
+    raise SystemExit(0)
 
 
 def format_stats(stats: dict) -> str:
