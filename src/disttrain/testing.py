@@ -68,7 +68,9 @@ def _child(fn, rank, world_size, store_path, backend, timeout, env, args, result
     torch.set_num_threads(1)
     from torch import distributed as dist
 
-    from disttrain import runtime
+    from disttrain import runtime, settings
+
+    settings.refresh()  # NOTE: `env` came after this process imported its modules
 
     try:
         store = dist.FileStore(store_path, world_size)

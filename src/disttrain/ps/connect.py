@@ -12,14 +12,13 @@ get a `Worker` back.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from disttrain import runtime
+from disttrain import runtime, settings
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.policy import Policy, Sync
@@ -29,14 +28,6 @@ from disttrain.ps.transport import job_secret
 from disttrain.ps.worker import Worker
 
 __all__ = ["connect", "format_stats"]
-
-
-def _default_timeout() -> float:
-    raw = os.environ.get("DISTTRAIN_PS_TIMEOUT", "10")
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"DISTTRAIN_PS_TIMEOUT={raw!r} must be seconds, e.g. 10") from None
 
 
 def connect(model: torch.nn.Module, policy: Policy | None = None,
@@ -75,7 +66,7 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     policy = policy if policy is not None else Sync()
     compression = parse_compression(compression)  # NOTE: on every rank, so a typo fails everywhere
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
-    timeout = timeout if timeout is not None else _default_timeout()
+    timeout = timeout if timeout is not None else settings.current().ps_timeout
     servers = runtime.num_servers()
     world = runtime.world_size()
     if servers < 1 or servers >= world:
@@ -95,7 +86,7 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
                       chunk_bytes=chunk_bytes)
     index = runtime.rank() - len(workers)
     server = Server(index, plan[index], dict(model.named_parameters()), policy, optimizer,
-                    workers, secret, host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
+                    workers, secret, host=host or settings.current().ps_host,
                     timeout=timeout, chunk_bytes=chunk_bytes)
     path = snapshot.format(server=index) if snapshot else None
     if snapshot_every and not path:
