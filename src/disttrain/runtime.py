@@ -88,6 +88,7 @@ def init(
     """
     if dist.is_initialized():
         return
+    settings.refresh()  # NOTE: a script may set DISTTRAIN_* variables before init()
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     timeout = timeout or default_timeout()

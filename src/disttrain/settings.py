@@ -2,9 +2,9 @@
 
 `current()` parses the environment on its first call and keeps the result for the
 process, so a hot path (`role()`, the `auto` allreduce's link model) reads a field, never
-os.environ. Whoever changes os.environ afterwards calls `refresh()`: the tests,
-`disttrain.testing`'s rank processes (their variables come after their imports) and
-`disttrain run`, which reads its own environment when it starts a job. A value
+os.environ. `disttrain.init()` reads it again (a script may set a variable before it,
+and `disttrain.testing`'s ranks get theirs then), as does `disttrain run` when it starts
+a job; a test that changes os.environ calls `refresh()` itself. A value
 that does not parse raises `SettingsError` naming the variable, what it expects and an
 example, at the first `current()`, not deep in the job.
 

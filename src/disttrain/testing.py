@@ -68,9 +68,7 @@ def _child(fn, rank, world_size, store_path, backend, timeout, env, args, result
     torch.set_num_threads(1)
     from torch import distributed as dist
 
-    from disttrain import runtime, settings
-
-    settings.refresh()  # NOTE: `env` came after this process imported its modules
+    from disttrain import runtime
 
     try:
         store = dist.FileStore(store_path, world_size)
