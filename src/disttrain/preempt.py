@@ -31,15 +31,13 @@ import threading
 import torch
 import torch.distributed as dist
 
-from disttrain import runtime
+from disttrain import runtime, settings
 
-__all__ = ["preempted", "PREEMPT_SIGNAL", "ENV_SIGNAL", "flag_value", "deliver", "marker_path"]
+__all__ = ["preempted", "PREEMPT_SIGNAL", "flag_value", "deliver", "marker_path"]
 
 PREEMPT_SIGNAL = signal.SIGUSR2
 """What `disttrain run` sends a rank to say "save and stop" (SIGTERM from the agent means
 "stop now": a peer failed)."""
-ENV_SIGNAL = "DISTTRAIN_PREEMPT_SIGNAL"
-"""Set by `disttrain run` to the notice's signal name; without it the notice is SIGTERM."""
 
 
 class _State:
@@ -96,14 +94,8 @@ def preempted() -> bool:
 
 
 def _notice_signal() -> signal.Signals:
-    name = os.environ.get(ENV_SIGNAL)
-    if not name:
-        return signal.SIGTERM
-    try:
-        return signal.Signals[name]
-    except KeyError:
-        raise ValueError(f"{ENV_SIGNAL}={name!r} is not a signal name; unset it (disttrain run "
-                         "sets it) or use e.g. SIGUSR2") from None
+    name = settings.current().preempt_signal
+    return signal.Signals[name] if name else signal.SIGTERM
 
 
 def _install() -> None:
@@ -121,8 +113,8 @@ def _install() -> None:
 
     signal.signal(sig, handler)
     _state.installed = True
-    report_dir = os.environ.get("DISTTRAIN_REPORT_DIR")
-    if report_dir and os.environ.get(ENV_SIGNAL):
-        path = marker_path(report_dir, runtime.rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    s = settings.current()
+    if s.report_dir and s.preempt_signal:
+        path = marker_path(s.report_dir, runtime.rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         with open(path, "w") as fp:
             fp.write(f"{os.getpid()} {socket.gethostname()}\n")

@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from disttrain import settings
 from disttrain.cluster.launchers import env_from_launcher
 
 __all__ = [
@@ -42,16 +43,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def default_timeout() -> datetime.timedelta:
     """Collective timeout: `DISTTRAIN_TIMEOUT` seconds, 60 by default (never torch's 30 min)."""
-    raw = os.environ.get("DISTTRAIN_TIMEOUT", "60")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(
-            f"DISTTRAIN_TIMEOUT={raw!r} is not a number of seconds; set e.g. DISTTRAIN_TIMEOUT=120"
-        ) from None
-    if seconds <= 0:
-        raise ValueError(f"DISTTRAIN_TIMEOUT must be > 0 seconds, got {seconds}")
-    return datetime.timedelta(seconds=seconds)
+    return datetime.timedelta(seconds=settings.current().timeout)
 
 
 def _env_int(name: str) -> int:
@@ -96,6 +88,7 @@ def init(
     """
     if dist.is_initialized():
         return
+    settings.refresh()  # NOTE: a script may set DISTTRAIN_* variables before init()
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     timeout = timeout or default_timeout()
@@ -168,7 +161,7 @@ def local_world_size() -> int:
 
 def num_servers() -> int:
     """Parameter-server processes in this job (`disttrain run --servers S`), 0 otherwise."""
-    return int(os.environ.get("DISTTRAIN_SERVERS", 0))
+    return settings.current().servers
 
 
 def role() -> str:

@@ -159,8 +159,8 @@ def test_two_ranks_raising_show_the_earlier_first_and_name_the_other():
 
 @pytest.mark.timeout(REPEAT * (LIMIT + 60))
 @pytest.mark.parametrize("mode,exception,waits", [
-    ("init", "ValueError: DISTTRAIN_TIMEOUT='soon' is not a number of seconds; set e.g. "
-             "DISTTRAIN_TIMEOUT=120", None),
+    ("init", "disttrain.settings.SettingsError: DISTTRAIN_TIMEOUT='soon': expected a number "
+             "of seconds > 0, e.g. DISTTRAIN_TIMEOUT=300", None),
     ("checkpoint", "RuntimeError: state_dict of rank 1 failed", r"rank 0 waited in all_gather #\d+"),
 ])
 def test_exception_during_init_or_checkpoint_save_is_shown_first(mode, exception, waits):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import disttrain
-from disttrain import cli, comm, data, plan, ps
+from disttrain import cli, comm, data, plan, ps, settings
 from disttrain.checkpoint import CheckpointMismatchError
 from disttrain.comm import buckets, compression
 from disttrain.finite import FiniteGradCheck, NonFiniteGradError
@@ -55,7 +55,7 @@ def init_alone(**kwargs):
 def timeout_env():
     os.environ["DISTTRAIN_TIMEOUT"] = "ten"
     try:
-        disttrain.runtime.default_timeout()
+        settings.refresh()
     finally:
         del os.environ["DISTTRAIN_TIMEOUT"]
 
@@ -108,7 +108,7 @@ NO_GROUP = [
     ("checkpoint-keep-zero", lambda: disttrain.Checkpointer("unused", keep=0), ValueError,
      "keep", "must be an int >= 1"),
     ("timeout-not-a-number", timeout_env, ValueError,
-     "DISTTRAIN_TIMEOUT='ten' is not a number", "set e.g. DISTTRAIN_TIMEOUT=120"),
+     "DISTTRAIN_TIMEOUT='ten': expected a number of seconds > 0", "e.g. DISTTRAIN_TIMEOUT=300"),
     ("gpt-heads-do-not-divide", lambda: GPTConfig(n_embd=10, n_head=3), ValueError,
      r"n_embd \(10\) must be a multiple of n_head \(3\)", "each head gets"),
     ("nan-or-inf-gradient", nan_grads, NonFiniteGradError,

@@ -11,6 +11,7 @@ import torch.utils.data as tud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import disttrain.settings
 from disttrain.data import DistributedSampler, shard_loader
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,6 +93,7 @@ def test_sampler_needs_len_and_defaults_from_runtime(monkeypatch):
     s = DistributedSampler(range(9), shuffle=False)
     assert (s.rank, s.num_replicas, list(s)) == (2, 3, [2, 5, 8])
     monkeypatch.setenv("DISTTRAIN_SERVERS", "1")  # rank 2 of 3 is now the server
+    disttrain.settings.refresh()
     with pytest.raises(ValueError, match="parameter server.*2 workers"):
         DistributedSampler(range(9))
 

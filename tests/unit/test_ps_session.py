@@ -15,6 +15,7 @@ import pytest
 import torch
 import zmq
 
+from disttrain import settings
 from disttrain.ps.frame import DEFAULT_LIMITS, Limits, Message
 from disttrain.ps.policy import Async, Sync
 from disttrain.ps.ring import plan_keys
@@ -329,6 +330,7 @@ def test_buffers_go_without_a_mac_only_between_consenting_same_user_unix_peers(
     that does not allow it refuses one (the other side forced to send it)."""
     if where == "tcp":
         monkeypatch.setenv("DISTTRAIN_PS_IPC", "0")
+        settings.refresh()
     job = Job(path="mac" if where == "server says always" else "plain")
     worker = WorkerLink(job.socket(), KEY, 0, 0, always_mac=where == "worker says always")
     hello(worker)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import disttrain
-from disttrain import runtime
+from disttrain import runtime, settings
 
 
 @pytest.fixture
@@ -53,15 +53,17 @@ def test_nccl_without_gpu_is_refused(plain_env):
 def test_timeout_from_env(plain_env, monkeypatch):
     assert runtime.default_timeout() == datetime.timedelta(seconds=60)
     monkeypatch.setenv("DISTTRAIN_TIMEOUT", "7.5")
+    settings.refresh()
     assert runtime.default_timeout() == datetime.timedelta(seconds=7.5)
     monkeypatch.setenv("DISTTRAIN_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match="not a number of seconds"):
-        runtime.default_timeout()
+    with pytest.raises(ValueError, match="expected a number of seconds > 0"):
+        settings.refresh()
 
 
 def test_roles_from_server_count(plain_env, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "5")
     monkeypatch.setenv("DISTTRAIN_SERVERS", "2")
+    settings.refresh()
     roles = []
     for r in range(5):
         monkeypatch.setenv("RANK", str(r))

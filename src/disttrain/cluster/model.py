@@ -17,8 +17,10 @@ benchmarks/scaling.py ask it for predictions. Pure functions: no processes, no t
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from disttrain import settings
 
 __all__ = ["Links", "Step", "steps", "predict", "choose_algorithm", "links_from_env", "MODELLED"]
 
@@ -112,26 +114,25 @@ def predict(algorithm: str, nbytes: float, world: int, local: int, links: Links)
     return sum(links.cost(s, world // local) for s in steps(algorithm, nbytes, world, local))
 
 
-def links_from_env(environ=os.environ) -> Links:
+def links_from_env(environ: Mapping[str, str] | None = None) -> Links:
     """The cluster's links as `disttrain run --cluster` exports them (defaults otherwise).
 
     DISTTRAIN_LINK_GBPS (Gbit/s), DISTTRAIN_ALPHA_US (microseconds); the local ones
     DISTTRAIN_LOCAL_GBPS and DISTTRAIN_LOCAL_ALPHA_US; the CPU pool's
     DISTTRAIN_STEP_US, DISTTRAIN_CPU_GBPS, DISTTRAIN_CPU_LOCAL_GBPS and DISTTRAIN_SHARED_CPU
-    (1: one pool for all nodes).
+    (1: one pool for all nodes). Without `environ`, this process's `settings.current()`.
     """
+    s = settings.current() if environ is None else settings.Settings.from_env(environ)
     d = Links()
-    get = environ.get
-    cpu = float(get("DISTTRAIN_CPU_GBPS", "inf"))
     return Links(
-        alpha=float(get("DISTTRAIN_ALPHA_US", d.alpha * 1e6)) * 1e-6,
-        link_Bps=float(get("DISTTRAIN_LINK_GBPS", d.link_Bps * 8e-9)) * 1e9 / 8,
-        local_alpha=float(get("DISTTRAIN_LOCAL_ALPHA_US", d.local_alpha * 1e6)) * 1e-6,
-        local_Bps=float(get("DISTTRAIN_LOCAL_GBPS", d.local_Bps * 8e-9)) * 1e9 / 8,
-        step_alpha=float(get("DISTTRAIN_STEP_US", 0)) * 1e-6,
-        cpu_Bps=cpu * 1e9 / 8,
-        cpu_local_Bps=float(get("DISTTRAIN_CPU_LOCAL_GBPS", "inf")) * 1e9 / 8,
-        shared_cpu=get("DISTTRAIN_SHARED_CPU", "0") == "1",
+        alpha=(d.alpha * 1e6 if s.alpha_us is None else s.alpha_us) * 1e-6,
+        link_Bps=(d.link_Bps * 8e-9 if s.link_gbps is None else s.link_gbps) * 1e9 / 8,
+        local_alpha=(d.local_alpha * 1e6 if s.local_alpha_us is None else s.local_alpha_us) * 1e-6,
+        local_Bps=(d.local_Bps * 8e-9 if s.local_gbps is None else s.local_gbps) * 1e9 / 8,
+        step_alpha=s.step_us * 1e-6,
+        cpu_Bps=s.cpu_gbps * 1e9 / 8,
+        cpu_local_Bps=s.cpu_local_gbps * 1e9 / 8,
+        shared_cpu=s.shared_cpu,
     )
 
 

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import time
 
+from disttrain import settings
 from disttrain.cluster import cgroups
 from disttrain.cluster.spec import PREFIX, Cluster, load, saved_names, state_dir
 
@@ -39,7 +40,7 @@ class ClusterError(RuntimeError):
 def check_privileges() -> None:
     """Raise ClusterError naming the missing capability (DISTTRAIN_CLUSTER_NO_CAPS=1 simulates)."""
     eff = 0
-    if os.environ.get("DISTTRAIN_CLUSTER_NO_CAPS") != "1":
+    if not settings.current().cluster_no_caps:
         with open("/proc/self/status") as f:
             eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
     missing = [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))

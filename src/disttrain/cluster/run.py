@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 
+from disttrain import settings
 from disttrain.cluster import cgroups, net, spec
 from disttrain.comm.flight import EXIT_HANG
 from disttrain.launch.failures import CAUSES
@@ -61,12 +62,12 @@ def node_env(c: spec.Cluster, node: int, environ: dict[str, str], secret: str,
     gbps = c.link_bps / 1e9
     if c.switch_bps:  # NOTE: the model has one rate per node link; a capped switch shares its own
         gbps = min(gbps, c.switch_bps / 1e9 / max(1, c.nodes))
-    env = {**environ, "DISTTRAIN_SECRET": secret, "GLOO_SOCKET_IFNAME": c.ifname,
-           "DISTTRAIN_PS_HOST": c.addr(node), "DISTTRAIN_CLUSTER": c.name,
-           "DISTTRAIN_CLUSTER_NODE": str(node), "DISTTRAIN_LINK_GBPS": environ.get(
-               "DISTTRAIN_LINK_GBPS", repr(gbps)),
+    env = {**environ, settings.SECRET: secret, "GLOO_SOCKET_IFNAME": c.ifname,
+           settings.PS_HOST: c.addr(node), settings.CLUSTER: c.name,
+           settings.CLUSTER_NODE: str(node),
+           settings.LINK_GBPS: environ.get(settings.LINK_GBPS) or repr(gbps),
            # NOTE: every node's ranks run on this one machine's cores: one CPU pool (model.py)
-           "DISTTRAIN_SHARED_CPU": environ.get("DISTTRAIN_SHARED_CPU", "1")}
+           settings.SHARED_CPU: environ.get(settings.SHARED_CPU) or "1"}
     if "OMP_NUM_THREADS" not in environ:
         # NOTE: the node's share of the cores (its quota, or the machine split over the
         # nodes), not the machine: each node's `disttrain run` would otherwise give every
@@ -105,12 +106,12 @@ def run_in_cluster(name: str, script: str, script_args=(), *, nproc_per_node: in
     if workers is not None and (servers is None or (workers + servers) % c.nodes):
         raise ValueError(f"--workers {workers} + --servers {servers} must be spread evenly over "
                          f"the {c.nodes} nodes of cluster {name!r}")
-    secret = os.environ.get("DISTTRAIN_SECRET") or secrets.token_hex(32)
+    secret = settings.current().secret or secrets.token_hex(32)
     rdzv_id = f"{name}-{uuid.uuid4().hex[:12]}"  # NOTE: the c10d rendezvous of this job alone
     lock = threading.Lock()
     procs, pumps = [], []
     reports = tempfile.mkdtemp(prefix=f"disttrain-{name}-")
-    environ = {**os.environ, "DISTTRAIN_CLUSTER_REPORTS": reports}
+    environ = {**os.environ, settings.CLUSTER_REPORTS: reports}
     if trace is not None:
         trace = os.path.abspath(trace)
         clear_trace(trace)

@@ -15,6 +15,8 @@ import os
 import re
 from dataclasses import asdict, dataclass
 
+from disttrain import settings
+
 __all__ = ["Cluster", "parse_rate", "format_rate", "state_dir", "load", "saved_names", "PREFIX"]
 
 PREFIX = "dt-"
@@ -42,7 +44,7 @@ def format_rate(bps: float) -> str:
 
 def state_dir() -> str:
     """Where cluster descriptions live (DISTTRAIN_CLUSTER_DIR, default /run/disttrain/clusters)."""
-    return os.environ.get("DISTTRAIN_CLUSTER_DIR", "/run/disttrain/clusters")
+    return settings.current().cluster_dir
 
 
 @dataclass

@@ -24,6 +24,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from disttrain import settings
 from disttrain.comm.flight import EXIT_HANG, Entry, FlightRecorder, format_ranks
 from disttrain.trace import hooks as trace_hooks
 
@@ -60,13 +61,11 @@ def recorder() -> FlightRecorder:
     global _recorder
     with _lock:
         if _recorder is None or _recorder.pid != os.getpid():
-            from disttrain.runtime import default_timeout
-
             _recorder = FlightRecorder(
                 dist.get_rank() if dist.is_initialized() else 0,
                 dist.get_world_size() if dist.is_initialized() else 1,
-                default_timeout().total_seconds(),
-                os.environ.get("DISTTRAIN_REPORT_DIR") or None,
+                settings.current().timeout,
+                settings.current().report_dir,
                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 # NOTE: a forked child (DataLoader worker) must not take over the rank's live file
                 live=_recorder is None,

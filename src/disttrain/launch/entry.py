@@ -11,12 +11,14 @@ worker runs in a supervised child so a SIGKILLed worker does not stop the job
 
 NOTE: it is started by path, not with `-m`, so it imports nothing but the standard
 library: a rank pays for torch only if the script imports it, and no module of the
-disttrain package can shadow a module of the user's script directory.
+disttrain package can shadow a module of the user's script directory. Its DISTTRAIN_*
+variables come from disttrain/settings.py (standard library only), loaded by path.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import json
 import os
 import re
@@ -32,7 +34,19 @@ USAGE = "usage: python entry.py script.py [args...]  (started by `disttrain run`
 # failed because of another rank (disttrain.comm's CollectiveError says it by attribute).
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted")
 _TIMED_OUT = re.compile(r"Timed out waiting \d+ms|Watchdog caught collective operation timeout")
-DEFAULT_PEER_GRACE = 3.0
+
+
+def _load_settings():
+    """disttrain/settings.py as a module of its own (not the package: see the docstring)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "settings.py")
+    spec = importlib.util.spec_from_file_location("_disttrain_entry_settings", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # NOTE: dataclasses looks the class's module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+settings = _load_settings()
 
 
 def user_traceback(exc: BaseException, script: str) -> str:
@@ -129,7 +143,7 @@ def enable_stack_dumps(report_dir: str, rank: str, attempt: str):
 
 
 def _is_ps_worker() -> bool:
-    servers = int(os.environ.get("DISTTRAIN_SERVERS", 0))
+    servers = settings.current().servers
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     return servers > 0 and rank < world - servers
 
@@ -140,7 +154,7 @@ def supervise(argv: list[str]) -> int:
     NOTE: the agent stops a rank with killpg on its process group, which the child
     shares, so job shutdown and Ctrl-C still reach it without forwarding.
     """
-    env = dict(os.environ, DISTTRAIN_SUPERVISED="1")
+    env = {**os.environ, settings.SUPERVISED: "1"}
     code = subprocess.call([sys.executable, "-u", os.path.abspath(__file__), *argv], env=env)
     if code == -signal.SIGKILL:
         sys.stderr.write(
@@ -155,16 +169,20 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
-    if _is_ps_worker() and "DISTTRAIN_SUPERVISED" not in os.environ:
+    try:
+        s = settings.current()
+    except settings.SettingsError as err:
+        print(f"disttrain: error: {err}", file=sys.stderr)
+        return 2
+    if _is_ps_worker() and not s.supervised:
         return supervise(argv)
     script = os.path.abspath(argv[0])
     sys.argv = [argv[0], *argv[1:]]
     # NOTE: `python script.py` puts the script's folder first on sys.path; replace this
     # file's folder (the disttrain package) so the script imports what it would alone.
     sys.path[0] = os.path.dirname(script)
-    report_dir = os.environ.get("DISTTRAIN_REPORT_DIR")
-    if report_dir:
-        _dumps = enable_stack_dumps(report_dir, os.environ.get("RANK", "0"),  # noqa: F841
+    if s.report_dir:
+        _dumps = enable_stack_dumps(s.report_dir, os.environ.get("RANK", "0"),  # noqa: F841
                                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
         runpy.run_path(script, run_name="__main__")
@@ -192,7 +210,7 @@ def fail(exc: Exception, script: str) -> int:
         sys.stderr.write(user_traceback(exc, script))
     sys.stdout.flush()
     sys.stderr.flush()
-    if failure_kind(exc) == "peer-lost" and os.environ.get("DISTTRAIN_REPORT_DIR"):
+    if failure_kind(exc) == "peer-lost" and settings.current().report_dir:
         # NOTE: a consequence, not a cause: let the rank that left end first (see the
         # module docstring). The agent stops this rank as soon as that one has ended.
         time.sleep(peer_grace())
@@ -204,10 +222,7 @@ def fail(exc: Exception, script: str) -> int:
 
 def peer_grace() -> float:
     """Seconds a rank whose peer left waits before exiting (DISTTRAIN_PEER_GRACE)."""
-    try:
-        return max(0.0, float(os.environ.get("DISTTRAIN_PEER_GRACE", DEFAULT_PEER_GRACE)))
-    except ValueError:
-        return DEFAULT_PEER_GRACE
+    return settings.current().peer_grace
 
 
 if __name__ == "__main__":

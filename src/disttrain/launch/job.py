@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from disttrain import trace
+from disttrain import settings, trace
 from disttrain.launch import rendezvous
 from disttrain.launch.failures import PREFIX_TEMPLATE, node_report, rank_prefix, report_failures
 from disttrain.launch.preemption import AGENT_SIGNALS, DEFAULT_GRACE, Preemption
@@ -42,8 +42,6 @@ from disttrain.trace.merge import merge_and_tell
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
 
-CLUSTER_REPORTS = "DISTTRAIN_CLUSTER_REPORTS"
-"""Set by `run --cluster` (cluster/run.py): the job's shared report folder."""
 ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py")
 MIN_SECRET_CHARS = 16
 
@@ -159,14 +157,14 @@ def rank_env(cfg: RunConfig, environ: dict[str, str]) -> dict[str, str]:
     one. Multi-node jobs get none unless the user exports the same one on every node
     (required for parameter-server jobs, whose frames it authenticates).
     """
-    env = {"DISTTRAIN_SERVERS": str(cfg.servers or 0)}
+    env = {settings.SERVERS: str(cfg.servers or 0)}
     # NOTE: torch >= 2.5 shares the rendezvous TCPStore with the ranks and keeps it across
     # restarts, so a restarted rank can read a dead peer's gloo address from the previous
     # attempt (pytorch/pytorch#135712: "connectFullMesh ... Connection refused"). The agent
     # reads this in the launcher's own environment; every attempt then gets a fresh store.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = environ.get(
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    secret = environ.get("DISTTRAIN_SECRET")
+    secret = settings.Settings.from_env(environ).secret  # NOTE: a bad setting fails here, at launch
     if secret is not None and len(secret) < MIN_SECRET_CHARS:
         raise ValueError(
             f"DISTTRAIN_SECRET has {len(secret)} characters, fewer than {MIN_SECRET_CHARS}; "
@@ -180,12 +178,12 @@ def rank_env(cfg: RunConfig, environ: dict[str, str]) -> dict[str, str]:
         )
     if secret is None and cfg.nnodes == 1:
         # NOTE: only one node can draw the job's secret; several would draw different ones.
-        env["DISTTRAIN_SECRET"] = secrets.token_hex(32)
+        env[settings.SECRET] = secrets.token_hex(32)
     if cfg.timeout is not None:
-        env["DISTTRAIN_TIMEOUT"] = repr(float(cfg.timeout))
+        env[settings.TIMEOUT] = repr(float(cfg.timeout))
     if cfg.trace is not None:
-        env[trace.ENV_DIR] = os.path.abspath(cfg.trace)
-        env[trace.ENV_STEPS] = cfg.trace_steps or ""
+        env[settings.TRACE] = os.path.abspath(cfg.trace)
+        env[settings.TRACE_STEPS] = cfg.trace_steps or ""
     if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in environ:
         # NOTE: like torchrun, keep N ranks from each starting one thread per core; unlike
         # torchrun's flat 1, share the cores this launcher may use among its ranks.
@@ -233,14 +231,15 @@ def run(cfg: RunConfig) -> int:
     (EXIT_PREEMPTED) after SIGTERM: preempted, see preemption.py).
     """
     env = rank_env(cfg, dict(os.environ))
+    shared = settings.refresh().cluster_reports  # NOTE: the launcher reads its environment now
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="disttrain-run-")
     # NOTE: `run --cluster` gives every node one shared folder (cluster/run.py), so a
     # node's hang report sees the flight recorders of the other nodes' ranks too.
-    report_dir = os.environ.get(CLUSTER_REPORTS) or os.path.join(log_dir, "reports")
+    report_dir = shared or os.path.join(log_dir, "reports")
     os.makedirs(report_dir, exist_ok=True)
     preemption = Preemption(report_dir, cfg.grace_seconds)
-    env.update(DISTTRAIN_REPORT_DIR=report_dir, **preemption.rank_env())
-    if cfg.trace is not None and not os.environ.get(CLUSTER_REPORTS):
+    env.update({settings.REPORT_DIR: report_dir}, **preemption.rank_env())
+    if cfg.trace is not None and not shared:
         trace.clear(cfg.trace)  # NOTE: under `run --cluster` the driver clears it, once
     if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
         print(
@@ -256,7 +255,6 @@ def run(cfg: RunConfig) -> int:
             )
         return preemption.finished()
     except ChildFailedError as err:
-        shared = os.environ.get(CLUSTER_REPORTS)
         if shared:  # NOTE: `run --cluster`: cluster/run.py prints the nodes' reports, cause first
             return node_report(err.failures, report_dir, cfg.world_size,
                                os.path.join(shared, f"node{cfg.node_rank}.json"))
@@ -285,7 +283,7 @@ def run(cfg: RunConfig) -> int:
             raise
         return preemption.stopped(sig.sigval)
     finally:
-        if cfg.trace is not None and not os.environ.get(CLUSTER_REPORTS):
+        if cfg.trace is not None and not shared:
             merge_and_tell(cfg.trace)  # NOTE: under `run --cluster` the driver merges once
         if cfg.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)

@@ -24,7 +24,8 @@ import time
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from disttrain.preempt import ENV_SIGNAL, PREEMPT_SIGNAL
+from disttrain import settings
+from disttrain.preempt import PREEMPT_SIGNAL
 
 __all__ = ["EXIT_PREEMPTED", "Preemption", "DEFAULT_GRACE", "AGENT_SIGNALS"]
 
@@ -61,7 +62,7 @@ class Preemption:
             signal.signal(sig, fn)
 
     def rank_env(self) -> dict[str, str]:
-        return {ENV_SIGNAL: PREEMPT_SIGNAL.name}
+        return {settings.PREEMPT_SIGNAL: PREEMPT_SIGNAL.name}
 
     def finished(self) -> int:
         """Exit code of a job whose ranks all exited 0: 0, or EXIT_PREEMPTED after SIGTERM."""

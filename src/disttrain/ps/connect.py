@@ -21,14 +21,13 @@ point that returns one type, as ps-lite's `KVServer` and `KVWorker` are two obje
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from disttrain import runtime
+from disttrain import runtime, settings
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.policy import Policy, Sync
@@ -38,14 +37,6 @@ from disttrain.ps.transport import job_secret
 from disttrain.ps.worker import Worker
 
 __all__ = ["serve", "attach", "connect", "format_stats"]
-
-
-def _default_timeout() -> float:
-    raw = os.environ.get("DISTTRAIN_PS_TIMEOUT", "10")
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"DISTTRAIN_PS_TIMEOUT={raw!r} must be seconds, e.g. 10") from None
 
 
 def _check_job(call: str) -> int:
@@ -106,7 +97,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
     workers, plan = _job(model, "serve", "server", chunk_bytes)
     policy = policy if policy is not None else Sync()
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
-    timeout = timeout if timeout is not None else _default_timeout()
+    timeout = timeout if timeout is not None else settings.current().ps_timeout
     index = runtime.rank() - len(workers)
     path = snapshot.format(server=index) if snapshot else None
     if snapshot_every and not path:
@@ -114,7 +105,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
                          'serve(..., snapshot="ckpt/ps{server}.safetensors")')
     server = Server(index, plan[index], dict(model.named_parameters()), policy, optimizer,
                     workers, job_secret(),
-                    host=host or os.environ.get("DISTTRAIN_PS_HOST", "127.0.0.1"),
+                    host=host or settings.current().ps_host,
                     timeout=timeout, chunk_bytes=chunk_bytes)
     if path:
         report = server.keep_snapshots(path, snapshot_every)
@@ -155,7 +146,7 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
     compression = parse_compression(compression)
     _, plan = _job(model, "attach", "worker", chunk_bytes)
     policy = policy if policy is not None else Sync()
-    timeout = timeout if timeout is not None else _default_timeout()
+    timeout = timeout if timeout is not None else settings.current().ps_timeout
     store = dist.distributed_c10d._get_default_store()
     addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(len(plan))]
     return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),

@@ -37,6 +37,7 @@ from collections import Counter, OrderedDict
 
 import zmq
 
+from disttrain import settings
 from disttrain.ps.frame import DEFAULT_LIMITS, PROTOCOL, FrameError, Limits, Message
 from disttrain.ps.schema import SchemaError, VersionError, check, check_protocol
 from disttrain.ps.session import (
@@ -60,7 +61,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def job_secret() -> bytes:
     """The per-job key from DISTTRAIN_SECRET (hex), which `disttrain run` generates."""
-    raw = os.environ.get("DISTTRAIN_SECRET")
+    raw = settings.current().secret
     if not raw:
         raise RuntimeError(
             "DISTTRAIN_SECRET is not set; launch with `disttrain run --workers W --servers S`, "
@@ -77,19 +78,13 @@ def job_secret() -> bytes:
 
 def encrypt_setting() -> bool:
     """DISTTRAIN_PS_ENCRYPT=1: AES-GCM over the buffers too (authentication is always on)."""
-    raw = os.environ.get("DISTTRAIN_PS_ENCRYPT", "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"DISTTRAIN_PS_ENCRYPT={raw!r} must be 0 or 1")
-    return raw == "1"
+    return settings.current().ps_encrypt
 
 
 def mac_setting() -> bool:
     """True when DISTTRAIN_PS_MAC=always: authenticate every byte even between processes of
     one user on a Unix socket (default `auto`: tensor buffers go without a MAC there)."""
-    raw = os.environ.get("DISTTRAIN_PS_MAC", "auto")
-    if raw not in ("auto", "always"):
-        raise ValueError(f"DISTTRAIN_PS_MAC={raw!r} must be 'auto' or 'always'")
-    return raw == "always"
+    return settings.current().ps_mac_always
 
 
 def peer_uid(frame: zmq.Frame) -> int | None:
@@ -110,7 +105,7 @@ def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
     Loopback hosts get `ipc://` in a new private folder (unless DISTTRAIN_PS_IPC=0 or
     ZeroMQ lacks ipc); any other host gets TCP on a random port.
     """
-    if host in _LOOPBACK and os.environ.get("DISTTRAIN_PS_IPC", "1") != "0" and zmq.has("ipc"):
+    if host in _LOOPBACK and settings.current().ps_ipc and zmq.has("ipc"):
         folder = tempfile.mkdtemp(prefix="disttrain-ps-")  # NOTE: mode 0700: this user only
         address = f"ipc://{folder}/server.sock"
         sock.bind(address)

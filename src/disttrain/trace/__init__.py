@@ -26,15 +26,13 @@ from __future__ import annotations
 import atexit
 import os
 
+from disttrain import settings
 from disttrain.trace import hooks
 from disttrain.trace.check import problems
 from disttrain.trace.merge import merge
 
 __all__ = ["start", "stop", "is_active", "data", "log", "end_step", "merge", "problems",
            "parse_steps", "on_init", "clear"]
-
-ENV_DIR, ENV_STEPS = "DISTTRAIN_TRACE", "DISTTRAIN_TRACE_STEPS"
-
 
 def parse_steps(text: str | None) -> tuple[int, int | None]:
     """'A:B' -> (A, B): record steps A..B-1 (either side may be empty: '5:', ':20')."""
@@ -107,9 +105,9 @@ def _align(rec) -> None:
 
 def on_init() -> None:
     """Called by disttrain.init() once the process group exists: start or align as asked."""
-    directory = os.environ.get(ENV_DIR)
-    if hooks.active is None and directory:
-        start(directory, os.environ.get(ENV_STEPS))
+    s = settings.current()
+    if hooks.active is None and s.trace_dir:
+        start(s.trace_dir, s.trace_steps)
     elif hooks.active is not None and hooks.active.rec.clock is None:
         _align(hooks.active.rec)
 
@@ -133,7 +131,7 @@ def stop(merge_files: bool = True) -> str | None:
     hooks.active = None
     tracer.finish()
     tracer.rec.close()
-    if os.environ.get(ENV_DIR) or not merge_files:
+    if settings.current().trace_dir or not merge_files:
         return None  # the launcher merges after the job (or the caller, when it wants)
     import torch.distributed as dist
 

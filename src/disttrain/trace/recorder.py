@@ -39,6 +39,7 @@ import threading
 import time
 from itertools import islice
 
+from disttrain import settings
 from disttrain.trace.metrics import StepMetrics
 from disttrain.trace.rows import COMM_TID, MAIN_TID, thread_meta
 
@@ -63,16 +64,18 @@ def cluster_meta(environ=os.environ) -> dict:
     """Where this process runs, for the merge and the report: its node (`run --cluster`'s
     DISTTRAIN_CLUSTER_NODE, else its agent's GROUP_RANK in a multi-node job) and the link
     rate in Gbit/s that `run --cluster` exports (DISTTRAIN_LINK_GBPS), each when known."""
+    s = settings.current() if environ is os.environ else settings.Settings.from_env(environ)
     out: dict = {}
-    try:
-        if environ.get("DISTTRAIN_CLUSTER_NODE"):
-            out["node"] = int(environ["DISTTRAIN_CLUSTER_NODE"])
-        elif int(environ.get("GROUP_WORLD_SIZE") or 1) > 1 and environ.get("GROUP_RANK"):
-            out["node"] = int(environ["GROUP_RANK"])
-        if environ.get("DISTTRAIN_LINK_GBPS"):
-            out["link_gbps"] = float(environ["DISTTRAIN_LINK_GBPS"])
-    except ValueError:
-        pass
+    if s.cluster_node is not None:
+        out["node"] = s.cluster_node
+    else:
+        try:
+            if int(environ.get("GROUP_WORLD_SIZE") or 1) > 1 and environ.get("GROUP_RANK"):
+                out["node"] = int(environ["GROUP_RANK"])
+        except ValueError:
+            pass
+    if s.link_gbps is not None:
+        out["link_gbps"] = s.link_gbps
     return out
 
 
