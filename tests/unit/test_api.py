@@ -11,8 +11,8 @@ import pkgutil
 
 import disttrain
 
-API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossScaler', 'Mesh',
-               'NonFiniteGradError', 'ParallelModel', 'Parallelism', 'SyncBatchNorm', 'Zero',
+API = {'disttrain': ['Checkpointer', 'CollectiveError', 'DataParallel', 'FiniteGradCheck',
+               'LossScaler', 'Mesh', 'MeshShape', 'NonFiniteGradError', 'ParallelModel', 'Parallelism', 'SyncBatchNorm', 'Zero',
                'backend', 'comm', 'convert_sync_batchnorm', 'data', 'device', 'init',
                'is_initialized', 'local_rank', 'local_world_size', 'log', 'memory',
                'parallelize', 'preempted', 'print0', 'ps', 'rank', 'role', 'shutdown', 'testing',
@@ -24,7 +24,7 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
  'disttrain.cluster': [],
  'disttrain.comm': ['BF16Compression', 'CollectiveError', 'Compression', 'FP16Compression',
                     'NoCompression', 'all_gather', 'all_gather_into_tensor', 'all_reduce',
-                    'barrier', 'broadcast', 'irecv', 'isend', 'recorder', 'recv',
+                    'barrier', 'broadcast', 'irecv', 'isend', 'recv',
                     'reduce_scatter_tensor', 'send'],
  'disttrain.launch': ['RunConfig', 'run'],
  'disttrain.models': ['GPT', 'GPTConfig'],
@@ -37,13 +37,11 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
  'disttrain.parallel.tensor': ['ColumnParallelLinear', 'RowParallelLinear', 'STYLES',
                                'TPPlan', 'VocabParallelEmbedding', 'apply_tp', 'gpt2_plan',
                                'llama_plan', 'plan_for', 'vocab_parallel_cross_entropy'],
- 'disttrain.parallel.zero': ['CommStats', 'LossScaler', 'Zero', 'ZeroOptimizer'],
+ 'disttrain.parallel.zero': ['LossScaler', 'Zero', 'ZeroOptimizer'],
  'disttrain.ps': ['Async', 'Cancelled', 'Decision', 'Handle', 'HashRing', 'KAsync',
                   'KBatchAsync', 'KBatchSync', 'KSync', 'PSError', 'Policy', 'SSP',
-                  'Straggler', 'Sync', 'TopK', 'Worker', 'backup_workers', 'connect',
-                  'parse_straggler'],
- 'disttrain.trace': ['clear', 'data', 'end_step', 'is_active', 'log', 'merge', 'on_init',
-                     'parse_steps', 'problems', 'start', 'stop']}
+                  'Straggler', 'Sync', 'TopK', 'Worker', 'backup_workers', 'connect'],
+ 'disttrain.trace': ['data', 'end_step', 'is_active', 'merge', 'problems', 'start', 'stop']}
 
 
 def packages() -> list[str]:

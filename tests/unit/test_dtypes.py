@@ -1,9 +1,9 @@
-"""The dtype rule for losses and sums (parallel/dtypes.py): float64 stays float64, only
+"""The dtype rule for losses and sums (dtypes.py): float64 stays float64, only
 fp16/bf16 are upcast, to fp32."""
 
 import torch
 
-from disttrain.parallel.dtypes import accumulation_dtype, upcast_half
+from disttrain.dtypes import accumulation_dtype, upcast_half
 
 
 def test_float64_stays_and_only_half_is_upcast():

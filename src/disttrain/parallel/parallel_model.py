@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.comm import ops
+from disttrain.dtypes import accumulation_dtype
 from disttrain.mesh import Mesh
-from disttrain.parallel.dtypes import accumulation_dtype
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.tied import TiedWeights
 from disttrain.parallel.tensor import (
@@ -65,6 +65,11 @@ class ParallelModel(nn.Module):
                          for c, i in zip(self.chunks, self._info) if isinstance(c, Zero)]
         # NOTE: from the whole model's dtypes, so every rank's all-reduce agrees
         self._norm_dtype = accumulation_dtype(*(dtype for _, dtype in full_shapes.values()))
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Tied weight name -> the first name of that weight (its name in checkpoints)."""
+        return dict(self._aliases)
 
     def train_step(self, inputs, targets) -> torch.Tensor:
         """Forward + backward of one batch (this dp replica's share). Blocks.

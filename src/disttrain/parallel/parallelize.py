@@ -23,10 +23,10 @@ import copy
 import torch.distributed as dist
 from torch import nn
 
+from disttrain.dtypes import upcast_half
 from disttrain.mesh import Mesh
 from disttrain.parallel.config import Parallelism
 from disttrain.parallel.default_loss import default_loss, token_loss
-from disttrain.parallel.dtypes import upcast_half
 from disttrain.parallel.model_loss import target_arg
 from disttrain.parallel.parallel_model import ChunkOptimizers, ParallelModel, param_info, stage_of
 from disttrain.parallel.pipeline.recompute_traced import recompute_regions

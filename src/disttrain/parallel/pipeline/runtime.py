@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from disttrain.comm import ops
-from disttrain.parallel.dtypes import upcast_half
+from disttrain.dtypes import upcast_half
 from disttrain.parallel.pipeline.schedules import Action
 from disttrain.parallel.pipeline.split_backward import (
     backward_input,

@@ -23,7 +23,7 @@ from torch import nn
 
 from disttrain.checkpoint.reshard import ShardedTensor
 from disttrain.comm import ops
-from disttrain.parallel.dtypes import upcast_half
+from disttrain.dtypes import upcast_half
 from disttrain.parallel.tensor.comm import (
     f,
     g,
