@@ -31,6 +31,8 @@ browser:
 lint: install
 	$(VENV)/bin/ruff check src tests examples benchmarks tools
 	$(PY) tools/budget.py
+	$(PY) tools/cycles.py
+	$(PY) tools/privates.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

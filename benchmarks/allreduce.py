@@ -8,7 +8,7 @@ Needs root (it brings up `dt-ab*` clusters and removes them). For every cluster
 (switch topology, N nodes x K ranks) and size S it times each algorithm (median of
 repetitions; one repetition = the slowest rank's time for one allreduce after a
 barrier) and reports bus bandwidth = 2(N-1)/N S / t, as NCCL-tests do. Then it fits
-the model of disttrain/cluster/model.py once per link rate (alpha and B from the ring
+the model of disttrain/comm/cost.py once per link rate (alpha and B from the ring
 rows, least squares; the local alpha and bandwidth from a 1-node, 2-rank run), prints
 each row's predicted time and error, what `auto` (model.choose_algorithm with the fitted
 links) would pick, and checks the issue's targets.
@@ -123,7 +123,7 @@ def fit_cpu(rows: list[dict]):
     import numpy as np
     from scipy.optimize import least_squares
 
-    from disttrain.cluster.model import Links, predict
+    from disttrain.comm.cost import Links, predict
 
     def links(x):
         v = np.exp(x)
@@ -147,7 +147,7 @@ def env_line(m) -> str:
 
 
 def report(rows: list[dict]) -> dict:
-    from disttrain.cluster.model import Links, choose_algorithm, predict
+    from disttrain.comm.cost import Links, choose_algorithm, predict
 
     local_rows = [r for r in rows if r["nodes"] == 1]
     local = fit(local_rows)

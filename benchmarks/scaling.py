@@ -154,7 +154,7 @@ def inner_ps(args) -> None:
 
 
 def ps_experiment(args) -> list[dict]:
-    from disttrain.cluster.model import Links, predict
+    from disttrain.comm.cost import Links, predict
     from disttrain.ps.ring import plan_keys
 
     links = Links(alpha=args.alpha_us * 1e-6, link_Bps=args.fit_gbps * 1e9 / 8)
@@ -220,7 +220,7 @@ def one(nodes: int, ppn: int, args, inner_name: str = "inner", sizes=None) -> di
 
 
 def predicted_step(compute_s: float, grad_bytes: int, nodes: int, ppn: int, args) -> float:
-    from disttrain.cluster.model import Links, predict
+    from disttrain.comm.cost import Links, predict
 
     links = Links(alpha=args.alpha_us * 1e-6, link_Bps=args.fit_gbps * 1e9 / 8)
     return compute_s + predict("ring", grad_bytes, nodes * ppn, ppn, links)

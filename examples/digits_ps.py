@@ -79,7 +79,7 @@ policy = {"sync": lambda: ps.Sync(), "ksync": lambda: ps.KSync(k),
           "kbatch-sync": lambda: ps.KBatchSync(k), "async": lambda: ps.Async(**rule),
           "kasync": lambda: ps.KAsync(k, **rule), "kbatch-async": lambda: ps.KBatchAsync(k, **rule),
           "ssp": lambda: ps.SSP(args.staleness, **rule)}[args.mode]()
-straggler = ps.parse_straggler(args.straggler, seed=args.seed)
+straggler = ps.Straggler.parse(args.straggler, seed=args.seed)
 torch.manual_seed(args.seed)  # same init on every rank; the servers' copy is the start
 
 # -----------------------------------------------------------------------------

@@ -5,8 +5,9 @@ This module only re-exports the public API; see docs/design/index.md for the lay
 
 from disttrain import comm, data, memory, ps, testing, trace
 from disttrain.checkpoint import Checkpointer
+from disttrain.comm.ops import CollectiveError
 from disttrain.finite import FiniteGradCheck, NonFiniteGradError
-from disttrain.mesh import Mesh
+from disttrain.mesh import Mesh, MeshShape
 from disttrain.parallel import DataParallel
 from disttrain.parallel.config import Parallelism
 from disttrain.parallel.parallelize import ParallelModel, parallelize, token_loss
@@ -26,16 +27,18 @@ from disttrain.runtime import (
     shutdown,
     world_size,
 )
-from disttrain.trace import log
+from disttrain.trace.events import log
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",
+    "CollectiveError",
     "DataParallel",
     "FiniteGradCheck",
     "LossScaler",
     "Mesh",
+    "MeshShape",
     "NonFiniteGradError",
     "ParallelModel",
     "Parallelism",

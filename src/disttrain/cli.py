@@ -4,26 +4,27 @@ Each subcommand is one `add_<name>_parser(subparsers)` function that builds its
 argparse parser and sets `handler=<function(args) -> exit code>`; register it in
 `COMMANDS`. Handlers turn flags into a validated config and call the library
 (`run` -> disttrain/launch/, `checkpoint` -> disttrain/checkpoint/, `plan` -> plan.py,
-`cluster` -> disttrain/cluster/, `report` -> disttrain/trace/report.py), so the library
+`cluster` -> disttrain/cluster/ (its `run`: disttrain/launch/), `report` -> disttrain/trace/report.py), so the library
 never sees argparse.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from disttrain import __version__
 from disttrain.checkpoint.cli import add_checkpoint_parser
 from disttrain.cluster.cli import add_cluster_parser
-from disttrain.launch.cli import add_run_parser
+from disttrain.launch.cli import add_run_parser, run_cluster_command
 from disttrain.plan import add_plan_parser
 from disttrain.trace.report import add_report_parser
 
 __all__ = ["main", "build_parser"]
 
-COMMANDS = (add_run_parser, add_plan_parser, add_checkpoint_parser, add_cluster_parser,
-            add_report_parser)
+COMMANDS = (add_run_parser, add_plan_parser, add_checkpoint_parser,
+            functools.partial(add_cluster_parser, run=run_cluster_command), add_report_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -143,6 +143,11 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def resume_offset(self) -> int:
+        """Global offset where the next pass starts (0 unless a loaded state resumes one)."""
+        return self._resume_offset
+
     def state_dict(self) -> dict[str, int]:
         """Where the next pass starts: {"epoch", "offset"} (offset in global samples)."""
         if self._pass is None:
@@ -257,7 +262,7 @@ class ShardLoader:
         self._epoch = self._upcoming_epoch()
         self.sampler.set_epoch(self._epoch)
         self._started, self._pinned = True, False
-        self._pass = [self.sampler._resume_offset, 0]
+        self._pass = [self.sampler.resume_offset, 0]
         if self._generator is not None:
             mixed = (self.sampler.seed + self._epoch) * 1_000_003 + self.sampler.rank
             self._generator.manual_seed(mixed % 2**63)
@@ -285,7 +290,7 @@ class ShardLoader:
             if not self._epoch_done(offset):
                 return {"epoch": self._epoch, "offset": offset}
             return {"epoch": self._epoch + 1, "offset": 0}
-        return {"epoch": self._upcoming_epoch(), "offset": self.sampler._resume_offset}
+        return {"epoch": self._upcoming_epoch(), "offset": self.sampler.resume_offset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next pass continues epoch `state["epoch"]` after `state["offset"]` samples."""

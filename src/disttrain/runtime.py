@@ -118,9 +118,9 @@ def init(
         dist.init_process_group(store=store, **kwargs)
     else:
         dist.init_process_group(init_method="env://", **kwargs)
-    from disttrain import trace  # NOTE: `disttrain run --trace` starts tracing here
+    from disttrain.trace import session  # NOTE: `disttrain run --trace` starts tracing here
 
-    trace.on_init()
+    session.on_init(rank, world_size, role())
 
 
 def shutdown() -> None:

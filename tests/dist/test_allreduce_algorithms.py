@@ -123,3 +123,27 @@ def overlapped():
 def test_async_submissions_overlap_main_thread_collectives_and_agree_bitwise():
     results = spawn(overlapped, 4, timeout=120)
     assert all(r == results[0] for r in results) and results[0]["ring"][-1] == 6.0
+
+
+def through_the_face():
+    """`disttrain.comm.all_reduce`: torch.distributed's signature plus `algorithm=`."""
+    import disttrain
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    a, b = _input(70, me, 1003, torch.float32), _input(71, me, 1003, torch.float32)
+    assert disttrain.comm.all_reduce(a, algorithm="ring") is None  # blocking
+    handle = disttrain.comm.all_reduce(b, async_op=True, algorithm="halving-doubling")
+    biggest = torch.tensor([float(me)])
+    disttrain.comm.all_reduce(biggest, op=dist.ReduceOp.MAX)  # native: any op
+    handle.wait()
+    with pytest.raises(ValueError, match="only sums"):
+        disttrain.comm.all_reduce(biggest, op=dist.ReduceOp.MAX, algorithm="ring")
+    for t, seed in ((a, 70), (b, 71)):
+        torch.testing.assert_close(t.double(), sum(_input(seed, r, 1003, torch.float64)
+                                                   for r in range(n)), atol=1e-4, rtol=1e-5)
+    return [_digest(a), _digest(b), biggest.item()]
+
+
+def test_the_comm_face_all_reduce_takes_an_algorithm():
+    results = spawn(through_the_face, 2, timeout=60)
+    assert results[0] == results[1] and results[0][-1] == 1.0

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
+
+import pytest
 
 import disttrain
 
-API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossScaler', 'Mesh',
-               'NonFiniteGradError', 'ParallelModel', 'Parallelism', 'SyncBatchNorm', 'Zero',
+API = {'disttrain': ['Checkpointer', 'CollectiveError', 'DataParallel', 'FiniteGradCheck',
+               'LossScaler', 'Mesh', 'MeshShape', 'NonFiniteGradError', 'ParallelModel', 'Parallelism', 'SyncBatchNorm', 'Zero',
                'backend', 'comm', 'convert_sync_batchnorm', 'data', 'device', 'init',
                'is_initialized', 'local_rank', 'local_world_size', 'log', 'memory',
                'parallelize', 'preempted', 'print0', 'ps', 'rank', 'role', 'shutdown', 'testing',
@@ -24,7 +27,7 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
  'disttrain.cluster': [],
  'disttrain.comm': ['BF16Compression', 'CollectiveError', 'Compression', 'FP16Compression',
                     'NoCompression', 'all_gather', 'all_gather_into_tensor', 'all_reduce',
-                    'barrier', 'broadcast', 'irecv', 'isend', 'recorder', 'recv',
+                    'barrier', 'broadcast', 'irecv', 'isend', 'recv',
                     'reduce_scatter_tensor', 'send'],
  'disttrain.launch': ['RunConfig', 'run'],
  'disttrain.models': ['GPT', 'GPTConfig'],
@@ -40,13 +43,41 @@ API = {'disttrain': ['Checkpointer', 'DataParallel', 'FiniteGradCheck', 'LossSca
                                'TPPlan', 'VocabParallelEmbedding', 'apply_tp', 'gpt2_plan',
                                'llama_plan', 'plan_for', 'tied_names',
                                'vocab_parallel_cross_entropy'],
- 'disttrain.parallel.zero': ['CommStats', 'LossScaler', 'Zero', 'ZeroOptimizer'],
+ 'disttrain.parallel.zero': ['LossScaler', 'Zero', 'ZeroOptimizer'],
  'disttrain.ps': ['Async', 'Cancelled', 'Decision', 'Handle', 'HashRing', 'KAsync',
                   'KBatchAsync', 'KBatchSync', 'KSync', 'PSError', 'Policy', 'SSP',
                   'Straggler', 'Sync', 'TopK', 'Worker', 'attach', 'backup_workers',
-                  'connect', 'parse_straggler', 'serve'],
- 'disttrain.trace': ['clear', 'data', 'end_step', 'is_active', 'log', 'merge', 'on_init',
-                     'parse_steps', 'problems', 'start', 'stop']}
+                  'connect', 'serve'],
+ 'disttrain.trace': ['data', 'end_step', 'is_active', 'merge', 'problems', 'start', 'stop']}
+
+# Old name -> new name: removed from a face or moved, kept for one release; each warns.
+DEPRECATED = {
+    "disttrain.comm.recorder": "disttrain.comm.ops.recorder",
+    "disttrain.trace.log": "disttrain.log",
+    "disttrain.trace.on_init": "disttrain.trace.session.on_init",
+    "disttrain.trace.clear": "disttrain.trace.merge.clear",
+    "disttrain.trace.parse_steps": "disttrain.trace.recorder.parse_steps",
+    "disttrain.ps.parse_straggler": "disttrain.ps.Straggler.parse",
+    "disttrain.parallel.zero.CommStats": "disttrain.parallel.zero.comm.CommStats",
+    "disttrain.cluster.model.choose_algorithm": "disttrain.comm.cost.choose_algorithm",
+    "disttrain.cluster.model.Links": "disttrain.comm.cost.Links",
+    "disttrain.cluster.run.run_in_cluster": "disttrain.launch.cluster_run.run_in_cluster",
+    "disttrain.parallel.dtypes.upcast_half": "disttrain.dtypes.upcast_half",
+}
+
+
+def _lookup(dotted: str):
+    """The object at `dotted`: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            value = getattr(value, name)
+        return value
+    raise ImportError(dotted)
 
 
 def packages() -> list[str]:
@@ -67,3 +98,10 @@ def test_every_exported_name_exists():
         missing = [n for n in exported if not hasattr(module, n)]
         assert not missing, f"{name} exports missing names {missing}"
 
+
+@pytest.mark.parametrize("old", sorted(DEPRECATED))
+def test_every_deprecated_alias_warns_with_its_new_name(old):
+    module, _, name = old.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=re.escape(f"use {DEPRECATED[old]}")):
+        value = getattr(importlib.import_module(module), name)
+    assert value == _lookup(DEPRECATED[old])

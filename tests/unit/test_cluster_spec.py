@@ -2,8 +2,8 @@
 
 import pytest
 
-from disttrain.cluster.model import Links, choose_algorithm, predict
 from disttrain.cluster.spec import Cluster, format_rate, parse_rate
+from disttrain.comm.cost import Links, choose_algorithm, predict
 
 
 def test_rates_parse_as_tc_writes_them():

@@ -5,7 +5,7 @@ import subprocess
 import threading
 import time
 
-from disttrain.cluster.run import _wait
+from disttrain.launch.cluster_run import _wait
 
 
 def test_a_later_node_failing_while_node_0_runs_stops_the_job():

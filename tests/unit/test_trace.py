@@ -15,6 +15,7 @@ import disttrain
 from disttrain import trace
 from disttrain.trace import analysis, commstats, hooks
 from disttrain.trace.metrics import StepMetrics
+from disttrain.trace.recorder import parse_steps
 
 GOOD = {"traceEvents": [
     {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "rank 0"}},
@@ -55,11 +56,11 @@ def test_checker_accepts_a_good_trace_and_names_each_defect():
 
 
 def test_parse_steps():
-    assert trace.parse_steps("3:7") == (3, 7) and trace.parse_steps("5:") == (5, None)
-    assert trace.parse_steps(None) == (0, None) and trace.parse_steps(":4") == (0, 4)
+    assert parse_steps("3:7") == (3, 7) and parse_steps("5:") == (5, None)
+    assert parse_steps(None) == (0, None) and parse_steps(":4") == (0, 4)
     for bad in ("7:3", "x:y", "4", "-1:2"):
         with pytest.raises(ValueError, match="--trace-steps 10:20"):
-            trace.parse_steps(bad)
+            parse_steps(bad)
 
 
 def _hook_counts():

@@ -82,10 +82,10 @@ def _names_in(opt: torch.optim.Optimizer, owner: nn.Module):
     """[(group index, name, param, global shape, offsets)] for the optimizer's params.
 
     NOTE: a tied weight (one Parameter under several names, or a pipeline stage's copy
-    named in the ParallelModel's `_aliases`) is keyed by its first name in every layout,
+    named in the ParallelModel's `aliases`) is keyed by its first name in every layout,
     so its state moves between pp=1 and pp>1 in either direction.
     """
-    aliases = getattr(owner, "_aliases", {})
+    aliases = getattr(owner, "aliases", {})
     by_id: dict[int, tuple] = {}
     for n, (p, gs, off) in param_shards(owner).items():
         by_id.setdefault(id(p), (aliases.get(n, n), p, gs, off))

@@ -1,17 +1,8 @@
-"""`python -m disttrain.cluster up|down|list|show ...`: the same as `disttrain cluster ...`."""
+"""`python -m disttrain.cluster up|down|list|show|run ...`: the same as `disttrain cluster ...`."""
 
-import argparse
 import sys
 
-from disttrain.cluster.cli import add_cluster_parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="disttrain")
-    add_cluster_parser(parser.add_subparsers())
-    args = parser.parse_args(["cluster", *(sys.argv[1:] if argv is None else argv)])
-    return args.handler(args)
-
+from disttrain.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["cluster", *sys.argv[1:]]))

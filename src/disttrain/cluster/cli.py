@@ -1,9 +1,14 @@
-"""`disttrain cluster up|down|list|show`: the parser and its handlers (library: net.py)."""
+"""`disttrain cluster up|down|list|show|run`: the parser and its handlers (library: net.py).
+
+`run` starts a job, which is the launcher's (disttrain/launch/): the dispatcher (cli.py)
+passes its handler in, so this package never imports the launcher.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 __all__ = ["add_cluster_parser"]
 
@@ -21,7 +26,8 @@ only inside them). Rates are tc rates: 100mbit, 1gbit, 10gbit. Needs root.
 """
 
 
-def add_cluster_parser(subparsers) -> None:
+def add_cluster_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> None:
+    """Add `cluster` and its actions; `run(args)` handles `cluster run` (launch/cli.py)."""
     p = subparsers.add_parser(
         "cluster", help="emulate a multi-node cluster on this machine (namespaces, shaped links)",
         description="Create, inspect and remove emulated clusters.", epilog=EPILOG,
@@ -46,33 +52,18 @@ def add_cluster_parser(subparsers) -> None:
     show = sub.add_parser("show", help="nodes, addresses, links and rates of a cluster")
     show.add_argument("name")
     show.set_defaults(handler=_show)
-    run = sub.add_parser("run", help="run a script on every node (= disttrain run --cluster NAME)")
-    run.add_argument("name", help="cluster name")
-    run.add_argument("--nproc-per-node", type=int, help="processes per node (default 1)")
-    run.add_argument("--workers", type=int, help="parameter server: workers in the job")
-    run.add_argument("--servers", type=int, help="parameter server: servers in the job")
-    run.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
-    run.add_argument("--timeout", type=float, help="collective timeout in seconds (as disttrain run)")
-    run.add_argument("--trace", metavar="DIR", help="trace every node's ranks into DIR/trace.json (as disttrain run)")
-    run.add_argument("script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER)
-    run.set_defaults(handler=_run)
+    runner = sub.add_parser("run", help="run a script on every node (= disttrain run --cluster NAME)")
+    runner.add_argument("name", help="cluster name")
+    runner.add_argument("--nproc-per-node", type=int, help="processes per node (default 1)")
+    runner.add_argument("--workers", type=int, help="parameter server: workers in the job")
+    runner.add_argument("--servers", type=int, help="parameter server: servers in the job")
+    runner.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
+    runner.add_argument("--timeout", type=float, help="collective timeout in seconds (as disttrain run)")
+    runner.add_argument("--trace", metavar="DIR", help="trace every node's ranks into DIR/trace.json (as disttrain run)")
+    runner.add_argument("script")
+    runner.add_argument("script_args", nargs=argparse.REMAINDER)
+    runner.set_defaults(handler=run)
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
-
-
-def _run(args: argparse.Namespace) -> int:
-    from disttrain.cluster.run import run_in_cluster
-
-    if args.nproc_per_node is not None and args.workers is not None:
-        return _fail(ValueError("--nproc-per-node and --workers/--servers are mutually exclusive"), 2)
-    try:
-        return run_in_cluster(args.name, args.script, args.script_args,
-                              nproc_per_node=args.nproc_per_node, workers=args.workers,
-                              servers=args.servers, master_port=args.master_port,
-                              run_args=["--timeout", str(args.timeout)] if args.timeout else [],
-                              trace=args.trace)
-    except ValueError as err:
-        return _fail(err, 2)
 
 
 def _fail(err: Exception, code: int) -> int:

@@ -6,17 +6,20 @@ on every rank (each element is summed on exactly one rank, then copied). Algorit
 Thakur, Rabenseifner & Gropp 2005), `tree` (binomial reduce + broadcast, small
 messages), `hierarchical` (Horovod's; one ring per local rank as NCCL's channels; ranks
 must be node-major), `native` (the backend's own) and `auto` (cheapest under the
-alpha-beta model of cluster/model.py). Costs and measurements: docs/cluster.md,
+alpha-beta model of comm/cost.py). Costs and measurements: docs/cluster.md,
 "Allreduce algorithms".
 
+`all_reduce` is also `disttrain.comm.all_reduce`: torch.distributed's signature plus
+`algorithm=`; "native" (the default) is the recorded backend call of comm/ops.py.
+
 Who talks to whom: DataParallel and ZeRO (through comm/reducer.py) and users call
-`all_reduce`; it blocks until done and is one flight-recorder entry (comm/ops.py), so a
-hang names `all_reduce[ring]` and the user's line, not an inner send.
+`all_reduce`; it is one flight-recorder entry (comm/ops.py), so a hang names
+`all_reduce[ring]` and the user's line, not an inner send; `async_op=True` runs the
+algorithm on the group's thread (comm/threads.py).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from concurrent import futures
 from concurrent.futures import Future
@@ -25,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
+from disttrain.comm.cost import choose_algorithm
+from disttrain.comm.threads import submit_on_group_thread
 from disttrain.trace import hooks as trace_hooks
 
 __all__ = ["ALGORITHMS", "all_reduce", "AsyncAllReduce"]
@@ -33,16 +38,28 @@ ALGORITHMS = ("native", "ring", "halving-doubling", "tree", "hierarchical", "aut
 _PIECE_BYTES = 1 << 20  # NOTE: ring steps move 1 MB pieces so adding one overlaps the next's transfer
 
 
-def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
-               local_size: int | None = None) -> None:
-    """Sum `tensor` in place over `group` (None = the world) with `algorithm`; blocks.
-
-    `local_size`: ranks per node for `hierarchical`/`auto` (default: the group's members
-    on this node, from LOCAL_WORLD_SIZE ranks per node and their global ranks).
-    """
+def all_reduce(tensor: torch.Tensor, op=ops.ReduceOp.SUM, group=None, async_op: bool = False, *,
+               algorithm: str = "native", local_size: int | None = None):
+    """Reduce `tensor` in place over `group` (None = the world) with `algorithm`; blocks
+    unless `async_op` (then returns a handle whose `wait()` blocks and re-raises).
+    "native" is the backend's own all_reduce, any `op`; the others sum (op=SUM).
+    `local_size`: ranks per node for `hierarchical`/`auto` (default: the group's members on
+    this node, from LOCAL_WORLD_SIZE ranks per node and their global ranks)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; pick one of "
                          f"{', '.join(ALGORITHMS)}")
+    if algorithm == "native":
+        return ops.all_reduce(tensor, op, group, async_op)
+    if op != ops.ReduceOp.SUM:
+        raise ValueError(f"all_reduce: algorithm {algorithm!r} only sums; pass op=SUM, or "
+                         "algorithm='native' for the backend's other reductions")
+    if async_op:
+        return submit_on_group_thread(group, f"all_reduce[{algorithm}]", _all_reduce, tensor,
+                                      algorithm, group, local_size)
+    return _all_reduce(tensor, algorithm, group, local_size)
+
+
+def _all_reduce(tensor: torch.Tensor, algorithm: str, group, local_size: int | None) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"all_reduce: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not dist.is_initialized():
@@ -50,8 +67,6 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None, *,
                            "(it works alone too, as a world of one)")
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     if algorithm == "auto":
-        from disttrain.cluster.model import choose_algorithm  # NOTE: pure; no import circle
-
         algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), len(ranks),
                                      _local_size(local_size, ranks))
     if algorithm == "native" or len(ranks) == 1:
@@ -89,7 +104,7 @@ def run_recorded(op: str, tensor: torch.Tensor, group, ranks: list[int], run) ->
 
 class AsyncAllReduce:
     """Runs `all_reduce(t, algorithm, group)` calls one after another on the group's
-    algorithm thread (comm/reducer.py: one per group, shared with DataParallel's and
+    algorithm thread (comm/threads.py: one per group, shared with DataParallel's and
     ZeRO's reductions on that group, so their point-to-point messages never interleave).
 
     `submit(t)` never blocks and returns a handle whose `wait()` blocks until `t` holds
@@ -107,10 +122,8 @@ class AsyncAllReduce:
 
     def submit(self, tensor: torch.Tensor) -> Future:
         """Start summing `tensor` in place; returns a Future (`.wait()` is `.result()`)."""
-        from disttrain.comm.reducer import submit_on_group_thread
-
-        fut = submit_on_group_thread(self.group, f"all_reduce[{self.algorithm}]", functools.partial(
-            all_reduce, tensor, self.algorithm, self.group, local_size=self.local_size))
+        fut = all_reduce(tensor, group=self.group, async_op=True, algorithm=self.algorithm,
+                         local_size=self.local_size)
         self._submitted = [f for f in self._submitted if not f.done()] + [fut]
         return fut
 

@@ -12,66 +12,42 @@ what happens after its reduction, are the strategy's, passed in as callbacks: Da
 stages `grad / world` into bucket views and compresses on the wire (data_parallel.py);
 ZeRO keeps `.grad` views of flat buffers and feeds its shard gradients (zero/flat.py).
 The collective itself is a callback too: `all_reduce_async(t, algorithm, group)` (the
-allreduce algorithms of comm/algorithms.py, overlapping backward on one thread per
-group), or ZeRO's reduce-scatter (the backend's, or `ring_reduce_scatter_async`).
+allreduce algorithms of comm/algorithms.py, overlapping backward on the group's one
+thread, comm/threads.py), or ZeRO's reduce-scatter (the backend's, or `ring_reduce_scatter_async`).
 Nothing here knows a strategy.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from disttrain.comm import ops
+from disttrain.comm.algorithms import ALGORITHMS, all_reduce, ring_reduce_scatter, run_recorded
+from disttrain.comm.threads import submit_on_group_thread
 from disttrain.trace import events as trace_events
 
 __all__ = ["BucketReducer", "all_reduce_async", "check_algorithm", "ring_reduce_scatter_async"]
 
 _engine = torch.autograd.Variable._execution_engine
-_pools: dict = {}  # global ranks of a group -> its one algorithm thread
-_pools_lock = threading.Lock()
 
 
 def check_algorithm(algorithm: str, owner: str) -> str:
     """`algorithm` if it names an allreduce algorithm, else a ValueError saying which do."""
-    from disttrain.comm.algorithms import ALGORITHMS
-
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{owner}: unknown allreduce algorithm {algorithm!r}; pick one of "
                          f"{', '.join(ALGORITHMS)} (native: the backend's own, the default)")
     return algorithm
 
 
-def submit_on_group_thread(group, op: str, fn, *args):
-    """Run fn(*args) on `group`'s algorithm thread (one per group, calls in submission
-    order, so two reducers on one group never interleave their point-to-point messages);
-    returns a Future whose `wait()` blocks and re-raises (traced as waiting for `op`)."""
-    key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    with _pools_lock:
-        pool = _pools.get(key)
-        if pool is None:
-            pool = _pools[key] = ThreadPoolExecutor(max_workers=1,
-                                                    thread_name_prefix="disttrain-reduce")
-    fut = pool.submit(fn, *args)
-    fut.wait = trace_events.waiting(fut.result, op)  # NOTE: the shape of torch's Work.wait
-    return fut
-
-
 def all_reduce_async(tensor: torch.Tensor, algorithm: str = "native", group=None):
     """Start summing `tensor` in place over `group`; returns a handle whose `wait()` blocks.
 
     "native" is the backend's own asynchronous all_reduce (gloo's ring, NCCL). Any other
-    algorithm (comm/algorithms.py) runs on the group's algorithm thread.
+    algorithm (comm/algorithms.py) runs on the group's algorithm thread (comm/threads.py).
     """
-    if algorithm == "native":
-        return ops.all_reduce(tensor, group=group, async_op=True)
-    from disttrain.comm.algorithms import all_reduce
-
-    return submit_on_group_thread(group, f"all_reduce[{algorithm}]", all_reduce, tensor, algorithm, group)
+    return all_reduce(tensor, group=group, async_op=True, algorithm=algorithm)
 
 
 def ring_reduce_scatter_async(tensor: torch.Tensor, group=None):
@@ -82,8 +58,6 @@ def ring_reduce_scatter_async(tensor: torch.Tensor, group=None):
 
 
 def _ring_reduce_scatter(tensor: torch.Tensor, group) -> None:
-    from disttrain.comm.algorithms import ring_reduce_scatter, run_recorded
-
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     n, me = len(ranks), ranks.index(dist.get_rank())
     if tensor.dim() != 1 or tensor.numel() % n or not tensor.is_contiguous():

@@ -1,7 +1,8 @@
 """Run one rank of `disttrain run`: the user's script as `__main__`, its failure recorded.
 
-The elastic agent (job.py) starts every rank as `python -u <this file> script.py args`;
-this runs the script exactly as `python script.py args` would and, when it fails, writes
+The elastic agent (job.py) starts every rank as `python -u <this file> script.py args`
+(or `-m module args`); this runs the script exactly as `python script.py args` (or
+`python -m module args`) would and, when it fails, writes
 the exception (user frames, a failure kind: exception, exit, peer-lost, timeout) to
 TORCHELASTIC_ERROR_FILE for the launcher (failures.py). A `peer-lost` rank waits up to
 DISTTRAIN_PEER_GRACE s so the rank that left ends first; faulthandler dumps every
@@ -18,6 +19,7 @@ variables come from disttrain/settings.py (standard library only), loaded by pat
 from __future__ import annotations
 
 import faulthandler
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -29,7 +31,7 @@ import sys
 import time
 import traceback
 
-USAGE = "usage: python entry.py script.py [args...]  (started by `disttrain run`)"
+USAGE = "usage: python entry.py script.py|-m module [args...]  (started by `disttrain run`)"
 # What gloo/NCCL say, through torch.distributed called directly, when a collective
 # failed because of another rank (disttrain.comm's CollectiveError says it by attribute).
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted")
@@ -176,16 +178,12 @@ def main(argv: list[str]) -> int:
         return 2
     if _is_ps_worker() and not s.supervised:
         return supervise(argv)
-    script = os.path.abspath(argv[0])
-    sys.argv = [argv[0], *argv[1:]]
-    # NOTE: `python script.py` puts the script's folder first on sys.path; replace this
-    # file's folder (the disttrain package) so the script imports what it would alone.
-    sys.path[0] = os.path.dirname(script)
+    script, run = _target(argv)
     if s.report_dir:
         _dumps = enable_stack_dumps(s.report_dir, os.environ.get("RANK", "0"),  # noqa: F841
                                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
-        runpy.run_path(script, run_name="__main__")
+        run()
     except KeyboardInterrupt:
         return 130  # the launcher is shutting the job down and says so itself
     except SystemExit as exc:
@@ -197,6 +195,42 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - everything the script raises is reported
         return fail(exc, script)
     return 0
+
+
+def check_module(name: str) -> None:
+    """A ValueError saying how to fix `name` unless its top package is found from here, as
+    `python -m name` would look (the current folder first). Imports nothing."""
+    top = name.split(".")[0]
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"-m {name!r} is not a module name; give one as pkg.module (or drop -m "
+                         "and give the path of a .py file)")
+    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path[1:]]) is None:
+        raise ValueError(f"-m {name}: no module named {top!r} from {os.getcwd()}; run from the "
+                         "folder that holds it (or install it), or give the path of a .py file")
+
+
+def _target(argv: list[str]):
+    """(the file the rank runs, a call running it as `__main__`), with sys.argv and sys.path
+    as `python script.py args` or `python -m module args` sets them."""
+    if argv[0] == "-m" and len(argv) > 1:
+        # NOTE: `python -m` puts the current folder first on sys.path, where this file's
+        # folder (the disttrain package) is now; sys.argv[0] becomes the module's file.
+        sys.path[0] = os.getcwd()
+        sys.argv = [argv[1], *argv[2:]]
+        try:
+            spec = importlib.util.find_spec(argv[1])
+            if spec is not None and spec.submodule_search_locations is not None:
+                spec = importlib.util.find_spec(argv[1] + ".__main__")
+            script = os.path.abspath(spec.origin) if spec and spec.origin else ""
+        except ImportError:
+            script = ""  # run_module raises it again, as `python -m` reports it
+        return script, lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    script = os.path.abspath(argv[0])
+    sys.argv = [argv[0], *argv[1:]]
+    # NOTE: `python script.py` puts the script's folder first on sys.path; replace this
+    # file's folder (the disttrain package) so the script imports what it would alone.
+    sys.path[0] = os.path.dirname(script)
+    return script, lambda: runpy.run_path(script, run_name="__main__")
 
 
 def fail(exc: Exception, script: str) -> int:

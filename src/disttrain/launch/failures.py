@@ -140,7 +140,7 @@ def node_report(failures: dict[int, ProcessFailure], report_dir: str, world_size
 
     NOTE: every node's agent sees only its own ranks, and the rank that raised may be on a
     node that ends after the nodes whose ranks lost it as a peer; the cluster's driver
-    (cluster/run.py) reads every node's file and prints the cause's report first.
+    (launch/cluster_run.py) reads every node's file and prints the cause's report first.
     """
     text = io.StringIO()
     code = report_failures(failures, text, report_dir, world_size)

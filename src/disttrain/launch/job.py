@@ -34,11 +34,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from disttrain import settings, trace
+from disttrain import settings
 from disttrain.launch import rendezvous
+from disttrain.launch.entry import check_module
 from disttrain.launch.failures import PREFIX_TEMPLATE, node_report, rank_prefix, report_failures
 from disttrain.launch.preemption import AGENT_SIGNALS, DEFAULT_GRACE, Preemption
+from disttrain.trace.merge import clear as clear_trace
 from disttrain.trace.merge import merge_and_tell
+from disttrain.trace.recorder import parse_steps
 
 __all__ = ["RunConfig", "run", "rank_prefix"]
 
@@ -51,9 +54,11 @@ class RunConfig:
     """One `disttrain run` invocation; validated on construction, nothing started yet."""
 
     script: str
-    """Path of the Python script every rank runs as `__main__`."""
+    """Path of the Python script every rank runs as `__main__` (with `module`: its name)."""
     script_args: list[str] = field(default_factory=list)
     """Arguments after the script, passed to it unchanged."""
+    module: bool = False
+    """`script` names a module, run as `python -m script` runs it (torchrun's -m)."""
     nproc: int | None = None
     """Processes per node (data-parallel job); default 1. Excludes workers/servers."""
     workers: int | None = None
@@ -91,7 +96,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.script_args = list(self.script_args)
-        if not os.path.isfile(self.script):
+        if self.module:
+            check_module(self.script)
+        elif not os.path.isfile(self.script):
             where = "" if os.path.isabs(self.script) else f" (relative to {os.getcwd()})"
             raise ValueError(f"script {self.script!r} not found{where}; give the path of a .py file")
         ps_mode = self.workers is not None or self.servers is not None
@@ -136,7 +143,7 @@ class RunConfig:
         if self.trace_steps is not None:
             if self.trace is None:
                 raise ValueError("--trace-steps needs --trace DIR")
-            trace.parse_steps(self.trace_steps)
+            parse_steps(self.trace_steps)
 
     @property
     def nproc_per_node(self) -> int:
@@ -233,14 +240,14 @@ def run(cfg: RunConfig) -> int:
     env = rank_env(cfg, dict(os.environ))
     shared = settings.refresh().cluster_reports  # NOTE: the launcher reads its environment now
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="disttrain-run-")
-    # NOTE: `run --cluster` gives every node one shared folder (cluster/run.py), so a
+    # NOTE: `run --cluster` gives every node one shared folder (launch/cluster_run.py), so a
     # node's hang report sees the flight recorders of the other nodes' ranks too.
     report_dir = shared or os.path.join(log_dir, "reports")
     os.makedirs(report_dir, exist_ok=True)
     preemption = Preemption(report_dir, cfg.grace_seconds)
     env.update({settings.REPORT_DIR: report_dir}, **preemption.rank_env())
     if cfg.trace is not None and not shared:
-        trace.clear(cfg.trace)  # NOTE: under `run --cluster` the driver clears it, once
+        clear_trace(cfg.trace)  # NOTE: under `run --cluster` the driver clears it, once
     if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
         print(
             f"disttrain run: node {cfg.node_rank} of {cfg.nnodes}: meeting the other nodes at "
@@ -251,11 +258,11 @@ def run(cfg: RunConfig) -> int:
     try:
         with _environ(env), _quiet_elastic_logs(), preemption:
             elastic_launch(launch_config(cfg, log_dir), sys.executable)(
-                "-u", ENTRY, cfg.script, *cfg.script_args
+                "-u", ENTRY, *(["-m"] if cfg.module else []), cfg.script, *cfg.script_args
             )
         return preemption.finished()
     except ChildFailedError as err:
-        if shared:  # NOTE: `run --cluster`: cluster/run.py prints the nodes' reports, cause first
+        if shared:  # NOTE: `run --cluster`: launch/cluster_run.py prints the nodes' reports, cause first
             return node_report(err.failures, report_dir, cfg.world_size,
                                os.path.join(shared, f"node{cfg.node_rank}.json"))
         return report_failures(err.failures, sys.stderr, report_dir, cfg.world_size)

@@ -5,6 +5,7 @@ The steps `parallelize` composes are public and take plain arguments (steps.py):
 user may call `apply_tp`, `apply_recompute`, `split_stages`, `tie_stages`,
 `apply_data_parallel` and `Pipeline` alone, on a model of their own."""
 
+from disttrain.deprecation import moved_module
 from disttrain.parallel.config import Parallelism
 from disttrain.parallel.data_parallel import DataParallel
 from disttrain.parallel.parallelize import ParallelModel, parallelize, token_loss
@@ -18,3 +19,6 @@ from disttrain.parallel.zero import Zero
 __all__ = ["DataParallel", "ParallelModel", "Parallelism", "Pipeline", "Stages", "SyncBatchNorm",
            "Zero", "apply_data_parallel", "apply_recompute", "apply_tp", "convert_sync_batchnorm",
            "parallelize", "split_stages", "tie_stages", "token_loss"]
+
+# NOTE: deprecated for one release: the dtype rule is every package's (disttrain/dtypes.py).
+moved_module("disttrain.parallel.dtypes", "disttrain.dtypes")

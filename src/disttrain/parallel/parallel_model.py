@@ -68,6 +68,11 @@ class ParallelModel(nn.Module):
         # NOTE: from the whole model's dtypes, so every rank's all-reduce agrees
         self._norm_dtype = accumulation_dtype(*(dtype for _, dtype in full_shapes.values()))
 
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Tied weight name -> the first name of that weight (its name in checkpoints)."""
+        return dict(self._aliases)
+
     def train_step(self, inputs, targets) -> torch.Tensor:
         """Forward + backward of one batch (this dp replica's share). Blocks.
 

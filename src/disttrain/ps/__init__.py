@@ -12,6 +12,7 @@ sessions) and frame.py (message layout); top-k pushes with error feedback are co
 `Straggler` delays make stragglers reproducible on one machine.
 """
 
+from disttrain.deprecation import moved
 from disttrain.ps.compress import TopK
 from disttrain.ps.connect import attach, connect, serve
 from disttrain.ps.handle import Cancelled, Handle
@@ -29,7 +30,7 @@ from disttrain.ps.policy import (
 )
 from disttrain.ps.ring import HashRing
 from disttrain.ps.server import PSError
-from disttrain.ps.straggler import Straggler, parse_straggler
+from disttrain.ps.straggler import Straggler
 from disttrain.ps.worker import Worker
 
 __all__ = [
@@ -54,5 +55,7 @@ __all__ = [
     "HashRing",
     "TopK",
     "Straggler",
-    "parse_straggler",
 ]
+
+# NOTE: deprecated for one release.
+__getattr__ = moved(__name__, {"parse_straggler": "disttrain.ps:Straggler.parse"})

@@ -9,7 +9,7 @@ any process, in any order, on any machine. Specs (command-line friendly):
     shifted-exp:shift=0.02,mean=0.05    shift + Exp(mean), the model of Dutta et al. 2018
     fixed:rank=2,delay=0.2              worker 2 always 0.2 s slower, the others 0
 
-Used by examples/digits_ps.py (`--straggler SPEC`) and benchmarks/ps_convergence.py.
+`Straggler.parse(SPEC)` reads one. Used by examples/digits_ps.py (`--straggler SPEC`) and benchmarks/ps_convergence.py.
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ class Straggler:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"straggler {name} must be a finite number >= 0 seconds, "
                                  f"got {value}")
+
+    @classmethod
+    def parse(cls, spec: str | None, seed: int = 0) -> Straggler:
+        """Parse a spec ('exp:mean=0.05', see above) into a Straggler; raises ValueError
+        saying how to fix a bad one."""
+        return parse_straggler(spec, seed)
 
     def delay(self, rank: int, step: int) -> float:
         """Extra seconds for worker `rank` at step `step` (pure, does not sleep)."""

@@ -14,6 +14,8 @@ site costs one function call with tracing off. Who calls what:
   waited for; ps/worker.py: `ps_cancelled(rank)`, `ps_sleep(...)` around an injected
   straggler delay; ps/server.py: `span("apply" / "receive" / "answer", "ps")`, and
   `ps_server_stats(stats)` once at the end (staleness histogram, updates).
+- the user's script: `log(loss=...)` (`disttrain.log`), `end_step()`
+  (`disttrain.trace.end_step`).
 - checkpoint: `span("checkpoint.save")`, `span("checkpoint.load")`; comm/reducer.py:
   `stamp()`s and `bucket(...)` per bucket, `waiting(...)` around algorithm futures.
 """
@@ -27,7 +29,7 @@ from disttrain.trace import hooks
 from disttrain.trace.hooks import now_us
 from disttrain.trace.recorder import perf_us
 
-__all__ = ["now_us", "end_step", "span", "traced", "instant", "stamp", "bucket",
+__all__ = ["now_us", "end_step", "log", "span", "traced", "instant", "stamp", "bucket",
            "waiting", "ps_pushed", "pipeline_begin",
            "ps_pulling", "ps_received", "ps_applied", "pipeline_step", "ps_issued", "ps_done", "ps_waited",
            "ps_cancelled", "ps_server_stats"]
@@ -72,9 +74,24 @@ def traced(name: str, cat: str):
 
 
 def end_step() -> None:
-    """A training step ended now (PS workers: the push)."""
+    """A training step ended now: for loops without a torch optimizer step (PS workers:
+    the push). `disttrain.trace.end_step()`."""
     if hooks.active is not None:
         hooks.active.end_step()
+
+
+def log(**values) -> None:
+    """Attach scalars (loss=..., tokens=...) to this step's metrics line (ignored when off).
+
+    `tokens`: tokens this rank's step processed (add up if logged more than once in a
+    step); the line then has tokens_per_s. Other names: the last value of the step.
+    """
+    tracer = hooks.active
+    if tracer is None:
+        return
+    scalars = {k: float(v.detach() if hasattr(v, "detach") else v) for k, v in values.items()}
+    tracer.m.log(scalars)
+    tracer.rec.counter("logged", now_us(), scalars)
 
 
 def instant(name: str, cat: str = "user", **args) -> None:

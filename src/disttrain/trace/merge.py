@@ -8,7 +8,8 @@ on node K of a multi-node job (`otherData.processes` keeps each one's node and
 `otherData.link_gbps` the cluster's link rate when known); timestamps get the
 file's measured clock offset (clock.py) and are shifted so the trace starts at 0 (the
 wall-clock start is kept in `otherData.start_unix_us`). Written to a temporary file and
-renamed, so `trace.json` is either the old complete file or the new complete one. With
+renamed, so `trace.json` is either the old complete file or the new complete one.
+`clear(DIR)` removes a previous run's files before a job (the launcher's side too). With
 tensorboard installed, the metrics also become event files in DIR/tensorboard/ (tboard.py).
 """
 
@@ -17,13 +18,23 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 
 from disttrain.trace import tboard
 from disttrain.trace.recorder import EPOCH_S
 from disttrain.trace.rows import LANE, assign_lanes, expand
 
-__all__ = ["merge", "read_rank_file", "merge_and_tell"]
+__all__ = ["clear", "merge", "read_rank_file", "merge_and_tell"]
+
+
+def clear(directory: str) -> None:
+    """Create `directory` and remove a previous run's trace files from it (the launcher's job)."""
+    os.makedirs(directory, exist_ok=True)
+    for pattern in ("rank*.jsonl", "metrics.rank*.jsonl", "trace.json", "metrics.jsonl"):
+        for path in glob.glob(os.path.join(directory, pattern)):
+            os.remove(path)
+    shutil.rmtree(os.path.join(directory, "tensorboard"), ignore_errors=True)
 
 
 def read_rank_file(path: str) -> tuple[dict, list[dict], int]:

@@ -43,8 +43,8 @@ from disttrain import settings
 from disttrain.trace.metrics import StepMetrics
 from disttrain.trace.rows import COMM_TID, MAIN_TID, thread_meta
 
-__all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "MAIN_TID", "COMM_TID", "EPOCH_S", "WALL0_US",
-           "LINE_EVENTS"]
+__all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "parse_steps", "MAIN_TID", "COMM_TID",
+           "EPOCH_S", "WALL0_US", "LINE_EVENTS"]
 
 LINE_EVENTS = 512
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False, default=repr)
@@ -58,6 +58,22 @@ WALL0_US = (time.time() - EPOCH_S) * 1e6
 def perf_us(perf: float) -> float:
     """A `time.perf_counter()` reading on the `now_us()` scale."""
     return (perf - _PERF0) * 1e6
+
+
+def parse_steps(text: str | None) -> tuple[int, int | None]:
+    """'A:B' -> (A, B): record steps A..B-1 (either side may be empty: '5:', ':20')."""
+    if not text:
+        return 0, None
+    first, sep, last = text.partition(":")
+    try:
+        a = int(first) if first.strip() else 0
+        b = int(last) if last.strip() else None
+    except ValueError:
+        a, b, sep = -1, None, ""
+    if not sep or a < 0 or (b is not None and b <= a):
+        raise ValueError(f"trace steps {text!r}: give A:B with 0 <= A < B (steps A..B-1), "
+                         "e.g. --trace-steps 10:20")
+    return a, b
 
 
 def cluster_meta(environ=os.environ) -> dict:

@@ -6,9 +6,12 @@ counted collectives, `mixed.py` mixed precision (fp32 masters, loss scaler),
 `groups.py` per-parameter optimizer groups, `checkpoint.py` resharding state.
 """
 
+from disttrain.deprecation import moved
 from disttrain.parallel.zero.api import Zero
-from disttrain.parallel.zero.comm import CommStats
 from disttrain.parallel.zero.mixed import LossScaler
 from disttrain.parallel.zero.optimizer import ZeroOptimizer
 
-__all__ = ["CommStats", "LossScaler", "Zero", "ZeroOptimizer"]
+__all__ = ["LossScaler", "Zero", "ZeroOptimizer"]
+
+# NOTE: deprecated for one release: ZeRO's byte counters are its own (`Zero.comm_stats`).
+__getattr__ = moved(__name__, {"CommStats": "disttrain.parallel.zero.comm:CommStats"})

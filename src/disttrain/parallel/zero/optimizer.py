@@ -143,6 +143,20 @@ class ZeroOptimizer:
             self._found_inf = o.masters.found_inf(o.overflow_group, o.comm_stats)
             self._voted = True
 
+    def voted_overflow(self) -> bool | None:
+        """This step's fp16 overflow vote once taken (True: some rank overflowed), else None."""
+        return self._found_inf if self._voted else None
+
+    def unvoted_masters(self) -> None:
+        """Prepare and fill the fp32 master gradients without the overflow vote, for one
+        vote over several optimizers (`vote_overflow`). Blocks (waits for reductions)."""
+        self.prepare()
+        self._to_masters(vote=False)
+
+    def take_vote(self, found: bool) -> None:
+        """Record the overflow vote `vote_overflow` took for this step."""
+        self._found_inf, self._voted = found, True
+
     def grads_to_step(self) -> list[torch.Tensor | None]:
         """The gradients step() applies, one per shard parameter: the fp32 masters'
         (unscaled) in mixed precision, else the shards'. Call after backward; blocks
@@ -288,16 +302,16 @@ def vote_overflow(optimizers: list[ZeroOptimizer]) -> bool:
     NOTE: one vote per step on every rank of the overflow group, however many chunks a
     rank holds, so the collectives match and every rank's loss scale moves alike."""
     fp16 = [o for o in optimizers if o.scaler is not None]
-    if not fp16 or all(o._voted for o in fp16):
-        return any(o._found_inf for o in fp16)
+    votes = [o.voted_overflow() for o in fp16]
+    if None not in votes:
+        return any(votes)
     for o in optimizers:
-        o.prepare()
-        o._to_masters(vote=False)
+        o.unvoted_masters()
     first = fp16[0].layout
     found = mixed.vote(any(o.layout.masters.local_inf() for o in fp16), first.overflow_group,
                        first.comm_stats, first.masters.masters[0].device)
     for o in fp16:
-        o._found_inf, o._voted = found, True
+        o.take_vote(found)
     return found
 
 

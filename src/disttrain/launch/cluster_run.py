@@ -9,8 +9,9 @@ GLOO_SOCKET_IFNAME, DISTTRAIN_PS_HOST and the link model for `all_reduce(algorit
 "auto")`; its lines are printed as `[n<i>] line`. With `trace=DIR` every node's ranks
 trace into DIR, which this driver clears before and merges once after the job.
 
-Who talks to whom: cluster/cli.py calls `run_in_cluster`; it starts one launcher
-(launch/) per node, which write their failure reports into one shared folder
+Who talks to whom: launch/cli.py calls `run_in_cluster` (`disttrain run --cluster` and
+`disttrain cluster run`); it starts one launcher (launch/) per node, in the cluster that
+cluster/ built; they write their failure reports into one shared folder
 (DISTTRAIN_CLUSTER_REPORTS); once all nodes end, this driver prints the cause's report
 first and exits with its code (124 for a hang, 0 when all succeed). Stop order, report
 choice and the emulated network: docs/cluster.md, "How it is built".
@@ -35,7 +36,7 @@ from disttrain.cluster import cgroups, net, spec
 from disttrain.comm.flight import EXIT_HANG
 from disttrain.launch.failures import CAUSES
 from disttrain.launch.hang_report import collective_report
-from disttrain.trace import clear as clear_trace
+from disttrain.trace.merge import clear as clear_trace
 from disttrain.trace.merge import merge_and_tell
 
 __all__ = ["run_in_cluster", "node_command"]

@@ -8,7 +8,7 @@ costs its latency (alpha, plus `step_alpha` per sender) and then its slowest lin
 CPU pool that moves the step's bytes (`cpu_Bps`), whichever is slower. The pool is a
 node's cores, or all nodes' when they share one machine, as emulated clusters do.
 Without the CPU terms (the defaults) it is the plain alpha-beta model. Formulas, the
-fit and a worked 4 x 2 example: docs/cluster.md ("Notes from cluster/model.py").
+fit and a worked 4 x 2 example: docs/cluster.md ("Notes from comm/cost.py").
 
 Who talks to whom: comm/algorithms.py's `auto`, benchmarks/allreduce.py and
 benchmarks/scaling.py ask it for predictions. Pure functions: no processes, no torch.
