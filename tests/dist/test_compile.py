@@ -16,6 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import disttrain
+from disttrain.comm.buckets import BucketSizeTuner
 from disttrain.parallel.tensor import apply_tp
 from disttrain.testing import spawn
 
@@ -44,8 +45,10 @@ def sgd(params):
 
 
 def wrap(kind: str) -> nn.Module:
-    if kind == "dp":
-        return disttrain.DataParallel(make())
+    if kind == "dp":  # bucket_mb="auto", with a tuner short enough to finish in STEPS
+        model = disttrain.DataParallel(make(), bucket_mb="auto")
+        model.tuner = BucketSizeTuner([1e-4, 1e-3], steps=1, warmup=1)
+        return model
     if kind == "dp-bn":
         return disttrain.DataParallel(make(norm=True))
     if kind.startswith("zero"):
@@ -76,9 +79,19 @@ def explain_all(kinds):
     return out
 
 
-def test_no_graph_break_in_the_forward_of_any_wrapper():
+def explain_and_train_dp(kinds):
+    return explain_all(kinds), train_both(["dp"])
+
+
+@pytest.fixture(scope="module")
+def fast_run():
+    """One spawn for the fast tests: explain every wrapper, train DataParallel both ways."""
     kinds = ["dp", "dp-bn", "zero0", "zero1", "zero2", "zero3", "tp", "fsdp2"]
-    got = spawn(explain_all, 2, kinds, timeout=120)[0]
+    return spawn(explain_and_train_dp, 2, kinds, timeout=150)
+
+
+def test_no_graph_break_in_the_forward_of_any_wrapper(fast_run):
+    got = fast_run[0][0]
     for kind in ["dp", "zero0", "zero1", "zero2", "tp"]:
         graphs, breaks, dynamo_breaks, ops = got[kind]
         assert (graphs, breaks, dynamo_breaks) == (1, 0, 0), (kind, got[kind])
@@ -115,6 +128,9 @@ def train(kind: str, compiled: bool):
         loss.backward()
         opt.step()
         losses.append(loss.detach())
+    if kind == "dp":  # the tuner timed every step (compiled: from the first gradient)
+        assert model.tuner.done and all(t > 0 for ts in model.tuner.samples for t in ts), \
+            model.tuner.samples
     return losses, before, _snapshot(model)
 
 
@@ -139,8 +155,8 @@ def check_same(results) -> None:
                     assert not torch.equal(value, eager[1][name]), (kind, name)
 
 
-def test_compiled_data_parallel_trains_as_eager():
-    check_same(spawn(train_both, 2, ["dp"], timeout=120))
+def test_compiled_data_parallel_trains_as_eager(fast_run):
+    check_same([trained for _, trained in fast_run])
 
 
 @pytest.mark.slow
