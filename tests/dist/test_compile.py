@@ -4,7 +4,10 @@ Graph breaks in the forward of DataParallel, ZeRO 0-3 and a TP-sharded model are
 with `torch._dynamo.explain` and Dynamo's own graph-break counter (which also sees a break
 at a graph's edge, where `explain` sees none); ZeRO-3's are set beside FSDP2's on the
 same model. Compiled training (the `aot_eager` backend: Dynamo + AOTAutograd, no code
-generation, to stay fast) must match eager training of the same wrapper step by step.
+generation, to stay fast) must match eager training of the same wrapper step by step;
+the pipeline compiles each stage's chunk and must match the eager pipeline. Only the
+explain counts and DataParallel's training run by default (one spawn); ZeRO, TP and the
+pipeline trained compiled are slow-marked (compiling takes tens of seconds on 2 cores).
 """
 
 from __future__ import annotations
