@@ -207,6 +207,3 @@ def test_compiled_pipeline_stages_train_as_eager():
             torch.testing.assert_close(compiled[0], eager[0])
             for a, b in zip(compiled[1], eager[1], strict=True):
                 torch.testing.assert_close(a, b, msg=schedule)
-            # NOTE: a compiled chunk's backward is one autograd node: zb-h1's W may have
-            # to walk it whole again (counted in whole_w); eager splits it (0)
-            assert eager[2] == 0, schedule
