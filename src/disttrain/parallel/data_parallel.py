@@ -42,6 +42,7 @@ from disttrain.finite import FiniteGradCheck
 __all__ = ["DataParallel"]
 
 _FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: 1 MiB, so communication starts early
+_AT_FIRST_GRAD = -1.0  # a compiled forward's step start: take it at the first gradient
 
 
 class DataParallel(nn.Module):
@@ -124,6 +125,9 @@ class DataParallel(nn.Module):
         return list(self._sync.events)
 
     def forward(self, *args, **kwargs):
+        # NOTE: under torch.compile this body is traced: host-side work is either plain
+        # attribute reads Dynamo can guard on, or runs outside the graph (broadcast_tensors,
+        # the step clock taken in backward), so the wrapped module compiles as one graph.
         if self.broadcast_buffers and self._buffers_list and self.training \
                 and torch.is_grad_enabled():
             broadcast_tensors(self._buffers_list, 0, self.group)
@@ -133,7 +137,10 @@ class DataParallel(nn.Module):
                           RuntimeWarning, stacklevel=2)
             self._sync.abandon()
         if self._sync.enabled and self._step_start is None and torch.is_grad_enabled():
-            self._step_start = time.perf_counter()
+            # NOTE: a compiled forward cannot read the clock; the tuner's step then starts
+            # at this backward's first gradient (_GradSync.first_grad_at) instead.
+            self._step_start = _AT_FIRST_GRAD if torch.compiler.is_compiling() \
+                else time.perf_counter()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -155,6 +162,8 @@ class DataParallel(nn.Module):
         # Bucket-size auto-tuning: every rank times its steps; the choice is made on
         # the max over ranks (one tiny all-reduce), so all ranks rebucket identically.
         start, self._step_start = self._step_start, None
+        if start == _AT_FIRST_GRAD:
+            start = self._sync.first_grad_at
         if self.tuner.done or start is None:
             return
         self.tuner.record(time.perf_counter() - start)
@@ -180,6 +189,7 @@ class _GradSync:
         self.find_unused, self.group, self.world, self.as_view = find_unused, group, world, as_view
         self.algorithm = algorithm
         self.on_step_end = None
+        self.first_grad_at: float | None = None  # perf_counter() at this backward's first grad
         self.keys = [(p.dtype, p.device) for p in self.params]
         self._no_grad: set[int] = set()
         self._missing: list[int] = []
@@ -265,6 +275,8 @@ class _GradSync:
             preempt.deliver(self._flag)
 
     def _stage(self, i: int, param: torch.Tensor) -> None:
+        if len(self.reducer.events) == 1:  # NOTE: the first gradient of this backward
+            self.first_grad_at = time.perf_counter()
         self._put(i, param.grad)
 
     @torch.no_grad()

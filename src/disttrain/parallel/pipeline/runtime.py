@@ -97,8 +97,8 @@ class _Step:
 class Pipeline:
     """Runs `actions` (this stage's list) over `chunks` with its peers in `group`.
 
-    chunks: this stage's model chunks (chunk c = virtual stage c * num_stages + stage);
-        a chunk with `no_sync()` (DataParallel) syncs gradients only on its last backward.
+    chunks: this stage's model chunks (chunk c = virtual stage c * num_stages + stage), or
+        `torch.compile(chunk)`s; one with `no_sync()` syncs only on its last backward.
     ranks: global ranks of the pipeline group, by stage.
     loss_fn(output, target): on the last virtual stage; its mean over micro-batches is
         the loss (each micro-batch's loss is divided by num_microbatches).

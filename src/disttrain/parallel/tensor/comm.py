@@ -100,31 +100,34 @@ class ScatterLastDim(torch.autograd.Function):
 
 def f(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's f (identity forward, all-reduce backward)."""
-    if torch.compiler.is_exporting():  # NOTE: a traced pipeline keeps f as one node
+    if torch.compiler.is_compiling():  # NOTE: export and torch.compile keep f as one node
         return torch.ops.disttrain.tp_f(x, _group_key(group))
     return MegatronF.apply(x, group)
 
 
 def g(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's g (all-reduce forward, identity backward). Blocks."""
-    if torch.compiler.is_exporting():
+    if torch.compiler.is_compiling():
         return torch.ops.disttrain.tp_g(x, _group_key(group))
     return MegatronG.apply(x, group)
 
 
-# ---- f and g as operators, for torch.export (a traced pipeline of a TP'd model) ----
+# ---- f and g as operators, for torch.export and torch.compile ----
 # NOTE: export inlines an autograd.Function's forward and drops its backward, so the
-# traced stage would all-reduce forward and never backward. As operators with their own
-# autograd, f and g stay single nodes of the traced graph and run the same collectives
-# as MegatronF/G when the stage runs. A process group cannot be an operator argument:
-# it goes by a key into this process's table.
-_GROUPS: dict[str, object] = {}
+# traced stage would all-reduce forward and never backward; Dynamo cannot trace the
+# recorded collective inside MegatronF/G (a graph break per layer). As operators with
+# their own autograd, f and g stay single opaque nodes of the graph (a compiled graph
+# calls them, they run the same recorded collectives as MegatronF/G). A process group
+# cannot be an operator argument: it goes by its name, resolved in the operator as
+# torch's functional collectives do (a compiled graph cannot write a table first).
 
 
 def _group_key(group) -> str:
-    key = f"tp{id(group)}"
-    _GROUPS[key] = group
-    return key
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _group(key: str):
+    return dist.distributed_c10d._resolve_process_group(key)
 
 
 @torch.library.custom_op("disttrain::tp_f", mutates_args=())
@@ -134,7 +137,7 @@ def _tp_f(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @torch.library.custom_op("disttrain::tp_g", mutates_args=())
 def _tp_g(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _all_reduce(x.clone(), _GROUPS[group])
+    return _all_reduce(x.clone(), _group(group))
 
 
 @_tp_f.register_fake
@@ -151,7 +154,7 @@ def _keep_group(ctx, inputs, output):
     ctx.group = inputs[1]
 
 
-_tp_f.register_autograd(lambda ctx, grad: (_all_reduce(grad.clone(), _GROUPS[ctx.group]), None),
+_tp_f.register_autograd(lambda ctx, grad: (_all_reduce(grad.clone(), _group(ctx.group)), None),
                         setup_context=_keep_group)
 _tp_g.register_autograd(lambda ctx, grad: (grad, None), setup_context=_keep_group)
 

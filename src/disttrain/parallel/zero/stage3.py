@@ -195,6 +195,11 @@ class ParamShards:
 
     # ---- hooks -------------------------------------------------------------------
 
+    # NOTE: the forward hooks are never traced (gathers, storage resizes, hooks on
+    # outputs): under torch.compile Dynamo runs each one eagerly, a graph break at each
+    # bound module, as FSDP2's hooks (torch's skip_fsdp_hooks, the default); the code
+    # between them compiles.
+    @torch.compiler.disable
     def _pre_forward(self, m: nn.Module, args) -> None:
         units = [u for _, u, _ in self.binds[m]]
         self._bind(m)
@@ -204,6 +209,7 @@ class ParamShards:
         if nxt is not None:
             self._gather(nxt, wait=False)  # prefetch: overlaps this module's forward
 
+    @torch.compiler.disable
     def _post_forward(self, m: nn.Module, args, output):
         units = list({id(u): u for _, u, _ in self.binds[m]}.values())
         for u in units:
