@@ -142,6 +142,8 @@ def test_a_ring_hands_out_room_only_where_the_receiver_has_consumed():
     end; a full ring, or a consumed count the receiver could not have written, gives no
     room (the frame takes the socket instead)."""
     mine = Segment.create(256)
+    if mine is None:
+        pytest.skip("no memfd_create here: the shared-memory path is off")
     try:
         theirs = Segment.attach(os.getpid(), mine.fd, 256)
     except OSError as e:  # NOTE: where /proc/<pid>/fd cannot be opened the path is off

@@ -66,11 +66,15 @@ class Segment:
         self.out, self.into = Ring(self, mine), Ring(self, theirs)
 
     @classmethod
-    def create(cls, ring_bytes: int) -> Segment:
-        """A new memory file with two rings of `ring_bytes` (the worker's side)."""
+    def create(cls, ring_bytes: int) -> Segment | None:
+        """A new memory file with two rings of `ring_bytes` (the worker's side); None
+        where the system has no memfd_create or refuses one (the socket path is used)."""
         if ring_bytes < ALIGN or ring_bytes % ALIGN:
             raise ValueError(f"ring_bytes={ring_bytes} must be a positive multiple of {ALIGN}")
-        fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
+        try:
+            fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
+        except (AttributeError, OSError):  # NOTE: not Linux, or out of descriptors
+            return None
         try:
             os.ftruncate(fd, CONTROL_BYTES + 2 * ring_bytes)
         except BaseException:

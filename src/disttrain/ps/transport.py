@@ -251,8 +251,8 @@ class WorkerLink(Endpoint):
             # NOTE: plain is checked per frame on receipt
             msg.meta.update(server=self.server, protocol=PROTOCOL, plain=int(self.plain_ok))
             self._drop_segment()  # NOTE: a segment serves one session
-            if self.shm_bytes:
-                self._segment = Segment.create(self.shm_bytes)
+            self._segment = Segment.create(self.shm_bytes) if self.shm_bytes else None
+            if self._segment is not None:
                 msg.meta.update(shm_fd=self._segment.fd, shm_bytes=self.shm_bytes)
             parts, in_shm = seal_hello(hello_key(self.secret), self._nonce_w, msg), 0
         elif self.session is None:
