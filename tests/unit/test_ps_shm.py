@@ -162,5 +162,8 @@ def test_a_ring_hands_out_room_only_where_the_receiver_has_consumed():
     assert out.reserve([200]) is None  # would wrap: starts a lap later, no room there
     mine._map[0:8] = (10**6).to_bytes(8, "little")  # consumed beyond what was sent
     assert out.reserve([1]) is None
+    for size in (0, 100):  # a hello naming a ring of no or unaligned size: not mapped
+        with pytest.raises(ValueError, match="positive multiple of 64"):
+            Segment.attach(os.getpid(), mine.fd, size)
     for seg in (theirs, mine):
         seg.close()

@@ -86,6 +86,8 @@ class Segment:
     def attach(cls, pid: int, fd: int, ring_bytes: int) -> Segment:
         """Map process `pid`'s memory file `fd` (the server's side); raises OSError or
         ValueError when it is not a disttrain memory file of this user of that size."""
+        if ring_bytes < ALIGN or ring_bytes % ALIGN:
+            raise ValueError(f"ring_bytes={ring_bytes} must be a positive multiple of {ALIGN}")
         own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         try:
             st = os.fstat(own)
