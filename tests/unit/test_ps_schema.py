@@ -77,6 +77,8 @@ class Live:
         # shm: real pushes and pulls through shared-memory segments (ps/shm.py)
         self.links = [WorkerLink(self.socket(), KEY, w, 0, shm_bytes=4096 if shm else 0)
                       for w in (0, 1)]
+        for ep in (self.server.ep, *self.links):  # NOTE: the segment even for tiny tensors
+            ep.shm_from = 0
         self.errors: list[list[str]] = [[], []]  # error replies each link got, in order
 
     def socket(self) -> zmq.Socket:

@@ -40,6 +40,7 @@ class Job:
                              lambda p: torch.optim.SGD(p, lr=1.0, momentum=momentum),
                              list(workers), KEY, timeout=30, encrypt=encrypt, limits=limits,
                              always_mac=self.always_mac, shm=self.shm)
+        self.server.ep.shm_from = 0  # NOTE: the segment even for these tiny tensors
         assert self.server.keys == KEYS
         self.ctx = zmq.Context()
         self.out: dict = {}
@@ -53,8 +54,10 @@ class Job:
         return sock
 
     def link(self, worker: int, secret: bytes = KEY, encrypt: bool = False) -> WorkerLink:
-        return WorkerLink(self.socket(), secret, worker, 0, encrypt=encrypt,
+        link = WorkerLink(self.socket(), secret, worker, 0, encrypt=encrypt,
                           always_mac=self.always_mac, shm_bytes=RING if self.shm else 0)
+        link.shm_from = 0  # NOTE: as the server's
+        return link
 
     def rejected(self, reason: str, n: int) -> None:
         """Wait until `n` frames were dropped for `reason`."""

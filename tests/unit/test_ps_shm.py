@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from disttrain.ps.endpoint import SHM_FROM
 from disttrain.ps.frame import Message, pack
 from disttrain.ps.policy import Sync
 from disttrain.ps.session import PLAIN, SHM, read_envelope
@@ -48,8 +49,11 @@ def test_tensors_go_through_the_segment_both_ways_and_nothing_is_left_behind():
     assert bytes(torch.full((4,), 1.0).numpy()) not in b"".join(captured)
     assert torch.equal(params(worker), torch.full((8,), -1.0))
     assert worker.shm_frames == {"push": 1} and job.server.ep.shm_frames == {"params": 1}
+    worker.shm_from = SHM_FROM  # the default: a frame of 32 tensor bytes keeps them
+    captured, _ = call(worker, push(1, 1.0), "ack")
+    assert len(captured) == 4 and worker.shm_frames == {"push": 1}
     stats = job.finish(worker)
-    assert stats["applied"] == 1 and stats["push_bytes"] >= 32 and stats["shm_params"] == 1
+    assert stats["applied"] == 2 and stats["push_bytes"] >= 64 and stats["shm_params"] == 1
     worker.close()
     assert _memfds() == open_before  # the memory files are anonymous: nothing in /dev/shm
     assert not [n for n in os.listdir("/dev/shm") if "disttrain" in n]

@@ -20,9 +20,10 @@ from disttrain.ps.frame import FrameError, Limits, Message, header_sizes, pack
 from disttrain.ps.schema import check, check_shm
 from disttrain.ps.session import PLAIN, SHM, Session
 
-__all__ = ["Endpoint", "peer_uid", "peer_pid"]
+__all__ = ["Endpoint", "peer_uid", "peer_pid", "SHM_FROM"]
 
 _COPY_BELOW = 64 << 10  # smaller buffers are copied: cheaper than zero-copy bookkeeping
+SHM_FROM = 64 << 10  # smaller frames keep their tensors in the frame (no ring bookkeeping)
 
 
 def peer_uid(frame: zmq.Frame, field: int = 1) -> int | None:
@@ -58,6 +59,8 @@ class Endpoint:
         self.sent_frames: dict[str, int] = {}
         self.recv_bytes: dict[str, int] = {}
         self.recv_frames: dict[str, int] = {}
+        self._shm_bytes = 0  # tensor bytes of the frame being opened that were in the segment
+        self.shm_from = SHM_FROM  # frames with fewer tensor bytes stay on the socket
 
     def _count(self, what: str, op: str, parts, extra: int = 0) -> None:
         nbytes, frames = getattr(self, what + "_bytes"), getattr(self, what + "_frames")
@@ -67,13 +70,13 @@ class Endpoint:
     def _seal(self, s: Session, msg: Message) -> tuple[list, int]:
         """(parts of `msg` on session `s`, tensor bytes written to s's segment): the
         tensors go through the segment when it has one with room (blocks for the copy)."""
-        ring = s.shm.out if s.shm is not None and s.plain_out and msg.tensors else None
         sizes = [t.numel() * t.element_size() for t in msg.tensors]
+        big = msg.tensors and sum(sizes) >= self.shm_from
+        ring = s.shm.out if s.shm is not None and s.plain_out and big else None
         pos = ring.reserve(sizes) if ring is not None else None
         if pos is None:
             return s.seal(msg), 0
-        msg.meta["shm"] = pos
-        header, _ = pack(msg)
+        header, _ = pack(Message(msg.op, dict(msg.meta, shm=pos), msg.keys, msg.tensors))
         ring.write(pos, msg.tensors)  # NOTE: before the header that names it is sent
         self.shm_frames[msg.op] = self.shm_frames.get(msg.op, 0) + 1
         return s.seal_parts(header, [], shm=True), sum(sizes)
