@@ -3,8 +3,10 @@
 A `Message` (op, meta, keys, tensors) becomes one msgpack header and one raw buffer per
 tensor: header = {"op": str, "meta": {str: int|str|...}, "keys": [str]*n, "dtypes":
 [str]*n, "shapes": [[int]]*n}; buffer_i is tensor i's bytes in C order, a view of the
-tensor's memory (no copy). `unpack` checks the header against hard `Limits` and the
-buffers, and builds tensors as views of the received memory; anything wrong raises
+tensor's memory (no copy); a frame flagged SHM has no buffers, its tensors are in the
+session's shared-memory segment (shm.py: `read_header`, then `build` over them).
+`unpack` checks the header against hard `Limits` and the buffers, and builds tensors as
+views of the received memory; anything wrong raises
 `FrameError`, never another exception. No pickle. session.py authenticates these parts,
 transport.py moves them, schema.py checks each op's meta once they are authenticated.
 """
