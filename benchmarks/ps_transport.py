@@ -1,13 +1,15 @@
 """Push+pull round trip: disttrain.ps vs a torch.distributed.rpc parameter server vs raw ZeroMQ.
 
     python benchmarks/ps_transport.py [--sizes 1K,64K,1M,4M,16M,64M] [--reps 5] [--rpc-tcp]
-        [--chunk 4M] [--tcp] [--compare-tcp] [--compare-mac] [--before REV]
+        [--chunk 4M] [--tcp] [--compare-tcp] [--compare-mac] [--compare-socket] [--before REV]
     python benchmarks/ps_transport.py --targets [--reps 5]   # issue 21's three rows
 
-`--targets` is `--sizes 1K,4M,16M,64M --compare-tcp --compare-mac --before c7c37ba` and
-ends with a table of the targets: loopback servers on ipc:// (the default: tensor buffers
-without a MAC between processes of one user) vs rpc, TCP with a MAC on every frame vs
-rpc, and 1 KB frames vs the HMAC-SHA256 wire (c7c37ba); the load average before and
+`--targets` is `--sizes 1K,4M,16M,64M --compare-tcp --compare-mac --compare-socket
+--before c7c37ba` and ends with a table of the targets: loopback servers on ipc:// (the
+default: tensors through a shared-memory segment between processes of one user, only
+the authenticated header on the socket) vs rpc, the same over the socket without a MAC
+over the tensors (DISTTRAIN_PS_SHM=0, the default before), TCP with a MAC on every frame
+vs rpc, and 1 KB frames vs the HMAC-SHA256 wire (c7c37ba); the load average before and
 after is printed with it.
 
 Two processes (one trainer/worker, one server), the same layout for all sides; one
@@ -17,14 +19,17 @@ parameters (same size) back:
 - disttrain: `ps.serve` / `ps.attach` with one float32 parameter of the given size, `Async()` policy,
   server-side SGD; one iteration = `push()` then `pull()`, both queued at once (ps-lite
   style), then `wait()` on both. Every frame authenticated (session MAC) both ways, on
-  ipc:// between processes of one user without the tensor buffers (envelope, part
-  lengths and header only; docs/design/parameter-server.md, "Threat model"); the server
+  ipc:// between processes of one user the tensors go through a shared-memory segment
+  and only the header on the socket (envelope, part lengths and header authenticated;
+  docs/design/parameter-server.md, "Threat model", "Shared memory on one host"); the server
   steps its optimizer and answers the pull with the new version's parameters.
   `--chunk` sets `chunk_bytes` (keys and chunk messages; a list runs each, interleaved);
   `--tcp` sets DISTTRAIN_PS_IPC=0 (TCP loopback instead of the ipc:// Unix socket a
   loopback server uses); `--compare-tcp` adds a TCP run of the first chunk size (every
   byte authenticated); `--compare-mac` adds an ipc:// run with DISTTRAIN_PS_MAC=always
-  (every byte authenticated there too: what skipping the buffers' MAC saves).
+  (every byte authenticated there too: what skipping the buffers' MAC saves);
+  `--compare-socket` adds an ipc:// run with DISTTRAIN_PS_SHM=0 (tensors on the socket
+  without a MAC: what the shared-memory segment saves).
 - before: the same disttrain side with the library of git revision REV (`--before`),
   run from an export of that revision's src/ in a subprocess: the wire before this one.
 - torch rpc: the PyTorch "batch-updating parameter server" tutorial's pattern: the
@@ -336,6 +341,8 @@ def main() -> None:
                         help="also run disttrain and the echo over TCP, interleaved")
     parser.add_argument("--compare-mac", action="store_true",
                         help="also run disttrain over ipc:// with DISTTRAIN_PS_MAC=always")
+    parser.add_argument("--compare-socket", action="store_true",
+                        help="also run disttrain over ipc:// with DISTTRAIN_PS_SHM=0")
     parser.add_argument("--before", default=None, metavar="REV",
                         help="also time the disttrain side of git revision REV (or of REV/src)")
     parser.add_argument("--save", default=None, metavar="JSON",
@@ -352,6 +359,7 @@ def main() -> None:
         return
     if args.targets:
         args.sizes, args.compare_tcp, args.compare_mac = "1K,4M,16M,64M", True, True
+        args.compare_socket = True
         args.before = args.before or HMAC_WIRE
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     chunks = [_parse_size(c) for c in args.chunk.split(",")]
@@ -362,6 +370,8 @@ def main() -> None:
     if args.compare_mac:
         variants.append(("ipc+MAC", chunks[0], {"DISTTRAIN_PS_IPC": "1",
                                                 "DISTTRAIN_PS_MAC": "always"}))
+    if args.compare_socket:
+        variants.append(("socket", chunks[0], {"DISTTRAIN_PS_IPC": "1", "DISTTRAIN_PS_SHM": "0"}))
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
           f"({os.cpu_count()} cores)", flush=True)
@@ -401,6 +411,8 @@ def _print_targets(results: dict, reps: int) -> None:
             ("ipc:// (default)", "64M", "disttrain", "rpc", 1.1)]
     rows += [("tcp, MAC on every frame", n, "disttrain@tcp", "rpc", 0.8) for n in ("4M", "16M", "64M")]
     rows += [("ipc://, DISTTRAIN_PS_MAC=always", n, "disttrain@ipc+MAC", "rpc", None)
+             for n in ("4M", "16M", "64M")]
+    rows += [("ipc://, DISTTRAIN_PS_SHM=0", n, "disttrain@socket", "rpc", None)
              for n in ("4M", "16M", "64M")]
     rows += [("1K frames vs HMAC wire (ipc)", "1K", "disttrain", "before", 1.0),
              ("1K frames vs HMAC wire (tcp)", "1K", "disttrain@tcp", "before", None)]

@@ -45,6 +45,7 @@ PS_HOST = "DISTTRAIN_PS_HOST"
 PS_ENCRYPT = "DISTTRAIN_PS_ENCRYPT"
 PS_MAC = "DISTTRAIN_PS_MAC"
 PS_IPC = "DISTTRAIN_PS_IPC"
+PS_SHM = "DISTTRAIN_PS_SHM"
 LINK_GBPS = "DISTTRAIN_LINK_GBPS"
 ALPHA_US = "DISTTRAIN_ALPHA_US"
 LOCAL_GBPS = "DISTTRAIN_LOCAL_GBPS"
@@ -153,9 +154,13 @@ class Settings:
     """1: parameter-server tensors are encrypted too (AES-GCM); frames are always signed."""
     ps_mac_always: bool = _var(PS_MAC, MAC, False)
     """'always': sign every byte even between one user's processes on a Unix socket
-    (default 'auto': tensor buffers go unsigned there)."""
+    (default 'auto': tensor buffers go unsigned there, and through shared memory unless
+    DISTTRAIN_PS_SHM=0)."""
     ps_ipc: bool = _var(PS_IPC, FLAG, True)
     """0: parameter servers on loopback use TCP instead of an ipc:// Unix socket."""
+    ps_shm: bool = _var(PS_SHM, FLAG, True)
+    """0: keep tensors on the socket where they could go through a shared-memory segment
+    (a same-user ipc:// connection without DISTTRAIN_PS_MAC=always)."""
     link_gbps: float | None = _var(LINK_GBPS, GBPS, None)
     """The cost model's link between nodes, in Gbit/s (model default 10); `run --cluster`
     sets the cluster's link; the trace report compares collectives with it."""

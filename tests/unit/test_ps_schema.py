@@ -65,7 +65,7 @@ def _read(sock: zmq.Socket, recv, wait: float = 10.0):
 class Live:
     """A Sync server (SGD with momentum on w, keys w#0 and w#1) serving on a thread."""
 
-    def __init__(self):
+    def __init__(self, shm: bool = False):
         plan = plan_keys([("w", 8, 4)], 1, chunk_bytes=16)
         self.server = Server(0, plan[0], {"w": torch.linspace(-1, 1, 8)}, Sync(),
                              lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9), [0, 1], KEY,
@@ -74,7 +74,11 @@ class Live:
         self.out: dict = {}
         self.thread = threading.Thread(target=lambda: self.out.update(stats=self.server.serve()))
         self.thread.start()
-        self.links = [WorkerLink(self.socket(), KEY, w, 0) for w in (0, 1)]
+        # shm: real pushes and pulls through shared-memory segments (ps/shm.py)
+        self.links = [WorkerLink(self.socket(), KEY, w, 0, shm_bytes=4096 if shm else 0)
+                      for w in (0, 1)]
+        for ep in (self.server.ep, *self.links):  # NOTE: the segment even for tiny tensors
+            ep.shm_from = 0
         self.errors: list[list[str]] = [[], []]  # error replies each link got, in order
 
     def socket(self) -> zmq.Socket:
@@ -112,10 +116,10 @@ def _real_ops():
     return ops + [(w, Message("done"), "bye") for w in (0, 1)]
 
 
-def _run(bad=()) -> tuple[torch.Tensor, dict, Live]:
+def _run(bad=(), shm: bool = False) -> tuple[torch.Tensor, dict, Live]:
     """Both workers' real job with `bad` = [(slot, worker, op, meta, tensors, reason)]
     frames sent just before real op number `slot`; returns the final parameters."""
-    job = Live()
+    job = Live(shm)
     final = None
     for slot, (w, msg, want) in enumerate(_real_ops()):
         for _, who, op, meta, n, reason in (b for b in bad if b[0] == slot):
@@ -220,14 +224,19 @@ def bad_frames(draw, side: str):
 
 # ---- the server side ---------------------------------------------------------------------
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
 @FUZZ
 @given(st.lists(st.tuples(st.integers(2, len(_real_ops()) - 2), bad_frames("server")),
                 min_size=1, max_size=5))
-def test_fuzzed_headers_never_stop_a_live_server_and_change_nothing(bad):
-    """Slots: after both hellos, before the first done (each error reply is read)."""
+def test_fuzzed_headers_never_stop_a_live_server_and_change_nothing(shm, bad):
+    """Slots: after both hellos, before the first done (each error reply is read). With
+    `shm` the real frames carry their tensors in shared memory (the fuzzed ones in the
+    frame); the twin run is the socket one: both paths must step alike, bitwise."""
     frames = [(slot, *frame) for slot, frame in bad]
     want_params, want_staleness = _twin()
-    final, stats, job = _run(frames)
+    final, stats, job = _run(frames, shm)
+    if shm:
+        assert job.links[0].shm_frames.get("push") == STEPS
     assert final.numpy().tobytes() == want_params  # bitwise: nothing refused was applied
     assert bytes(job.server.params["w#0"].detach().numpy()) == want_params[:16]
     assert tuple(stats["staleness"].items()) == want_staleness

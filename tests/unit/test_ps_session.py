@@ -3,9 +3,10 @@ worker side a `WorkerLink`, and an attacker that resends frames it captured (the
 parts the worker sent). Replays change nothing and are counted; a replayed hello takes
 no worker over; frames of another session or another worker id are refused; the server
 keeps serving and the job finishes. The attacks run on both paths of a loopback server:
-`mac` (DISTTRAIN_PS_MAC=always: every byte authenticated) and `plain` (the default
+`mac` (DISTTRAIN_PS_MAC=always: every byte authenticated), `plain` (DISTTRAIN_PS_SHM=0
 between processes of one user on a Unix socket: tensor buffers without a MAC, envelope,
-lengths and header authenticated)."""
+lengths and header authenticated) and `shm` (the default there: the tensors in a shared
+memory segment, the header on the socket, authenticated; tests/unit/test_ps_shm.py)."""
 
 import os
 import threading
@@ -25,7 +26,8 @@ from disttrain.ps.transport import WorkerLink
 
 KEY = bytes(range(32))
 KEYS = ["w#0", "w#1"]
-PATHS = ["mac", "plain"]
+PATHS = ["mac", "plain", "shm"]
+RING = 4096  # bytes per direction of a `shm` job's segments
 
 
 class Job:
@@ -34,11 +36,12 @@ class Job:
     def __init__(self, workers=(0,), encrypt=False, limits=DEFAULT_LIMITS, path="mac",
                  policy=None, momentum=0.0):
         plan = plan_keys([("w", 8, 4)], 1, chunk_bytes=16)
-        self.always_mac = path == "mac"
+        self.always_mac, self.shm = path == "mac", path == "shm"
         self.server = Server(0, plan[0], {"w": torch.zeros(8)}, policy or Async(),
                              lambda p: torch.optim.SGD(p, lr=1.0, momentum=momentum),
                              list(workers), KEY, timeout=30, encrypt=encrypt, limits=limits,
-                             always_mac=self.always_mac)
+                             always_mac=self.always_mac, shm=self.shm)
+        self.server.ep.shm_from = 0  # NOTE: the segment even for these tiny tensors
         assert self.server.keys == KEYS
         self.ctx = zmq.Context()
         self.out: dict = {}
@@ -52,8 +55,10 @@ class Job:
         return sock
 
     def link(self, worker: int, secret: bytes = KEY, encrypt: bool = False) -> WorkerLink:
-        return WorkerLink(self.socket(), secret, worker, 0, encrypt=encrypt,
-                          always_mac=self.always_mac)
+        link = WorkerLink(self.socket(), secret, worker, 0, encrypt=encrypt,
+                          always_mac=self.always_mac, shm_bytes=RING if self.shm else 0)
+        link.shm_from = 0  # NOTE: as the server's
+        return link
 
     def rejected(self, reason: str | None, n: int) -> None:
         """Wait until `n` frames were dropped for `reason` (None: for any reason)."""
@@ -117,8 +122,10 @@ def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted(
     job = Job(path=path)
     worker = job.link(0)
     hello(worker)
-    assert worker.session.plain_out == (path == "plain")
+    assert worker.session.plain_out == (path != "mac")
+    assert (worker.session.shm is not None) == (path == "shm")
     captured, _ = call(worker, push(0, 1.0), "ack")
+    assert len(captured) == (2 if path == "shm" else 4)  # shm: envelope and header only
     assert torch.equal(params(worker), torch.full((8,), -1.0))
     worker.sock.send_multipart(captured)  # same connection
     job.rejected("replayed or reordered", 1)
@@ -128,11 +135,11 @@ def test_replayed_push_on_same_or_new_connection_changes_nothing_and_is_counted(
     for part in range(4):  # one flipped bit in any part of a fresh, unsent push
         fresh = [bytes(p) for p in worker.session.seal(push(1, 5.0))]
         worker.session.send_seq -= 1  # NOTE: never sent: the real push below takes its number
-        assert bool(fresh[0][1] & PLAIN) == (path == "plain")
+        assert bool(fresh[0][1] & PLAIN) == (path != "mac")
         flipped = bytearray(fresh[part])
         flipped[len(flipped) // 2] ^= 1
         attacker.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
-        if part < 2 or path == "mac":  # NOTE: plain: only this connection's owner could
+        if part < 2 or path == "mac":  # NOTE: plain, shm: only this connection's owner could
             worker.sock.send_multipart([*fresh[:part], bytes(flipped), *fresh[part + 1:]])
     fresh = [bytes(p) for p in worker.session.seal(push(1, 5.0))]
     worker.session.send_seq -= 1
@@ -371,12 +378,12 @@ def _as_nobody(address: str, plain: bool) -> int:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(address)
-        link = WorkerLink(sock, KEY, 0, 0)
+        link = WorkerLink(sock, KEY, 0, 0, shm_bytes=RING)  # NOTE: offers a segment too
         link.send(Message("hello", {"keys": KEYS, "policy": "Async()"}))
         got = reply(link, wait=1.0 if not plain else 5.0)
         if got is None or got.op != "welcome":
             code = 4
-        elif link.session.plain_out:
+        elif link.session.plain_out or got.meta["mapped"]:
             code = 3
         else:
             link.session.plain_out = True
@@ -391,7 +398,7 @@ def _as_nobody(address: str, plain: bool) -> int:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a peer as another user")
 def test_another_user_cannot_connect_and_gets_no_plain_path_where_it_can():
-    job = Job(path="plain")
+    job = Job(path="shm")
     folder = os.path.dirname(job.server.address.removeprefix("ipc://"))
     assert os.stat(folder).st_mode & 0o777 == 0o700
     assert _as_nobody(job.server.address, plain=False) == 4  # the kernel refused it
@@ -401,6 +408,6 @@ def test_another_user_cannot_connect_and_gets_no_plain_path_where_it_can():
     job.rejected("unauthenticated payload", 1)  # ...its PLAIN push refused: uid != ours
     worker = job.link(0)
     hello(worker)
-    assert worker.session.plain_out  # this user still gets the plain path
+    assert worker.session.plain_out and worker.session.shm  # this user still gets both
     assert torch.equal(params(worker), torch.zeros(8))
     assert job.finish(worker)["rejected"] == {"unauthenticated payload": 1}

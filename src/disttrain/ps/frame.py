@@ -3,8 +3,10 @@
 A `Message` (op, meta, keys, tensors) becomes one msgpack header and one raw buffer per
 tensor: header = {"op": str, "meta": {str: int|str|...}, "keys": [str]*n, "dtypes":
 [str]*n, "shapes": [[int]]*n}; buffer_i is tensor i's bytes in C order, a view of the
-tensor's memory (no copy). `unpack` checks the header against hard `Limits` and the
-buffers, and builds tensors as views of the received memory; anything wrong raises
+tensor's memory (no copy); a frame flagged SHM has no buffers, its tensors are in the
+session's shared-memory segment (shm.py: `read_header`, then `build` over them).
+`unpack` checks the header against hard `Limits` and the buffers, and builds tensors as
+views of the received memory; anything wrong raises
 `FrameError`, never another exception. No pickle. session.py authenticates these parts,
 transport.py moves them, schema.py checks each op's meta once they are authenticated.
 """
@@ -18,9 +20,9 @@ import msgpack
 import torch
 
 __all__ = ["Message", "FrameError", "Limits", "DEFAULT_LIMITS", "OPS", "PROTOCOL", "pack",
-           "unpack", "check_sizes", "group_keys"]
+           "unpack", "read_header", "build", "header_sizes", "check_sizes", "group_keys"]
 
-PROTOCOL = 3
+PROTOCOL = 4
 """The wire protocol version a hello carries; a peer of another one is refused, naming
 both (docs/design/parameter-server.md, "Header schema and protocol version"). Bump it
 whenever what a frame means changes: ops, meta fields (schema.py), envelope, keys."""
@@ -117,7 +119,8 @@ def _check_header(h, n_buffers: int) -> None:
         raise FrameError(f"bad header: op {h['op']!r} or meta")
     keys, dtypes, shapes = h["keys"], h["dtypes"], h["shapes"]
     if not all(isinstance(x, list) and len(x) == n_buffers for x in (keys, dtypes, shapes)):
-        raise FrameError(f"bad header: keys/dtypes/shapes must be lists of {n_buffers} entries")
+        raise FrameError("bad header: keys/dtypes/shapes must be lists of "
+                         + ("equal length" if n_buffers is None else f"{n_buffers} entries"))
     if not all(isinstance(k, str) for k in keys) or not all(d in DTYPES for d in dtypes):
         raise FrameError("bad header: keys must be strings and dtypes one of " + ", ".join(DTYPES))
     for s in shapes:
@@ -129,11 +132,30 @@ def unpack(header, buffers: list) -> Message:
     """(header, buffers) -> Message, tensors viewing `buffers`; raises FrameError only.
 
     Call it on authenticated parts only (session.py): the header is parsed here."""
+    return build(read_header(header, len(buffers)), buffers)
+
+
+def read_header(header, n_buffers: int | None = None) -> dict:
+    """Parse and check a header (msgpack) declaring `n_buffers` tensors (None: as many
+    as it lists: their bytes are elsewhere, shm.py); raises FrameError only."""
     try:
         h = msgpack.unpackb(header, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises many types on garbage
         raise FrameError(f"bad header: not msgpack ({type(e).__name__})") from None
-    _check_header(h, len(buffers))
+    if n_buffers is None and isinstance(h, dict) and isinstance(h.get("keys"), list):
+        n_buffers = len(h["keys"])
+    _check_header(h, n_buffers)
+    return h
+
+
+def header_sizes(h: dict) -> list[int]:
+    """Bytes of each tensor a checked header (read_header) declares."""
+    return [math.prod(s) * DTYPES[d].itemsize for d, s in zip(h["dtypes"], h["shapes"])]
+
+
+def build(h: dict, buffers: list) -> Message:
+    """A checked header (read_header) and its buffers -> Message, tensors viewing
+    `buffers`; raises FrameError when a buffer's length is not its tensor's."""
     tensors = []
     for buf, dtype, shape in zip(buffers, h["dtypes"], h["shapes"]):
         dt = DTYPES[dtype]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from disttrain.ps.frame import OPS, PROTOCOL, FrameError, Message
 
 __all__ = ["Field", "Op", "SCHEMA", "SchemaError", "VersionError", "check", "check_protocol",
-           "check_keys"]
+           "check_keys", "check_shm"]
 
 MAX = 2**63 - 1
 
@@ -60,21 +60,26 @@ WORKER = Field("int", 0, 2**31 - 1)  # the sender's worker id: every frame a wor
 FLAG = Field("int", 0, 1, required=False, default=0)
 VERSION = Field("int", 0)  # a server's parameter version
 KNOWN = Field("int", -1)  # a version a worker holds; -1: none yet
+SHM = Field("int", required=False)  # where the tensors are in the session's segment (shm.py)
 
 SCHEMA: dict[str, Op] = {
     # worker -> server
     "hello": Op("server", {"worker": WORKER, "server": Field("int", 0, 2**31 - 1),
                            "protocol": Field("int"), "keys": Field("strs"),
-                           "policy": Field("str"), "plain": FLAG}),
+                           "policy": Field("str"), "plain": FLAG,
+                           # the worker's shared-memory file (shm.py): descriptor, ring bytes
+                           "shm_fd": Field("int", -1, 2**31 - 1, required=False, default=-1),
+                           "shm_bytes": Field("int", 0, 1 << 40, required=False, default=0)}),
     "push": Op("server", {"worker": WORKER, "clock": Field("int"), "version": KNOWN,
-                          "sparse": FLAG, "ack": FLAG}, tensors=(1, MAX)),
+                          "sparse": FLAG, "ack": FLAG, "shm": SHM}, tensors=(1, MAX)),
     "pull": Op("server", {"worker": WORKER, "have": KNOWN}),
     "beat": Op("server", {"worker": WORKER}),
     "done": Op("server", {"worker": WORKER}),
     # server -> worker
-    "welcome": Op("worker", {"version": VERSION, "plain": FLAG}),
+    "welcome": Op("worker", {"version": VERSION, "plain": FLAG, "mapped": FLAG}),
     "ack": Op("worker"),
-    "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1)}, tensors=(0, MAX)),
+    "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1), "shm": SHM},
+                 tensors=(0, MAX)),
     "cancel": Op("worker", {"version": VERSION}),
     "pong": Op("worker"),
     "bye": Op("worker", {"stats": Field("map"), "staleness": Field("pairs")}),
@@ -169,6 +174,33 @@ def check_keys(msg: Message, shard: dict) -> None:
         if t.dtype != dtype or t.dim() != 1 or t.numel() != numel:
             raise SchemaError(msg.op, "keys", f"{key!r} must be 1-D {dtype} of {numel} "
                                               f"entries, got {t.dtype} of shape {list(t.shape)}")
+
+
+def check_shm(op: str, meta: dict, sizes: list[int], expected: tuple[int, int] | None,
+              ring_bytes: int = 0, max_tensors: int = 0) -> None:
+    """Raise SchemaError(op, "shm") unless a frame's `meta.shm` fits how it came. Never blocks.
+
+    `expected`: None for a frame whose tensors came in the frame (it must not name a
+    segment position); for one whose tensors are in the session's segment (shm.py), the
+    (position, bytes) the receiver's own ring computed for tensors of `sizes` bytes (the
+    header's dtypes and shapes): `meta.shm` must be exactly that position, the frame at
+    most `ring_bytes` and `max_tensors` tensors. So a wrong, stale, overlapping or
+    out-of-range position or length is refused before a byte of the segment is read.
+    """
+    pos = meta.get("shm")
+    if expected is None:
+        if pos is not None:
+            raise SchemaError(op, "shm", "names a segment position, but the frame is not "
+                                         "marked as carrying its tensors in the segment")
+        return
+    if op not in ("push", "params"):
+        raise SchemaError(op, "shm", f"a {op} frame never carries tensors in the segment")
+    if len(sizes) > max_tensors or expected[1] > ring_bytes:
+        raise SchemaError(op, "shm", f"{len(sizes)} tensors of {expected[1]} bytes do not fit "
+                                     f"a ring of {ring_bytes} bytes (at most {max_tensors})")
+    if not _is_int(pos) or pos != expected[0]:
+        raise SchemaError(op, "shm", f"position {_show(pos)}; the next frame of the ring is at "
+                                     f"{expected[0]}")
 
 
 def _problem(f: Field, v) -> str | None:

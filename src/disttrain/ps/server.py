@@ -38,6 +38,7 @@ from disttrain.ps.transport import (
     encrypt_setting,
     mac_setting,
     remove_folder,
+    shm_setting,
 )
 from disttrain.trace import events as trace_events
 
@@ -66,7 +67,7 @@ class Server:
                  policy: Policy, optimizer: Callable, workers: list[int], secret: bytes, *,
                  host: str = "127.0.0.1", timeout: float = 10.0, limits: Limits = DEFAULT_LIMITS,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, encrypt: bool | None = None,
-                 always_mac: bool | None = None):
+                 always_mac: bool | None = None, shm: bool | None = None):
         self.index, self.chunks, self.policy, self.timeout = index, chunks, policy, timeout
         self.keys = [c.key for c in chunks]
         self.params = {c.key: torch.nn.Parameter(
@@ -89,7 +90,8 @@ class Server:
         self.address, self._folder = bind(sock, host)
         self.ep = ServerEndpoint(sock, secret, index, self.workers, limits,
                                  encrypt_setting() if encrypt is None else encrypt,
-                                 mac_setting() if always_mac is None else always_mac)
+                                 mac_setting() if always_mac is None else always_mac,
+                                 shm_setting() if shm is None else shm)
         self.partial: dict[int, PartialPush] = {}  # worker -> the push still arriving
         self.complete: dict[int, dict[str, torch.Tensor]] = {}  # push id -> grads
         self.parked: dict[int, int] = {}  # worker -> version it already has
@@ -131,7 +133,7 @@ class Server:
     def close(self) -> None:
         """Close the socket and files (does not block beyond the socket's linger)."""
         if not self.ep.sock.closed:
-            self.ep.sock.close()
+            self.ep.close()
             self._ctx.term()
             remove_folder(self._folder)
         if self._side is not None:
@@ -277,6 +279,7 @@ class Server:
                    bytes=sum(p.numel() * p.element_size() for p in self.params.values()),
                    push_bytes=self.ep.recv_bytes.get("push", 0),
                    push_frames=self.ep.recv_frames.get("push", 0),
+                   shm_params=self.ep.shm_frames.get("params", 0),
                    sparse_pushes=self.sparse_pushes)
         out.update(self.stepper.stats(out))
         return out

@@ -36,8 +36,10 @@ from disttrain.ps.frame import (
     FrameError,
     Limits,
     Message,
+    build,
     check_sizes,
     pack,
+    read_header,
     unpack,
 )
 
@@ -50,6 +52,7 @@ ENVELOPE_BYTES = _HEAD.size + TAG_BYTES
 HELLO, SESSION = 0, 1
 ENCRYPTED = 1
 PLAIN = 2  # the buffers are not authenticated (same-user Unix socket: transport.py)
+SHM = 4  # with PLAIN: the tensors are in the session's shared-memory segment (shm.py)
 W2S, S2W = 0, 1
 _ZERO_NONCE = bytes(16)
 _JOIN_BELOW = 64 << 10  # frames this small are tagged in one call (_gmac)
@@ -84,7 +87,8 @@ def read_envelope(parts: list, limits: Limits = DEFAULT_LIMITS) -> Envelope:
     check_sizes(parts, limits, ENVELOPE_BYTES)
     raw = bytes(parts[0])
     kind, flags, nw, ns, seq = _HEAD.unpack_from(raw)
-    if kind not in (HELLO, SESSION) or flags & ~(ENCRYPTED | PLAIN) or flags == ENCRYPTED | PLAIN:
+    if (kind not in (HELLO, SESSION) or flags & ~(ENCRYPTED | PLAIN | SHM)
+            or flags & ENCRYPTED and flags & (PLAIN | SHM) or flags & SHM and not flags & PLAIN):
         raise FrameError(f"bad envelope: kind {kind}, flags {flags}")
     return Envelope(kind, flags, nw, ns, seq, raw[_HEAD.size:])
 
@@ -152,6 +156,7 @@ class Session:
         self.plain_out = False  # send buffers without a MAC (never with encrypt)
         self.peer_local = False  # the peer is this user on a Unix socket (server side)
         self.ident: bytes | None = None  # the server's ROUTER identity of this connection
+        self.shm = None  # shm.Segment: tensors of both directions go through it (transport.py)
 
     def _cipher(self, direction: int, seq: int, tag: bytes | None = None):
         iv = struct.pack("<IQ", direction, seq)
@@ -163,11 +168,14 @@ class Session:
         """Message -> parts of this session's next outgoing frame (seq advances)."""
         return self.seal_parts(*pack(msg))
 
-    def seal_parts(self, header: bytes, buffers: list) -> list:
-        """Authenticate (and maybe encrypt) a packed header and buffers as the next frame."""
+    def seal_parts(self, header: bytes, buffers: list, shm: bool = False) -> list:
+        """Authenticate (and maybe encrypt) a packed header and buffers as the next frame;
+        `shm`: the tensors the header declares were written to the segment (no buffers)."""
+        if shm and not (self.plain_out and not buffers and not self.flags & ENCRYPTED):
+            raise ValueError("a segment frame needs plain_out, no buffers, no encryption")
         seq, self.send_seq = self.send_seq, self.send_seq + 1
         plain = bool(self.plain_out and buffers and not self.flags & ENCRYPTED)
-        flags = self.flags | (PLAIN if plain else 0)
+        flags = self.flags | (PLAIN if plain else 0) | (PLAIN | SHM if shm else 0)
         head = _HEAD.pack(SESSION, flags, self.nonce_w, self.nonce_s, seq)
         covered = [head + _lengths([header, *buffers]), header]
         if not self.flags & ENCRYPTED:  # NOTE: PLAIN: buffers out of the tag, lengths in it
@@ -195,14 +203,17 @@ class Session:
         enc.finalize()
         return enc.tag
 
-    def open(self, env: Envelope, parts: list, plain_ok: bool = False) -> Message:
+    def open(self, env: Envelope, parts: list, plain_ok: bool = False,
+             take=None) -> Message:
         """Authenticate the next incoming frame and parse it; raises FrameError.
 
         The caller has matched env's nonces to this session. The tag is checked before
         the sequence number and before anything is parsed; plaintext (encrypted mode)
         is used only after the tag verified. A PLAIN frame (buffers not in the tag) is
         refused unless `plain_ok` (transport.py: this frame came from a process of this
-        user over a Unix socket).
+        user over a Unix socket). A SHM frame's tensors are in the segment: `take(header)`
+        (transport.py) checks where the header says they are and returns their buffers;
+        without `take` (no segment) it is refused.
         """
         if env.kind != SESSION or env.flags & ENCRYPTED != self.flags:
             raise FrameError(f"encryption mismatch: frame flags {env.flags}, this job's "
@@ -223,6 +234,12 @@ class Session:
             raise FrameError(f"replayed or reordered: frame {env.seq}, expected "
                              f"{self.recv_seq}")
         self.recv_seq += 1
+        if env.flags & SHM:
+            if take is None or buffers:
+                raise FrameError("no segment: a frame with its tensors in shared memory on "
+                                 "a session that has none, or with buffers too")
+            h = read_header(header)
+            return build(h, take(h))
         return unpack(header, buffers)
 
     def _decrypt(self, env: Envelope, covered: list, buffers: list) -> list:

@@ -25,12 +25,15 @@ DISTTRAIN_PS_ENCRYPT=1 forbid it) and the peer said so in its hello or welcome. 
 receiver checks the uid again on every such frame. The envelope, the part lengths and
 the header (op, worker, clock, version, keys, shapes) stay authenticated and sequenced.
 Why that protects as much as a MAC would there: docs/design/parameter-server.md,
-"Threat model".
+"Threat model". On such a connection the tensors skip the socket too (unless
+DISTTRAIN_PS_SHM=0): the worker offers a shared-memory segment in its hello (shm.py),
+the server maps it by the pid the kernel reports for the connection and says so in its
+welcome, and from then on both directions write tensors there and send only the
+authenticated header. What both ends do alike (seal, open, count): endpoint.py.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections import Counter, OrderedDict
@@ -38,11 +41,12 @@ from collections import Counter, OrderedDict
 import zmq
 
 from disttrain import settings
+from disttrain.ps.endpoint import Endpoint, peer_pid, peer_uid
 from disttrain.ps.frame import DEFAULT_LIMITS, PROTOCOL, FrameError, Limits, Message
+from disttrain.ps.keys import encrypt_setting, job_secret, mac_setting, shm_setting
 from disttrain.ps.schema import SchemaError, VersionError, check, check_protocol
 from disttrain.ps.session import (
     HELLO,
-    PLAIN,
     Session,
     hello_key,
     new_nonce,
@@ -50,53 +54,13 @@ from disttrain.ps.session import (
     read_envelope,
     seal_hello,
 )
+from disttrain.ps.shm import Segment
 
 __all__ = ["ServerEndpoint", "WorkerLink", "job_secret", "encrypt_setting", "mac_setting",
-           "peer_uid", "bind", "remove_folder"]
+           "shm_setting", "peer_uid", "peer_pid", "bind", "remove_folder"]
 
-_COPY_BELOW = 64 << 10  # smaller buffers are copied: cheaper than zero-copy bookkeeping
 _MAX_PENDING = 64  # sessions greeted but not yet used; older ones are forgotten
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def job_secret() -> bytes:
-    """The per-job key from DISTTRAIN_SECRET (hex), which `disttrain run` generates."""
-    raw = settings.current().secret
-    if not raw:
-        raise RuntimeError(
-            "DISTTRAIN_SECRET is not set; launch with `disttrain run --workers W --servers S`, "
-            "or export the same random hex key on every rank: "
-            "DISTTRAIN_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')")
-    try:
-        key = bytes.fromhex(raw)
-    except ValueError:
-        raise RuntimeError("DISTTRAIN_SECRET must be hex (e.g. secrets.token_hex(32))") from None
-    if len(key) < 16:
-        raise RuntimeError(f"DISTTRAIN_SECRET has {len(key)} bytes; use at least 16 (32 hex digits)")
-    return key
-
-
-def encrypt_setting() -> bool:
-    """DISTTRAIN_PS_ENCRYPT=1: AES-GCM over the buffers too (authentication is always on)."""
-    return settings.current().ps_encrypt
-
-
-def mac_setting() -> bool:
-    """True when DISTTRAIN_PS_MAC=always: authenticate every byte even between processes of
-    one user on a Unix socket (default `auto`: tensor buffers go without a MAC there)."""
-    return settings.current().ps_mac_always
-
-
-def peer_uid(frame: zmq.Frame) -> int | None:
-    """The uid of the process at the other end of the ipc:// connection `frame` came on:
-    the kernel's SO_PEERCRED, which ZeroMQ appends to the message's Peer-Address
-    (`host:uid:gid:pid`). None when there is none (call it for ipc:// connections only:
-    an IPv6 TCP address has colons too)."""
-    try:
-        fields = frame.get("Peer-Address").rsplit(":", 3)
-    except (zmq.ZMQError, AttributeError):
-        return None
-    return int(fields[1]) if len(fields) == 4 and fields[1].isdigit() else None
 
 
 def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
@@ -117,54 +81,16 @@ def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
     return f"tcp://{host}:{port}", None
 
 
-class _Counted:
-    """Per-op byte and frame counters (plain dicts: another thread may copy them)."""
-
-    def __init__(self, sock: zmq.Socket, secret: bytes, limits: Limits, encrypt: bool,
-                 always_mac: bool):
-        self.sock, self.secret, self.limits, self.encrypt = sock, secret, limits, encrypt
-        ipc = sock.getsockopt(zmq.LAST_ENDPOINT).startswith(b"ipc://")
-        self.plain_ok = ipc and not (encrypt or always_mac)  # buffers may skip the MAC
-        self.rejected: Counter[str] = Counter()
-        self.sent_bytes: dict[str, int] = {}
-        self.sent_frames: dict[str, int] = {}
-        self.recv_bytes: dict[str, int] = {}
-        self.recv_frames: dict[str, int] = {}
-
-    def _count(self, what: str, op: str, parts) -> None:
-        nbytes, frames = getattr(self, what + "_bytes"), getattr(self, what + "_frames")
-        nbytes[op] = nbytes.get(op, 0) + sum(len(p) for p in parts)
-        frames[op] = frames.get(op, 0) + 1
-
-    def _local(self, frame: zmq.Frame) -> bool:
-        """May this received frame's buffers go without a MAC: this user on a Unix socket?"""
-        return self.plain_ok and peer_uid(frame) == os.getuid()
-
-    def _reject(self, e: FrameError) -> None:
-        self.rejected[e.reason] += 1
-
-    def _put(self, prefix: list, parts: list, op: str, track: bool = False):
-        """Queue one frame; big ones go without a copy (leave their memory alone until
-        sent: with `track`, the returned tracker's `done` says when)."""
-        self._count("sent", op, parts)
-        size = sum(len(p) for p in parts)
-        if not (track and size >= _COPY_BELOW):
-            return self.sock.send_multipart(prefix + parts, copy=size < _COPY_BELOW)
-        # NOTE: send_multipart would track only the last part; track every part
-        parts = prefix + parts
-        last = len(parts) - 1
-        return zmq.MessageTracker(*[self.sock.send(p, zmq.SNDMORE if i < last else 0,
-                                                   copy=False, track=True)
-                                    for i, p in enumerate(parts)])
-
-
-class ServerEndpoint(_Counted):
+class ServerEndpoint(Endpoint):
     """A server's ROUTER: greets workers, keeps one live session per worker."""
 
     def __init__(self, sock: zmq.Socket, secret: bytes, index: int, workers: list[int],
-                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False, always_mac: bool = False):
+                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False, always_mac: bool = False,
+                 shm: bool = True):
         super().__init__(sock, secret, limits, encrypt, always_mac)
         self.index, self.workers = index, set(workers)
+        self.shm_ok = shm and self.plain_ok  # map a worker's segment when it offers one
+        self.unmapped: Counter[str] = Counter()  # segments offered but not mapped, by reason
         self._hello_key = hello_key(secret)
         self.active: dict[int, Session] = {}  # worker -> its live session
         self._by_ident: dict[bytes, Session] = {}
@@ -174,8 +100,16 @@ class ServerEndpoint(_Counted):
     def send(self, to: Session, msg: Message, track: bool = False):
         """Queue `msg` on session `to` (does not block); a tracker if `track` and big."""
         if msg.op == "welcome":  # NOTE: tells the worker whether it may skip the buffers' MAC
-            msg.meta["plain"] = int(to.peer_local)
-        return self._put([to.ident], to.seal(msg), msg.op, track)
+            msg.meta.update(plain=int(to.peer_local), mapped=int(to.shm is not None))
+        parts, in_shm = self._seal(to, msg)
+        return self._put([to.ident], parts, msg.op, track, in_shm)
+
+    def close(self) -> None:
+        """Close the socket and unmap every session's segment (never blocks)."""
+        for s in [*self.active.values(), *self._by_ident.values(), *self._pending.values()]:
+            if s.shm is not None:
+                s.shm.close()
+        self.sock.close()
 
     def recv(self) -> tuple[Session, Message] | None:
         """One ready frame (blocks until one arrives) -> (its session, message); None when
@@ -186,11 +120,11 @@ class ServerEndpoint(_Counted):
         try:
             env = read_envelope(parts, self.limits)
             if env.kind == HELLO:
-                s, msg = self._greet(ident, env, parts, self._local(frames[-1]))
+                s, msg = self._greet(ident, env, parts, frames[-1])
             else:
                 s = self._session(ident, env)
-                msg = s.open(env, parts, bool(env.flags & PLAIN) and self._local(frames[-1]))
-                check(msg, "server")
+                msg = self._open(s, env, parts, frames[-1], copy=True)
+                self._check(env, msg, "server")
                 if msg.meta["worker"] != s.worker:
                     raise FrameError(f"worker of another session: frame says "
                                      f"{msg.meta['worker']}, session is {s.worker}")
@@ -201,10 +135,10 @@ class ServerEndpoint(_Counted):
             if isinstance(e, SchemaError):
                 self._refuse(ident, env, s, e)
             return None
-        self._count("recv", msg.op, parts)
+        self._count("recv", msg.op, parts, self._shm_bytes if env.kind != HELLO else 0)
         return s, msg
 
-    def _greet(self, ident: bytes, env, parts, local: bool) -> tuple[Session, Message]:
+    def _greet(self, ident: bytes, env, parts, frame: zmq.Frame) -> tuple[Session, Message]:
         msg = open_hello(self._hello_key, env, parts)
         check_protocol(msg)
         check(msg, "server")
@@ -217,12 +151,34 @@ class ServerEndpoint(_Counted):
             raise FrameError("replayed hello: its nonce was used before")
         self._seen.add(env.nonce_w)
         s = Session(self.secret, env.nonce_w, new_nonce(), w, self.index, "server", self.encrypt)
+        local = self._local(frame)
         s.ident, s.peer_local = ident, local
         s.plain_out = local and msg.meta["plain"] == 1
+        if s.plain_out and self.shm_ok and msg.meta["shm_fd"] >= 0:
+            s.shm = self._attach(frame, msg.meta["shm_fd"], msg.meta["shm_bytes"])
+        self._forget(self._pending.pop(ident, None))
         self._pending[ident] = s
         while len(self._pending) > _MAX_PENDING:
-            self._pending.popitem(last=False)
+            self._forget(self._pending.popitem(last=False)[1])
         return s, msg
+
+    def _attach(self, frame: zmq.Frame, fd: int, ring_bytes: int) -> Segment | None:
+        """Map the segment the worker at the other end of `frame`'s connection offered
+        (its pid from the kernel: SO_PEERCRED); None (counted in `unmapped`) when that
+        fails: the session then carries its tensors on the socket."""
+        pid = peer_pid(frame)
+        try:
+            if not pid or ring_bytes > self.limits.max_tensor_bytes:
+                raise ValueError(f"no peer pid ({pid}) or a ring of {ring_bytes} bytes")
+            return Segment.attach(pid, fd, ring_bytes)
+        except (OSError, ValueError) as e:
+            self.unmapped[type(e).__name__] += 1
+            return None
+
+    @staticmethod
+    def _forget(s: Session | None) -> None:
+        if s is not None and s.shm is not None:
+            s.shm.close()
 
     def _refuse(self, ident: bytes, env, s: Session | None, e: SchemaError) -> None:
         """Tell the sender of an authenticated frame `e` refused why (does not block): on
@@ -252,19 +208,39 @@ class ServerEndpoint(_Counted):
         old = self.active.get(s.worker)
         if old is not None:
             self._by_ident.pop(old.ident, None)
+            self._forget(old)
         self.active[s.worker] = s
         self._by_ident[s.ident] = s
 
 
-class WorkerLink(_Counted):
+class WorkerLink(Endpoint):
     """A worker's DEALER to one server and its session (after `hello` got `welcome`)."""
 
     def __init__(self, sock: zmq.Socket, secret: bytes, worker: int, server: int,
-                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False, always_mac: bool = False):
+                 limits: Limits = DEFAULT_LIMITS, encrypt: bool = False, always_mac: bool = False,
+                 shm_bytes: int = 0):
         super().__init__(sock, secret, limits, encrypt, always_mac)
         self.worker, self.server = worker, server
         self.session: Session | None = None
         self._nonce_w: bytes | None = None
+        self.shm_bytes = shm_bytes if self.plain_ok else 0  # 0: no shared-memory segment
+        self._segment: Segment | None = None  # offered in the last hello
+
+    def close(self) -> None:
+        """Close the socket and unmap the segment (never blocks)."""
+        self._drop_segment()
+        self.sock.close(linger=0)
+
+    def release(self) -> None:
+        """The last message's tensors (views of the segment) are no longer used: the
+        server may write there again. Call it after acting on each message."""
+        if self.session is not None and self.session.shm is not None:
+            self.session.shm.into.release()
+
+    def _drop_segment(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
 
     def send(self, msg: Message) -> list:
         """Queue `msg` (does not block); returns the parts sent. A hello starts a new
@@ -274,13 +250,17 @@ class WorkerLink(_Counted):
             self._nonce_w, self.session = new_nonce(), None
             # NOTE: plain is checked per frame on receipt
             msg.meta.update(server=self.server, protocol=PROTOCOL, plain=int(self.plain_ok))
-            parts = seal_hello(hello_key(self.secret), self._nonce_w, msg)
+            self._drop_segment()  # NOTE: a segment serves one session
+            self._segment = Segment.create(self.shm_bytes) if self.shm_bytes else None
+            if self._segment is not None:
+                msg.meta.update(shm_fd=self._segment.fd, shm_bytes=self.shm_bytes)
+            parts, in_shm = seal_hello(hello_key(self.secret), self._nonce_w, msg), 0
         elif self.session is None:
             raise RuntimeError(f"worker {self.worker}: no session with server {self.server} "
                                "yet; send hello and wait for welcome first")
         else:
-            parts = self.session.seal(msg)
-        self._put([], parts, msg.op)
+            parts, in_shm = self._seal(self.session, msg)
+        self._put([], parts, msg.op, extra=in_shm)
         return parts
 
     def recv(self) -> Message | None:
@@ -288,6 +268,7 @@ class WorkerLink(_Counted):
 
         Raises SchemaError (counted) for an authenticated reply that breaks its op's
         schema: the server is broken or of another version; the worker cannot go on."""
+        self.release()
         frames = self.sock.recv_multipart(copy=False)
         parts = [f.buffer for f in frames]
         try:
@@ -306,21 +287,26 @@ class WorkerLink(_Counted):
             if s is None or (s.nonce_w, s.nonce_s) != (env.nonce_w, env.nonce_s):
                 raise FrameError("other session: frame's nonces are not this session's")
             local = self._local(frames[-1])
-            msg = s.open(env, parts, bool(env.flags & PLAIN) and local)
+            msg = self._open(s, env, parts, frames[-1], copy=False)
             # NOTE: a refused hello is answered with an error on the new session: the
             # server's explanation (e.g. other keys) must reach the user, not a timeout
             if self.session is None and msg.op not in ("welcome", "error"):
                 raise FrameError(f"bad header: {msg.op!r} before welcome")
-            check(msg, "worker")
+            self._check(env, msg, "worker")
             if msg.op == "welcome":
                 s.plain_out = local and msg.meta["plain"] == 1
+                if s.plain_out and msg.meta["mapped"] == 1 and self._segment is not None:
+                    s.shm = self._segment  # NOTE: the server mapped it: both directions use it
+                    s.shm.forget_fd()
+                else:
+                    self._drop_segment()
             self.session = s
         except FrameError as e:
             self._reject(e)
             if isinstance(e, SchemaError):
                 raise
             return None
-        self._count("recv", msg.op, parts)
+        self._count("recv", msg.op, parts, self._shm_bytes)
         return msg
 
 

@@ -30,7 +30,8 @@ from disttrain.ps.handle import Cancelled, Handle  # re-exported: disttrain.ps.w
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
-from disttrain.ps.transport import WorkerLink, encrypt_setting, mac_setting
+from disttrain.ps.shm import ring_bytes
+from disttrain.ps.transport import WorkerLink, encrypt_setting, mac_setting, shm_setting
 from disttrain.trace import events as trace_events
 
 __all__ = ["Worker", "Handle", "Cancelled"]
@@ -43,12 +44,16 @@ class Worker:
                  plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
                  timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
                  compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 encrypt: bool | None = None, always_mac: bool | None = None):
+                 encrypt: bool | None = None, always_mac: bool | None = None,
+                 shm: bool | None = None):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
         self.chunk_bytes = chunk_bytes
         self._encrypt = encrypt_setting() if encrypt is None else encrypt
         self._always_mac = mac_setting() if always_mac is None else always_mac
         self.params = dict(model.named_parameters())
+        self._ring = [ring_bytes(sum((c.stop - c.start) * self.params[c.name].element_size()
+                                     for c in chunks), len(chunks), chunk_bytes)
+                      if (shm_setting() if shm is None else shm) else 0 for chunks in plan]
         self._chunks: dict[str, list[tuple[int, Chunk]]] = defaultdict(list)
         for s, chunks in enumerate(plan):
             for c in chunks:
@@ -274,7 +279,7 @@ class Worker:
             sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
             sock.connect(addr)
             eps.append(WorkerLink(sock, self._secret, self.rank, s, self._limits, self._encrypt,
-                                  self._always_mac))
+                                  self._always_mac, self._ring[s]))
         self._eps = eps
         poller = zmq.Poller()
         poller.register(self._wake_in, zmq.POLLIN)
@@ -294,7 +299,7 @@ class Worker:
             self._error = self._error or PSError(f"communication thread failed: {e!r}")
         finally:
             for ep in eps:
-                ep.sock.close(linger=0)
+                ep.close()
             self._wake_in.close(linger=0)
 
     def _loop_once(self, eps, poller, waiting, heard) -> bool:
@@ -324,6 +329,7 @@ class Worker:
                 if got is not None:
                     heard[s] = time.monotonic()
                     self._on_reply(s, got, waiting[s])
+                    ep.release()  # NOTE: after the params are copied into the model
         now = time.monotonic()
         for s, w in enumerate(waiting):
             if any(w.values()) and now - heard[s] > self.timeout and self._error is None:
