@@ -102,6 +102,16 @@ class Segment:
             raise
         return cls(own, ring_bytes, "server")
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The whole segment as a uint8 tensor over the map (what rings copy in and out)."""
+        return self._bytes
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The map itself (for the control page's counters)."""
+        return self._map
+
     def forget_fd(self) -> None:
         """Close the descriptor (the map keeps its own): once both sides mapped the file,
         only the two maps hold it."""
@@ -133,7 +143,7 @@ class Ring:
 
     def __init__(self, seg: Segment, direction: int):
         self._seg, self.size = seg, seg.ring_bytes
-        self._base = CONTROL_BYTES + direction * seg.ring_bytes
+        self._offset = CONTROL_BYTES + direction * seg.ring_bytes
         self._counter = direction * ALIGN  # where its consumed count lives
         self.next = 0  # position after the last frame placed (sender) or accepted (receiver)
         self._held = 0  # receiver: accepted up to here, not yet released
@@ -161,14 +171,14 @@ class Ring:
 
     def write(self, pos: int, tensors: list[torch.Tensor]) -> None:
         """Copy `tensors` to `pos` (reserved for their sizes). Blocks for the copy."""
-        at = self._base + pos % self.size
+        at = self._offset + pos % self.size
         for t in tensors:
             flat = t.detach().reshape(-1).view(torch.uint8)
-            self._seg._bytes[at:at + flat.numel()].copy_(flat)
+            self._seg.data[at:at + flat.numel()].copy_(flat)
             at += _aligned(flat.numel())
 
     def consumed(self) -> int:
-        return _CONSUMED.unpack_from(self._seg._map, self._counter)[0]
+        return _CONSUMED.unpack_from(self._seg.buffer, self._counter)[0]
 
     # ---- receiver ----
     def expect(self, sizes: list[int]) -> tuple[int, int]:
@@ -178,9 +188,9 @@ class Ring:
     def accept(self, pos: int, sizes: list[int], copy: bool) -> list:
         """The frame's buffers at `pos` (checked by schema.check_shm): fresh copies
         (`copy`, then released at once) or views of the ring, valid until `release`."""
-        at, out = self._base + pos % self.size, []
+        at, out = self._offset + pos % self.size, []
         for n in sizes:
-            view = self._seg._bytes[at:at + n]
+            view = self._seg.data[at:at + n]
             out.append(memoryview((view.clone() if copy else view).numpy()))
             at += _aligned(n)
         self.next = self._held = pos + sum(_aligned(n) for n in sizes)
@@ -191,4 +201,4 @@ class Ring:
     def release(self) -> None:
         """Tell the sender every accepted frame's bytes may be reused (never blocks)."""
         if self._held:
-            _CONSUMED.pack_into(self._seg._map, self._counter, self._held)
+            _CONSUMED.pack_into(self._seg.buffer, self._counter, self._held)
