@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -105,3 +107,12 @@ def test_every_deprecated_alias_warns_with_its_new_name(old):
     with pytest.warns(DeprecationWarning, match=re.escape(f"use {DEPRECATED[old]}")):
         value = getattr(importlib.import_module(module), name)
     assert value == _lookup(DEPRECATED[old])
+
+
+def test_import_does_not_load_dynamo():
+    """`import disttrain` costs no torch._dynamo import (about a second per rank): the
+    compile-aware parts load it only under torch.compile (disttrain/compiling.py)."""
+    code = "import sys, disttrain; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "a module imports torch._dynamo at import time"

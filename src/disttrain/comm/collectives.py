@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ops
+from disttrain.compiling import not_traced
 
 __all__ = ["group_rank", "group_size", "global_rank", "broadcast_tensors"]
 
@@ -35,7 +36,7 @@ def global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
     return dist.get_global_rank(group, rank_in_group)
 
 
-@torch.compiler.disable  # NOTE: host-side (recorded) collectives; under compile, outside the graph
+@not_traced  # NOTE: host-side (recorded) collectives; under compile, outside the graph
 @torch.no_grad()
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src_in_group: int = 0,
                       group: dist.ProcessGroup | None = None) -> None:

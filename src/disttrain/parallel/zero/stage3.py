@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from disttrain.compiling import not_traced
 from disttrain.parallel.zero import comm
 from disttrain.parallel.zero.flat import Piece, Segment
 from disttrain.parallel.zero.mixed import accumulate_shard_grad
@@ -199,7 +200,7 @@ class ParamShards:
     # outputs): under torch.compile Dynamo runs each one eagerly, a graph break at each
     # bound module, as FSDP2's hooks (torch's skip_fsdp_hooks, the default); the code
     # between them compiles.
-    @torch.compiler.disable
+    @not_traced
     def _pre_forward(self, m: nn.Module, args) -> None:
         units = [u for _, u, _ in self.binds[m]]
         self._bind(m)
@@ -209,7 +210,7 @@ class ParamShards:
         if nxt is not None:
             self._gather(nxt, wait=False)  # prefetch: overlaps this module's forward
 
-    @torch.compiler.disable
+    @not_traced
     def _post_forward(self, m: nn.Module, args, output):
         units = list({id(u): u for _, u, _ in self.binds[m]}.values())
         for u in units:
