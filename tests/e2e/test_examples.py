@@ -9,7 +9,6 @@ is covered for the launcher's own scripts in the launcher's e2e tests.)
 from __future__ import annotations
 
 import functools
-import os
 import re
 import subprocess
 import sys
@@ -17,18 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_launcher import clean_env
+
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "examples" / "digits.py")
 ACCURACY = re.compile(r"final test accuracy: (0\.9\d{3})")
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "DISTTRAIN_SERVERS", "TORCHELASTIC_RUN_ID")
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     # NOTE: one thread per process, as torchrun does: the tiny MLP gains nothing from more,
     # and spinning OpenMP threads on a busy 2-core machine slow a run down several times.
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, (

@@ -8,7 +8,6 @@ world must fail with the message naming every factor.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,17 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_launcher import clean_env
+
 ROOT = Path(__file__).resolve().parents[2]
 GPT_CHAR = str(ROOT / "examples" / "gpt_char.py")
 TINY = ["--steps", "30", "--n-layer", "2", "--n-embd", "32", "--block-size", "32",
         "--batch-size", "8", "--log-every", "10", "--sample-chars", "40", "--lr", "1e-2"]
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "DISTTRAIN_SERVERS", "TORCHELASTIC_RUN_ID")
 
 
 def _run(cmd, timeout):
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_env(OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -7,7 +7,6 @@ Each run must end with `final test accuracy: 0.9xxx` and the server's report lin
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_launcher import clean_env
+
 ROOT = Path(__file__).resolve().parents[2]
 ACCURACY = re.compile(r"final test accuracy: (0\.\d{4})")
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "DISTTRAIN_SERVERS", "DISTTRAIN_SECRET", "TORCHELASTIC_RUN_ID")
 CASES = {
     "sync": [],
     "ksync": ["--k", "1", "--straggler", "fixed:rank=1,delay=0.02"],
@@ -41,8 +40,7 @@ FAST = ("sync", "kbatch-sync")  # async runs end to end in tests/e2e/test_trace_
 @pytest.mark.parametrize("mode", [m if m in FAST else pytest.param(m, marks=pytest.mark.slow)
                                   for m in CASES])
 def test_digits_ps_reaches_90_percent(mode):
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", "1",
            "examples/digits_ps.py", "--mode", mode, "--epochs", "4", *CASES[mode]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)

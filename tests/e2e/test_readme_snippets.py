@@ -16,7 +16,6 @@ takes about 20 s on 2 cores, so those are marked slow.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -25,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_launcher import clean_env
+
 ROOT = Path(__file__).resolve().parents[2]
 MARK = re.compile(r"<!--\s*snippet:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "DISTTRAIN_SERVERS", "TORCHELASTIC_RUN_ID")
 
 USER_CODE = '''\
 import torch, disttrain
@@ -96,8 +95,7 @@ def _run(snippet, tmp_path, timeout: float) -> None:
     options = shlex.split(how)[1:]
     cmd = ([sys.executable, "-m", "disttrain", "run", *options, str(script)] if options
            else [sys.executable, str(script)])
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, (
