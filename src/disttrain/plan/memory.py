@@ -9,8 +9,9 @@ p = g = 4, Adam K = 8, SGD momentum 4. `--params 7.5e9 --dp 64 --optimizer adam
 --precision mixed` gives the paper's 120, 31.4, 16.6 and 1.9 GB (docs/design/zero.md,
 "Memory, measured").
 
-Who talks to whom: `disttrain plan memory` (cli.py) calls `add_plan_parser`'s handler;
-tests compare `model_state_bytes` with what `disttrain.memory` measures.
+Who talks to whom: `disttrain plan memory` (cli.py, through `disttrain.plan`'s
+`add_plan_parser`) calls this module's handler; tests compare `model_state_bytes` with
+what `disttrain.memory` measures.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["PRECISIONS", "OPTIMIZERS", "MemoryPlan", "model_state_bytes", "plan_table",
-           "add_plan_parser"]
+           "add_memory_parser"]
 
 PRECISIONS = {"mixed": (2, 2), "fp32": (4, 4)}
 """precision -> (parameter bytes, gradient bytes) per parameter."""
@@ -97,10 +98,8 @@ def _parse_count(text: str) -> float:
     return value
 
 
-def add_plan_parser(subparsers) -> None:
-    """Register `disttrain plan memory` on the CLI's subparsers."""
-    plan = subparsers.add_parser("plan", help="estimate what a strategy costs before running it")
-    sub = plan.add_subparsers(title="plans", metavar="PLAN")
+def add_memory_parser(sub) -> None:
+    """Register `disttrain plan memory` on the `plan` command's subparsers."""
     mem = sub.add_parser(
         "memory", help="per-rank model-state memory of DP and ZeRO stages 1-3",
         description="Per-rank model-state memory (ZeRO paper, Figure 1).",
@@ -113,7 +112,6 @@ def add_plan_parser(subparsers) -> None:
     mem.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS),
                      help="mixed: fp16 params+grads, fp32 master (+4 to K); fp32; default mixed")
     mem.set_defaults(handler=_plan_memory)
-    plan.set_defaults(handler=lambda args: (plan.print_help(), 2)[1])
 
 
 def _plan_memory(args: argparse.Namespace) -> int:

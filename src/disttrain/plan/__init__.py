@@ -1,0 +1,33 @@
+"""`disttrain plan`: what a strategy costs before running it, computed from data alone.
+
+One module per plan, each registering its own `disttrain plan <name>` subcommand:
+`memory` (ZeRO model-state formulas). Pure Python over data: nothing here starts a
+process group or imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+from disttrain.plan.memory import (
+    OPTIMIZERS,
+    PRECISIONS,
+    MemoryPlan,
+    add_memory_parser,
+    bytes_per_param,
+    model_state_bytes,
+    plan_table,
+)
+
+__all__ = ["PRECISIONS", "OPTIMIZERS", "MemoryPlan", "bytes_per_param", "model_state_bytes",
+           "plan_table", "add_plan_parser"]
+
+PLANS = (add_memory_parser,)
+"""Each plan's `add_<name>_parser(sub)`, in the order `disttrain plan --help` lists them."""
+
+
+def add_plan_parser(subparsers) -> None:
+    """Register `disttrain plan` and every plan's subcommand on the CLI's subparsers."""
+    plan = subparsers.add_parser("plan", help="estimate what a strategy costs before running it")
+    sub = plan.add_subparsers(title="plans", metavar="PLAN")
+    for add in PLANS:
+        add(sub)
+    plan.set_defaults(handler=lambda args: (plan.print_help(), 2)[1])
