@@ -16,11 +16,12 @@ from disttrain.plan.memory import (
     model_state_bytes,
     plan_table,
 )
+from disttrain.plan.ps_cli import add_ps_parser
 
 __all__ = ["PRECISIONS", "OPTIMIZERS", "MemoryPlan", "bytes_per_param", "model_state_bytes",
            "plan_table", "add_plan_parser"]
 
-PLANS = (add_memory_parser,)
+PLANS = (add_memory_parser, add_ps_parser)
 """Each plan's `add_<name>_parser(sub)`, in the order `disttrain plan --help` lists them."""
 
 
