@@ -130,11 +130,11 @@ class _Job:
         self.computations = self.cancelled = 0
         self.handlers = (self._server_pull, self._server_push, self._params, self._ack,
                          self._cancel, self._done)
+        for w in range(workers):
+            self._pull(0.0, w)
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self, target: int) -> None:
-        for w in range(self.P):
-            self._pull(0.0, w)
         heap, handlers, first = self.heap, self.handlers, self.policies[0]
         while first.version < target:
             if not heap:
