@@ -65,7 +65,8 @@ parser.add_argument("--lr", type=float, default=0.05, help="server-side SGD (mom
 parser.add_argument("--hidden", type=int, default=64)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--log-json", default=None,
-                    help="worker 0 appends {time, step, train_loss} lines here (benchmarks)")
+                    help="worker 0 appends {time, step, version, train_loss} lines here "
+                         "(benchmarks)")
 parser.add_argument("--eval-every", type=int, default=5, help="steps between --log-json points")
 args = parser.parse_args()
 
@@ -117,6 +118,7 @@ for _ in range(args.epochs):
             with torch.no_grad():
                 train_loss = F.cross_entropy(model(x_train), y_train).item()
             log.write(json.dumps({"time": time.perf_counter() - start, "step": step,
+                                  "version": min(conn.versions),
                                   "train_loss": train_loss}) + "\n")
         step += 1
         model.zero_grad(set_to_none=True)

@@ -147,3 +147,17 @@ def test_bad_input_exits_2_with_a_message(argv, match, capsys):
     base = ["plan", "ps", "--workers", "4", "--compute", "exp:mean=1", "--updates", "100"]
     assert main(base + argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_the_simulator_modules_import_no_torch_and_no_sockets():
+    import ast
+    from pathlib import Path
+
+    import disttrain.plan
+
+    folder = Path(disttrain.plan.__file__).parent
+    for name in ("simulate.py", "ps.py", "ps_cli.py"):
+        tree = ast.parse((folder / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in imported if m.split(".")[0] in ("torch", "zmq")}, (name, imported)

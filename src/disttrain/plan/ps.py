@@ -156,13 +156,13 @@ def describe(compute: Compute, network: Network | None, servers: int = 1) -> str
 
 def recommend(needs: dict[Mode, int], workers: int, compute: Compute, *,
               servers: int = 1, network: Network | None = None, apply_s: float = 0.0,
-              updates: int = 20_000, seed: int = 0) -> tuple[list[Candidate], str]:
+              updates: int | None = None, seed: int = 0) -> tuple[list[Candidate], str]:
     """Simulate each mode of `needs` (mode -> updates it needs to reach the target, as
     benchmarks/ps_convergence.py measures) and say which reaches the target soonest.
 
     Returns the candidates, soonest first, and one sentence, e.g. 'with exp stragglers of
     mean 50 ms, K-batch-sync(K=3) reaches the target 2.8x sooner than Sync'. Blocks
-    (pure CPU, about a second per mode at 20,000 updates).
+    (pure CPU, about half a second per mode by default: simulate.BUDGET).
     """
     if not needs:
         raise ValueError("give the updates each mode needs, e.g. sync=300,kbatch-sync:3=420")

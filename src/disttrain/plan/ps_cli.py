@@ -20,7 +20,7 @@ from disttrain.plan.ps import (
     parse_mode,
     recommend,
 )
-from disttrain.plan.simulate import Compute, Network, Result, simulate
+from disttrain.plan.simulate import BUDGET, Compute, Network, Result, simulate
 from disttrain.ps.straggler import parse_straggler
 
 __all__ = ["add_ps_parser"]
@@ -53,7 +53,8 @@ def add_ps_parser(sub) -> None:
                                                     f"(default {Links().alpha * 1e6:g} with --link)")
     p.add_argument("--bytes", type=float, default=0.0, help="bytes of one gradient push (= a pull)")
     p.add_argument("--apply", type=float, default=0.0, help="server seconds per update")
-    p.add_argument("--updates", type=int, default=20_000, help="updates to simulate")
+    p.add_argument("--updates", type=int, help="updates to simulate (default: about "
+                   f"{BUDGET:,} worker computations' worth, 2,000 to 100,000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--updates-to-target", metavar="MODE=N,...",
                    help="updates each mode needs to reach a target (benchmarks/"
@@ -129,7 +130,7 @@ def _explain(args, mode: Mode, compute: Compute, network: Network | None, r: Res
              f"compute {args.base:g} s + {args.compute} (seed {args.seed}), "
              f"server apply {args.apply:g} s per update",
              f"communication: {comm}",
-             f"simulated: {r.updates} updates after {r.updates // 10} of warm-up, standard "
+             f"simulated: {r.updates} updates after {r.warmup} of warm-up, standard "
              f"error {r.stderr:.2%} (20 batch means); {r.computations} computations, "
              f"{r.cancelled} cancelled, {r.dropped} late pushes dropped"]
     form = closed_form(mode, args.workers, compute, network, args.apply)

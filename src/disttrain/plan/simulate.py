@@ -32,7 +32,7 @@ from disttrain.comm.cost import Links, Step
 from disttrain.ps.policy import Policy
 from disttrain.ps.straggler import Straggler
 
-__all__ = ["Network", "Compute", "Result", "simulate"]
+__all__ = ["Network", "Compute", "Result", "simulate", "BUDGET"]
 
 _PULL, _PUSH, _PARAMS, _ACK, _CANCEL, _DONE = range(6)
 
@@ -85,6 +85,8 @@ class Result:
     """Computations abandoned (a cancel, or parameters already stale when they arrived)."""
     dropped: int = 0
     """Late pushes server 0's policy threw away (after the warm-up, as the counts above)."""
+    warmup: int = 0
+    """Updates run first and left out."""
 
     @property
     def time_per_update(self) -> float:
@@ -228,23 +230,33 @@ class _Job:
         return t
 
 
+BUDGET = 60_000
+"""Worker computations a simulation runs by default (about half a second here)."""
+
+
 def simulate(make_policy: Callable[[], Policy], workers: int, compute: Compute, *,
              servers: int = 1, network: Network | None = None, apply_s: float = 0.0,
-             updates: int = 20_000, warmup: int | None = None, seed: int = 0) -> Result:
+             updates: int | None = None, warmup: int | None = None, seed: int = 0) -> Result:
     """Simulate a job until server 0 applied `warmup + updates` updates (blocks, pure CPU).
 
     `make_policy()` builds one fresh policy per server. `warmup` (default updates // 10)
-    updates are run first and left out of the time and the staleness histogram.
+    updates are run first and left out of the time and the staleness histogram. Without
+    `updates`, 1,000 updates of warm-up, then as many as take about `BUDGET` worker
+    computations at the warm-up's rate (2,000 to 100,000 updates).
     """
     if workers < 1 or servers < 1:
         raise ValueError(f"a job needs >= 1 worker and >= 1 server, got {workers} and {servers}")
-    if updates < 20:
+    if updates is not None and updates < 20:
         raise ValueError(f"simulate at least 20 updates (for the error estimate), got {updates}")
     if not (math.isfinite(apply_s) and apply_s >= 0):
         raise ValueError(f"apply time must be a finite number >= 0 seconds, got {apply_s}")
-    warmup = updates // 10 if warmup is None else warmup
+    if warmup is None:
+        warmup = 1_000 if updates is None else updates // 10
     job = _Job(make_policy, workers, servers, compute, network, apply_s, seed)
     job.run(warmup)
+    if updates is None:
+        per_update = job.computations / max(warmup, 1)
+        updates = int(min(max(BUDGET / max(per_update, 1e-9), 2_000), 100_000))
     first = job.policies[0]
     staleness, dropped = Counter(first.staleness), first.dropped
     computations, cancelled = job.computations, job.cancelled
@@ -252,7 +264,7 @@ def simulate(make_policy: Callable[[], Policy], workers: int, compute: Compute, 
     times = job.times[warmup:warmup + updates + 1]
     return Result(repr(first), updates, times[-1] - times[0], first.staleness - staleness,
                   _batch_stderr(times), job.computations - computations,
-                  job.cancelled - cancelled, first.dropped - dropped)
+                  job.cancelled - cancelled, first.dropped - dropped, warmup)
 
 
 def _batch_stderr(times: list[float], batches: int = 20) -> float:

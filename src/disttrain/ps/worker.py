@@ -104,6 +104,12 @@ class Worker:
         """True when a server closed the round this worker is computing for (no blocking)."""
         return any(v < f for v, f in zip(self._version, self._floor))
 
+    @property
+    def versions(self) -> list[int]:
+        """The parameter version this worker holds from each server, -1 before the first
+        pull or while one is half-written (no blocking)."""
+        return list(self._version)
+
     def pull(self) -> Handle:
         """Ask every server for its parameters; returns at once (does not block).
 
