@@ -162,7 +162,7 @@ def recommend(needs: dict[Mode, int], workers: int, compute: Compute, *,
 
     Returns the candidates, soonest first, and one sentence, e.g. 'with exp stragglers of
     mean 50 ms, K-batch-sync(K=3) reaches the target 2.8x sooner than Sync'. Blocks
-    (pure CPU, about half a second per mode by default: simulate.BUDGET).
+    (pure CPU, about 0.4 s per mode by default: simulate.BUDGET).
     """
     if not needs:
         raise ValueError("give the updates each mode needs, e.g. sync=300,kbatch-sync:3=420")

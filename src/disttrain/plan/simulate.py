@@ -230,8 +230,8 @@ class _Job:
         return t
 
 
-BUDGET = 60_000
-"""Worker computations a simulation runs by default (about half a second here)."""
+BUDGET = 40_000
+"""Worker computations a simulation runs by default (about 0.4 s of CPU here)."""
 
 
 def simulate(make_policy: Callable[[], Policy], workers: int, compute: Compute, *,
