@@ -161,3 +161,13 @@ def test_the_simulator_modules_import_no_torch_and_no_sockets():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert not {m for m in imported if m.split(".")[0] in ("torch", "zmq")}, (name, imported)
+
+
+def test_straggler_sampler_is_seeded_per_worker_with_the_delay_distribution():
+    s = parse_straggler("shifted-exp:shift=0.02,mean=0.05", seed=3)
+    a, b = s.sampler(0), s.sampler(0)
+    draws = [a() for _ in range(20_000)]
+    assert draws[:50] == [b() for _ in range(50)]  # same seed and rank, same stream
+    other = s.sampler(1)
+    assert draws[:50] != [other() for _ in range(50)]
+    assert min(draws) >= 0.02 and sum(draws) / len(draws) == pytest.approx(0.07, rel=0.02)

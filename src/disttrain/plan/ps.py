@@ -30,7 +30,7 @@ MODES = {
     "backup": ("backups", "Sync with {} backup workers", None),
 }
 """Mode names of `--mode` (and of examples/digits_ps.py, plus `backup`)."""
-_ALIASES = {"kbatch": "kbatch-sync", "kbatchsync": "kbatch-sync", "kbatch-sync": "kbatch-sync",
+_ALIASES = {"kbatch": "kbatch-sync", "kbatchsync": "kbatch-sync",
             "k-sync": "ksync", "k-batch-sync": "kbatch-sync", "bsp": "sync"}
 
 
