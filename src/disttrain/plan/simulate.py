@@ -14,8 +14,8 @@ a message of m bytes holds the sender's uplink and the receiver's downlink for i
 transfer time (comm/cost.py's model of one message, without its alpha), first come first
 served, and arrives alpha later. Control messages (pull, ack, cancel, an unchanged shard)
 cost alpha only. Without a `Network` communication takes no time, the assumption of Dutta
-et al. 2018, whose closed forms plan/ps.py checks against. Lost and leaving workers are
-not simulated. A heap of (time, sequence, event) is the loop; the sequence keeps
+et al. 2018, whose closed forms plan/ps.py checks against. Not simulated: lost and leaving
+workers, pushes overlapped with backward, CPU contention between processes. A heap of (time, sequence, event) is the loop; the sequence keeps
 simultaneous events in the order they were sent. Pure Python: no processes, no torch.
 """
 
