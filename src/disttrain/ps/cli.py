@@ -112,6 +112,9 @@ def format_status(state: dict, address: str, max_keys: int = 40) -> str:
                 + " -> ".join(str(c) for c in k["chain"]) for k in keys[:max_keys]]
         if len(keys) > max_keys:
             out.append(f"  ... {len(keys) - max_keys} more (--keys N)")
+    if state["rejected"]:
+        out.append("frames refused by the manager: " + ", ".join(
+            f"{k} {n}" for k, n in state["rejected"].items()))
     if state["events"]:
         out.append("events:")
         out += [f"  {e}" for e in state["events"]]

@@ -80,8 +80,9 @@ def _load(state: str, now: float) -> tuple[Membership, str | None]:
     return Membership.from_json(text, now), json.loads(text).get("address")
 
 
-def _answer(members: Membership, msg: Message, now: float) -> Message:
-    """The reply to one request (never blocks); Refused becomes an `error`."""
+def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Message:
+    """The reply to one request (never blocks); Refused becomes an `error`. rejected: the
+    frames refused so far, by reason (the status shows them)."""
     m, held = msg.meta, msg.meta.get("ring", members.version)
     try:
         if msg.op == "hello":
@@ -93,7 +94,7 @@ def _answer(members: Membership, msg: Message, now: float) -> Message:
                             for _, x in sorted(members.members.items())],
                 "shard": [{"key": k, "bytes": n, "chain": c, "server": x.server}
                           for _, x in sorted(members.members.items()) for k, n, c in x.shard],
-                "events": members.events[-50:]})
+                "events": members.events[-50:], "rejected": dict(rejected)})
         if msg.op == "register":
             members.register(m["server"], m["address"], m["fingerprint"], m["expected"],
                              [[r["key"], r["bytes"], r["chain"]] for r in m["shard"]], now,
@@ -160,7 +161,7 @@ def _take(members: Membership, ep: ManagerEndpoint, sock, state: str, address: s
             continue
         session, msg = got
         before, events = members.version, len(members.events)
-        reply = _answer(members, msg, time.monotonic())
+        reply = _answer(members, msg, time.monotonic(), ep.rejected)
         for event in members.events[events:]:
             _say(event)
         if reply.op == "error":

@@ -116,7 +116,7 @@ SCHEMA: dict[str, Op] = {
     "state": Op("worker", {"version": VERSION, "expected": Field("int", 1, 1 << 16),
                            "servers": Field("rows", row=STATE_ROW),
                            "shard": Field("rows", row=dict(SHARD_ROW, server=SERVER)),
-                           "events": Field("strs")}),
+                           "events": Field("strs"), "rejected": Field("map")}),
 }
 assert set(SCHEMA) == set(OPS), "every op on the wire has a schema"
 
