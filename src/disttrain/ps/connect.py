@@ -31,7 +31,12 @@ import torch.distributed as dist
 from disttrain import runtime, settings
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
-from disttrain.ps.manager_link import fingerprint, lookup_addresses, register_server
+from disttrain.ps.manager_link import (
+    ManagerError,
+    fingerprint,
+    lookup_addresses,
+    register_server,
+)
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
 from disttrain.ps.server import Server
@@ -120,11 +125,15 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
             print(report, flush=True)
     beat = None
     if _manager(manager, name):
-        beat = register_server(
-            _manager(manager, name), index, len(plan), server.address,
-            _fingerprint(model, policy, chunk_bytes), _shard(model, plan, index), timeout=timeout,
-            read=lambda: (server.policy.version, server.ep.recv_frames.get("push", 0)),
-            attempt=_attempt())
+        try:
+            beat = register_server(
+                _manager(manager, name), index, len(plan), server.address,
+                _fingerprint(model, policy, chunk_bytes), _shard(model, plan, index),
+                timeout=timeout, attempt=_attempt(),
+                read=lambda: (server.policy.version, server.ep.recv_frames.get("push", 0)))
+        except ManagerError:
+            server.close()
+            raise
     dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
                                                    server.address)
     keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
