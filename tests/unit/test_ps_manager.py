@@ -21,6 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from disttrain import cli
+from disttrain import settings as ds
 from disttrain.ps import manager
 from disttrain.ps.cli import format_status
 from disttrain.ps.frame import Message
@@ -310,3 +312,29 @@ def test_a_manager_killed_with_sigkill_and_started_again_keeps_its_ring(tmp_path
         beat.stop()
     finally:
         second.stop()
+
+
+# ---- the command line -------------------------------------------------------------------
+@pytest.fixture
+def secret_env(monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_SECRET", KEY.hex())
+    ds.refresh()
+    yield
+    monkeypatch.undo()
+    ds.refresh()
+
+
+@pytest.mark.timeout(30)
+def test_disttrain_ps_status_and_drain_through_the_command_line(live, secret_env, capsys,
+                                                                tmp_path):
+    _register(live.link(SERVER_PARTY), 0, SHARD0, expected=1)
+    assert cli.main(["ps", "status", live.address]) == 0
+    out = capsys.readouterr().out
+    assert "ring version 1: 1 of 1 servers alive" in out and "server 0  chain 0" in out
+    assert cli.main(["ps", "status", str(tmp_path / "manager.json")]) == 0  # the state file
+    assert "ring version 1" in capsys.readouterr().out
+    assert cli.main(["ps", "drain", live.address, "--server", "0"]) == 1
+    assert "last live copy of 2 keys" in capsys.readouterr().err
+    ds.refresh({"DISTTRAIN_SECRET": bytes(32).hex()})  # another job's secret
+    assert cli.main(["ps", "status", live.address, "--timeout", "0.5"]) == 1
+    assert "another DISTTRAIN_SECRET" in capsys.readouterr().err
