@@ -6,11 +6,14 @@ S ranks servers (`disttrain.role()`). Every rank builds the same model; the key 
 point that returns one type, as ps-lite's `KVServer` and `KVWorker` are two objects:
 
 - `serve(model, policy, optimizer=...) -> dict` on a server rank: binds a ZeroMQ socket,
-  publishes its address (`ipc://...` on loopback, else `tcp://host:port`) in the job's
-  c10d store under `disttrain/ps/<name>/addr<i>`, serves until every worker is done or
-  lost and returns the server's stats. The process goes on: the caller decides.
-- `attach(model, policy, ...) -> Worker` on a worker rank: reads those addresses
-  (blocking until all are there) and returns a connected `Worker`.
+  registers its address (`ipc://...` on loopback, else `tcp://host:port`) and keys with
+  the job's server manager (manager.py; `disttrain run --servers` starts one) and sends
+  it heartbeats, publishes the address in the job's c10d store under
+  `disttrain/<name>/addr<i>` too, serves until every worker is done or lost and returns
+  the server's stats. The process goes on: the caller decides.
+- `attach(model, policy, ...) -> Worker` on a worker rank: learns those addresses from
+  the manager's ring (without a manager: from the store), blocking until all are there,
+  and returns a connected `Worker`.
 - `connect(model, policy, optimizer, **options)`: the one-script helper (ps-lite's one
   binary, MXNet's kvstore server): on a worker it is `attach`; on a server it is `serve`,
   then it prints the report and ends the server's process with `SystemExit(0)`, so a

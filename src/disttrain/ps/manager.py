@@ -196,12 +196,16 @@ class Running:
 
 
 def _child(conn, state: str, host: str, timeout: float, parent: int, secret) -> None:
+    # NOTE: Ctrl-C reaches the whole process group; the parent stops this process itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ready = []
     try:
-        serve_manager(state, host=host, timeout=timeout, parent=parent, ready=conn.send,
-                      secret=secret)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(f"error: {type(e).__name__}: {e}")
-        raise
+        serve_manager(state, host=host, timeout=timeout, parent=parent, secret=secret,
+                      ready=lambda address: (ready.append(address), conn.send(address)))
+    except Exception as e:
+        if ready:
+            raise
+        conn.send(f"error: {type(e).__name__}: {e}")  # NOTE: the parent raises it
 
 
 def start(state: str, *, host: str = "127.0.0.1", timeout: float = 10.0,

@@ -5,7 +5,8 @@ process), workers look the ring up through one, `disttrain ps status` asks for t
 state through one. The link is the worker end of the job's authenticated wire
 (transport.WorkerLink: a hello signed with the job secret, then a session), one request
 at a time. A manager that forgot the session (it was restarted) drops the frames; the
-link then says hello again and sends the request again, until its deadline: so a
+link then says hello again and sends the request again (after 0.5 s of silence, then 1,
+2, up to 4 s), until its deadline: so a
 restarted manager is reconnected to without anyone else's help. Requests that change the
 membership carry the ring version the link holds (compare and set); every `ring` answer
 replaces the held ring when it is newer, never with an older one.
@@ -34,6 +35,7 @@ __all__ = ["ManagerLink", "ManagerError", "Heartbeat", "SERVER_PARTY", "status_p
 
 SERVER_PARTY = 1 << 24  # a server's party id is SERVER_PARTY + its index; a worker's, its rank
 _RETRY = 0.5  # seconds without an answer before saying hello again (a restarted manager)
+_RETRY_MAX = 4.0  # doubled after each silence up to this (a manager slow under load)
 _ANSWERS = {"status": "state"}  # every other request is answered by "ring"
 
 
@@ -53,6 +55,7 @@ class ManagerLink:
                  secret: bytes | None = None):
         self.address, self.party, self.timeout = address, party, timeout
         self.ring: dict = {"version": -1}  # the newest `ring` answer's meta
+        self._retry = _RETRY
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -83,6 +86,7 @@ class ManagerLink:
             if reply is None:
                 self.link.session = None  # NOTE: a restarted manager forgot it: greet again
                 continue
+            self._retry = _RETRY
             if reply.op == "error":
                 raise ManagerError(reply.meta["message"])
             if reply.op == "ring" and reply.meta["version"] >= self.ring["version"]:
@@ -99,14 +103,15 @@ class ManagerLink:
                 return
 
     def _wait(self, ops: set[str], deadline: float) -> Message | None:
-        """The next answer of one of `ops`; None after _RETRY s of silence. Raises
+        """The next answer of one of `ops`; None after `_retry` s of silence. Raises
         ManagerError past the deadline."""
-        end = min(deadline, time.monotonic() + _RETRY)
+        end = min(deadline, time.monotonic() + self._retry)
         while True:
             left = end - time.monotonic()
             if left <= 0:
                 if time.monotonic() >= deadline:
                     raise ManagerError(self._silent())
+                self._retry = min(2 * self._retry, _RETRY_MAX)
                 return None
             if self.link.sock.poll(int(left * 1000) + 1):
                 try:
