@@ -34,8 +34,10 @@ def ps_manager(cfg, log_dir: str, env: dict[str, str]):
     except ValueError:
         raise ValueError("DISTTRAIN_SECRET must be hex (e.g. `python -c 'import secrets; "
                          "print(secrets.token_hex(32))'`)") from None
-    running = start(os.path.join(log_dir, "ps-manager.json"), host=s.ps_host,
-                    timeout=s.ps_timeout, secret=secret)
+    state = os.path.join(log_dir, "ps-manager.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(state)  # NOTE: a new job (a reused --log-dir): its own ring, from version 0
+    running = start(state, host=s.ps_host, timeout=s.ps_timeout, secret=secret)
     env[settings.PS_MANAGER] = running.address
     try:
         yield running
