@@ -8,8 +8,8 @@ point that returns one type, as ps-lite's `KVServer` and `KVWorker` are two obje
 - `serve(model, policy, optimizer=...) -> dict` on a server rank: binds a ZeroMQ socket,
   registers its address (`ipc://...` on loopback, else `tcp://host:port`) and keys with
   the job's server manager (manager.py; `disttrain run --servers` starts one) and sends
-  it heartbeats, publishes the address in the job's c10d store under
-  `disttrain/<name>/addr<i>` too, serves until every worker is done or lost and returns
+  it heartbeats (without a manager: publishes the address in the job's c10d store under
+  `disttrain/<name>/addr<i>`), serves until every worker is done or lost and returns
   the server's stats. The process goes on: the caller decides.
 - `attach(model, policy, ...) -> Worker` on a worker rank: learns those addresses from
   the manager's ring (without a manager: from the store), blocking until all are there,
@@ -106,8 +106,8 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
     name: the job's name in the store (several PS jobs in one process group differ here).
     manager: the server manager's address (manager.py): register there and send it
         heartbeats. Default: DISTTRAIN_PS_MANAGER (`disttrain run --servers` sets it) for
-        the group named "ps", none for other names; "" for none. Without one, workers
-        read the addresses from the store.
+        the group named "ps", none for other names; "" for none. Without one, the
+        address goes to the store, where workers read it.
     """
     workers, plan = _job(model, "serve", "server", chunk_bytes)
     policy = policy if policy is not None else Sync()
@@ -137,8 +137,9 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         except ManagerError:
             server.close()
             raise
-    dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
-                                                   server.address)
+    else:
+        dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
+                                                       server.address)
     keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
     try:
         stats = server.serve()
