@@ -98,7 +98,7 @@ def test_a_silent_server_is_marked_dead_by_name_in_bounded_time_and_may_come_bac
     events = m.expire(now=3.1, timeout=3.0)
     assert len(events) == 1 and m.version == 3 and m.members[0].state == "dead"
     assert ("ring version 3: server 0 at ipc://s0 missed its heartbeats for 3.1 s (timeout "
-            "3 s): marked dead; 2 keys had no other copy") == events[0]
+            "3 s): marked dead; 2 keys have no other live copy") == events[0]
     assert not m.complete()
     assert m.beat(0, 5, 10, False, now=4.0) and m.version == 4 and m.complete()
     assert not m.beat(1, 6, 12, True, now=4.0) and m.members[1].state == "exited"

@@ -126,11 +126,11 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         report = server.keep_snapshots(path, snapshot_every)
         if report:
             print(report, flush=True)
-    beat = None
-    if _manager(manager, name):
+    beat, group = None, _manager(manager, name)
+    if group:
         try:
             beat = register_server(
-                _manager(manager, name), index, len(plan), server.address,
+                group, index, len(plan), server.address,
                 _fingerprint(model, policy, chunk_bytes), _shard(model, plan, index),
                 timeout=timeout, attempt=_attempt(),
                 read=lambda: (server.policy.version, server.ep.recv_frames.get("push", 0)))
@@ -180,9 +180,10 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
     _, plan = _job(model, "attach", "worker", chunk_bytes)
     policy = policy if policy is not None else Sync()
     timeout = timeout if timeout is not None else settings.current().ps_timeout
-    if _manager(manager, name):
-        _, addresses = lookup_addresses(_manager(manager, name), runtime.rank(), len(plan),
-                                        _SERVERS_WAIT, _attempt())
+    group = _manager(manager, name)
+    if group:
+        _, addresses = lookup_addresses(group, runtime.rank(), len(plan), _SERVERS_WAIT,
+                                        _attempt())
     else:
         store = dist.distributed_c10d._get_default_store()
         addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(len(plan))]

@@ -168,10 +168,10 @@ class Membership:
         for m in sorted(self.members.values(), key=lambda m: m.server):
             if m.state == ALIVE and now - m.beat > timeout:
                 m.state = DEAD
-                lost = self.only_copies(m.server, alive_only=False)
+                lost = self.only_copies(m.server)
                 self._change(f"server {m.server} at {m.address} missed its heartbeats for "
                              f"{now - m.beat:.1f} s (timeout {timeout:g} s): marked dead"
-                             + (f"; {len(lost)} keys had no other copy" if lost else ""))
+                             + (f"; {len(lost)} keys have no other live copy" if lost else ""))
                 out.append(self.events[-1])
         return out
 
@@ -187,10 +187,9 @@ class Membership:
                  "attempt": m.attempt}
                 for _, m in sorted(self.members.items())]
 
-    def only_copies(self, server: int, alive_only: bool = True) -> list[str]:
-        """Keys `server` holds of which no other (alive) member holds a copy."""
-        others = {i for i, m in self.members.items()
-                  if i != server and (m.state == ALIVE or not alive_only)}
+    def only_copies(self, server: int) -> list[str]:
+        """Keys `server` holds of which no other alive member holds a copy."""
+        others = {i for i, m in self.members.items() if i != server and m.state == ALIVE}
         m = self.members.get(server)
         return [k for k, _, chain in (m.shard if m else []) if not others & set(chain)]
 
