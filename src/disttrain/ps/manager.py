@@ -89,7 +89,7 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
             return Message("welcome", {"version": members.version})
         if msg.op == "status":
             return Message("state", {
-                "version": members.version, "expected": max(1, members.expected),
+                "version": members.version, "expected": members.expected,
                 "servers": [x.row(members.fingerprint, now)
                             for _, x in sorted(members.members.items())],
                 "shard": [{"key": k, "bytes": n, "chain": c, "server": x.server}
@@ -107,7 +107,7 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
             members.leave(m["server"], held)
     except Refused as e:
         return Message("error", {"message": f"server manager refused {msg.op}: {e}"})
-    return Message("ring", {"version": members.version, "expected": max(1, members.expected),
+    return Message("ring", {"version": members.version, "expected": members.expected,
                             "complete": int(members.complete()), "stale": int(held < members.version),
                             "servers": members.ring_rows()})
 

@@ -110,10 +110,10 @@ SCHEMA: dict[str, Op] = {
     "leave": Op("manager", {"worker": WORKER, "server": SERVER, "ring": KNOWN}),
     "status": Op("manager", {"worker": WORKER}),
     # the server manager -> its parties
-    "ring": Op("worker", {"version": VERSION, "expected": Field("int", 1, 1 << 16),
+    "ring": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                           "complete": FLAG, "stale": FLAG,
                           "servers": Field("rows", row=RING_ROW)}),
-    "state": Op("worker", {"version": VERSION, "expected": Field("int", 1, 1 << 16),
+    "state": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                            "servers": Field("rows", row=STATE_ROW),
                            "shard": Field("rows", row=dict(SHARD_ROW, server=SERVER)),
                            "events": Field("strs"), "rejected": Field("map")}),
