@@ -4,7 +4,7 @@ Each subcommand is one `add_<name>_parser(subparsers)` function that builds its
 argparse parser and sets `handler=<function(args) -> exit code>`; register it in
 `COMMANDS`. Handlers turn flags into a validated config and call the library
 (`run` -> disttrain/launch/, `checkpoint` -> disttrain/checkpoint/, `plan` -> plan.py,
-`cluster` -> disttrain/cluster/ (its `run`: disttrain/launch/), `report` -> disttrain/trace/report.py), so the library
+`cluster` -> disttrain/cluster/ (its `run`: disttrain/launch/), `report` -> disttrain/trace/report.py, `ps` -> disttrain/ps/cli.py), so the library
 never sees argparse.
 """
 
@@ -19,12 +19,14 @@ from disttrain.checkpoint.cli import add_checkpoint_parser
 from disttrain.cluster.cli import add_cluster_parser
 from disttrain.launch.cli import add_run_parser, run_cluster_command
 from disttrain.plan import add_plan_parser
+from disttrain.ps.cli import add_ps_parser
 from disttrain.trace.report import add_report_parser
 
 __all__ = ["main", "build_parser"]
 
 COMMANDS = (add_run_parser, add_plan_parser, add_checkpoint_parser,
-            functools.partial(add_cluster_parser, run=run_cluster_command), add_report_parser)
+            functools.partial(add_cluster_parser, run=run_cluster_command), add_report_parser,
+            add_ps_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,7 @@ PS_ENCRYPT = "DISTTRAIN_PS_ENCRYPT"
 PS_MAC = "DISTTRAIN_PS_MAC"
 PS_IPC = "DISTTRAIN_PS_IPC"
 PS_SHM = "DISTTRAIN_PS_SHM"
+PS_MANAGER = "DISTTRAIN_PS_MANAGER"
 LINK_GBPS = "DISTTRAIN_LINK_GBPS"
 ALPHA_US = "DISTTRAIN_ALPHA_US"
 LOCAL_GBPS = "DISTTRAIN_LOCAL_GBPS"
@@ -161,6 +162,9 @@ class Settings:
     ps_shm: bool = _var(PS_SHM, FLAG, True)
     """0: keep tensors on the socket where they could go through a shared-memory segment
     (a same-user ipc:// connection without DISTTRAIN_PS_MAC=always)."""
+    ps_manager: str | None = _var(PS_MANAGER, TEXT, None, RUN)
+    """The parameter-server manager's address (`run --servers` starts one and sets it):
+    servers register there and workers learn the ring from it; unset: the c10d store."""
     link_gbps: float | None = _var(LINK_GBPS, GBPS, None)
     """The cost model's link between nodes, in Gbit/s (model default 10); `run --cluster`
     sets the cluster's link; the trace report compares collectives with it."""

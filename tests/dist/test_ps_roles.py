@@ -1,12 +1,15 @@
 """`ps.serve` and `ps.attach`, each role's own entry point, against `ps.connect`.
 
-One set of real processes (2 workers, 1 server) runs the same Sync job twice: through
-`serve`/`attach` called directly, then through `connect`. Each entry point returns its
+One set of real processes (2 workers, 1 server) runs the same Sync job three times:
+through `serve`/`attach` called directly, again with the addresses from a server manager
+(a real manager process) instead of the store, then through `connect`. Each entry point returns its
 one type, the parameters of both jobs are bitwise equal, `connect` ends the server's
 part with SystemExit(0) after serving, and each entry point on the wrong rank is refused
 with an error naming the right one.
 """
 
+import json
+import os
 import secrets
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 
 import disttrain
 from disttrain import ps
+from disttrain.ps import manager
 from disttrain.testing import spawn
 
 W, B, STEPS = 2, 4, 3
@@ -61,6 +65,7 @@ def both_ways():
     model = _model()
     if disttrain.role() == "server":
         out["served"] = ps.serve(model, ps.Sync(), _opt, timeout=20, name="roles")
+        ps.serve(_model(), ps.Sync(), _opt, timeout=20, name="managed", manager=_MANAGER())
         try:
             ps.connect(_model(), ps.Sync(), _opt, timeout=20, name="connect")
         except SystemExit as e:  # what ends the server's script after connect
@@ -70,15 +75,46 @@ def both_ways():
     out["attach_type"] = type(conn).__name__
     out["attach"] = _train(conn, model)
     model = _model()
+    out["managed"] = _train(ps.attach(model, ps.Sync(), timeout=20, name="managed",
+                                      manager=_MANAGER()), model)
+    model = _model()
     conn = ps.connect(model, ps.Sync(), _opt, timeout=20, name="connect")
     out["connect_type"] = type(conn).__name__
     out["connect"] = _train(conn, model)
     return out
 
 
+def _MANAGER() -> str:
+    return os.environ["TEST_PS_MANAGER"]  # NOTE: explicit: the group is not named "ps"
+
+
 @pytest.fixture(scope="module")
-def results():
-    return spawn(both_ways, W + 1, env=ENV, timeout=90)
+def manager_state(tmp_path_factory):
+    state = str(tmp_path_factory.mktemp("manager") / "manager.json")
+    running = manager.start(state, secret=bytes.fromhex(ENV["DISTTRAIN_SECRET"]))
+    yield running, state
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def results(manager_state):
+    return spawn(both_ways, W + 1, env=dict(ENV, TEST_PS_MANAGER=manager_state[0].address),
+                 timeout=90)
+
+
+@pytest.mark.timeout(100)
+def test_serve_and_attach_through_a_server_manager_train_bitwise_as_through_the_store(
+        results, manager_state):
+    for r in results[:W]:
+        for a, m in zip(r["attach"], r["managed"], strict=True):
+            assert torch.equal(a, m)
+    with open(manager_state[1]) as f:
+        state = json.load(f)
+    assert state["version"] == 1 and state["address"] == manager_state[0].address
+    (server,) = state["members"]
+    assert server["state"] == "exited" and server["version"] == STEPS
+    assert [(k, n, c) for k, n, c in server["shard"]] == [
+        (name, p.numel() * 4, [0]) for name, p in _model().named_parameters()]
 
 
 @pytest.mark.timeout(100)

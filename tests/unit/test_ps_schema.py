@@ -170,13 +170,33 @@ _WRONG = {
     "pairs": st.none() | st.text(max_size=3) | st.lists(
         st.lists(st.integers(0, 9), min_size=3, max_size=3) | st.text(max_size=2), min_size=1,
         max_size=2),
+    "num": st.none() | st.booleans() | st.text(max_size=4) | st.just(float("inf"))
+    | st.just(float("nan")) | st.lists(st.integers(0, 9), max_size=2),
+    "ints": st.none() | st.integers(0, 9) | st.text(max_size=4)
+    | st.lists(st.booleans() | st.none() | st.text(max_size=2) | st.floats(), min_size=1,
+               max_size=3),
+    "rows": st.none() | st.integers(0, 9) | st.dictionaries(st.text(max_size=2), st.integers())
+    | st.lists(st.integers(0, 9) | st.text(max_size=2) | st.dictionaries(
+        st.text(max_size=3), _PLAIN, max_size=3), min_size=1, max_size=2),
 }
+_SHARD = [{"key": "w#0", "bytes": 16, "chain": [0]}]
+_RING = [{"server": 0, "address": "ipc://x", "state": "alive", "attempt": 0}]
 _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "hello": {"server": 0, "protocol": PROTOCOL, "keys": KEYS, "policy": "Sync()"},
     "push": {"clock": 0, "version": 0, "sparse": 0, "ack": 1}, "pull": {"have": -1},
     "beat": {}, "done": {}, "welcome": {"version": 0}, "ack": {},
     "params": {"version": 1, "last": 1}, "cancel": {"version": 1}, "pong": {},
-    "bye": {"stats": {}, "staleness": []}, "error": {"message": "x"}}
+    "bye": {"stats": {}, "staleness": []}, "error": {"message": "x"},
+    # the server manager's (ps/manager.py)
+    "register": {"server": 0, "address": "ipc://x", "fingerprint": "f", "expected": 1,
+                 "ring": -1, "attempt": 0, "shard": _SHARD},
+    "report": {"server": 0, "ring": 1, "version": 3, "pushes": 9, "final": 0},
+    "lookup": {"ring": -1}, "status": {}, "leave": {"server": 0, "ring": 1},
+    "join": {"server": 1, "address": "ipc://y", "fingerprint": "f", "ring": 1},
+    "ring": {"version": 1, "expected": 1, "complete": 1, "stale": 0, "servers": _RING},
+    "state": {"version": 1, "expected": 1, "events": ["e"], "rejected": {}, "shard": [
+        dict(_SHARD[0], server=0)], "servers": [dict(_RING[0], fingerprint="f", keys=1, bytes=16,
+                                                     version=3, pushes=9, rate=1.5, silent=0)]}}
 
 
 def _wrong(f):

@@ -39,6 +39,7 @@ from disttrain.launch import rendezvous
 from disttrain.launch.entry import check_module
 from disttrain.launch.failures import PREFIX_TEMPLATE, node_report, rank_prefix, report_failures
 from disttrain.launch.preemption import AGENT_SIGNALS, DEFAULT_GRACE, Preemption
+from disttrain.launch.ps_manager import ps_manager
 from disttrain.trace.merge import clear as clear_trace
 from disttrain.trace.merge import merge_and_tell
 from disttrain.trace.recorder import parse_steps
@@ -256,7 +257,8 @@ def run(cfg: RunConfig) -> int:
             flush=True,
         )
     try:
-        with _environ(env), _quiet_elastic_logs(), preemption:
+        # NOTE: ps_manager first: it forks before the agent's threads and adds its address to env
+        with ps_manager(cfg, log_dir, env), _environ(env), _quiet_elastic_logs(), preemption:
             elastic_launch(launch_config(cfg, log_dir), sys.executable)(
                 "-u", ENTRY, *(["-m"] if cfg.module else []), cfg.script, *cfg.script_args
             )

@@ -9,7 +9,9 @@ Consistency is a policy object the servers apply (policy.py; write your own from
 `momentum=`, is staleness.py); placement is the consistent-hash `HashRing`
 (ring.py); the wire is transport.py (sockets), session.py (authenticated, sequenced
 sessions) and frame.py (message layout); top-k pushes with error feedback are compress.py;
-`Straggler` delays make stragglers reproducible on one machine.
+`Straggler` delays make stragglers reproducible on one machine. The server manager
+(manager.py, membership.py, manager_link.py) owns the server group's membership and ring
+version; `disttrain ps status` (cli.py) shows it.
 """
 
 from disttrain.deprecation import moved

@@ -6,11 +6,14 @@ S ranks servers (`disttrain.role()`). Every rank builds the same model; the key 
 point that returns one type, as ps-lite's `KVServer` and `KVWorker` are two objects:
 
 - `serve(model, policy, optimizer=...) -> dict` on a server rank: binds a ZeroMQ socket,
-  publishes its address (`ipc://...` on loopback, else `tcp://host:port`) in the job's
-  c10d store under `disttrain/ps/<name>/addr<i>`, serves until every worker is done or
-  lost and returns the server's stats. The process goes on: the caller decides.
-- `attach(model, policy, ...) -> Worker` on a worker rank: reads those addresses
-  (blocking until all are there) and returns a connected `Worker`.
+  registers its address (`ipc://...` on loopback, else `tcp://host:port`) and keys with
+  the job's server manager (manager.py; `disttrain run --servers` starts one) and sends
+  it heartbeats (without a manager: publishes the address in the job's c10d store under
+  `disttrain/<name>/addr<i>`), serves until every worker is done or lost and returns
+  the server's stats. The process goes on: the caller decides.
+- `attach(model, policy, ...) -> Worker` on a worker rank: learns those addresses from
+  the manager's ring (without a manager: from the store), blocking until all are there,
+  and returns a connected `Worker`.
 - `connect(model, policy, optimizer, **options)`: the one-script helper (ps-lite's one
   binary, MXNet's kvstore server): on a worker it is `attach`; on a server it is `serve`,
   then it prints the report and ends the server's process with `SystemExit(0)`, so a
@@ -21,6 +24,7 @@ point that returns one type, as ps-lite's `KVServer` and `KVWorker` are two obje
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from collections.abc import Callable
 
@@ -30,6 +34,12 @@ import torch.distributed as dist
 from disttrain import runtime, settings
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
+from disttrain.ps.manager_link import (
+    ManagerError,
+    fingerprint,
+    lookup_addresses,
+    register_server,
+)
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
 from disttrain.ps.server import Server
@@ -69,7 +79,8 @@ def _job(model: torch.nn.Module, call: str, role: str, chunk_bytes: int):
 def serve(model: torch.nn.Module, policy: Policy | None = None,
           optimizer: Callable | None = None, *, timeout: float | None = None,
           host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-          snapshot: str | None = None, snapshot_every: int = 0, name: str = "ps") -> dict:
+          snapshot: str | None = None, snapshot_every: int = 0, name: str = "ps",
+          manager: str | None = None) -> dict:
     """Serve this server rank's shard until every worker is done or lost; return its stats.
 
     Blocks for the whole job. Call it on server ranks only (`disttrain.role() == "server"`;
@@ -93,6 +104,10 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         updates, so a killed server restarted by `disttrain run --max-restarts N` loses
         at most snapshot_every - 1 updates (0: only at the end).
     name: the job's name in the store (several PS jobs in one process group differ here).
+    manager: the server manager's address (manager.py): register there and send it
+        heartbeats. Default: DISTTRAIN_PS_MANAGER (`disttrain run --servers` sets it) for
+        the group named "ps", none for other names; "" for none. Without one, the
+        address goes to the store, where workers read it.
     """
     workers, plan = _job(model, "serve", "server", chunk_bytes)
     policy = policy if policy is not None else Sync()
@@ -111,10 +126,26 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         report = server.keep_snapshots(path, snapshot_every)
         if report:
             print(report, flush=True)
-    dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
-                                                   server.address)
+    beat, group = None, _manager(manager, name)
+    if group:
+        try:
+            beat = register_server(
+                group, index, len(plan), server.address,
+                _fingerprint(model, policy, chunk_bytes), _shard(model, plan, index),
+                timeout=timeout, attempt=_attempt(),
+                read=lambda: (server.policy.version, server.ep.recv_frames.get("push", 0)))
+        except ManagerError:
+            server.close()
+            raise
+    else:
+        dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
+                                                       server.address)
     keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
-    stats = server.serve()
+    try:
+        stats = server.serve()
+    finally:
+        if beat is not None:
+            beat.stop()
     if path:
         server.snapshot(path)
     return stats
@@ -123,7 +154,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
 def attach(model: torch.nn.Module, policy: Policy | None = None, *,
            timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
            overlap: bool = True, compression: str | TopK | None = None,
-           name: str = "ps") -> Worker:
+           name: str = "ps", manager: str | None = None) -> Worker:
     """Connect this worker rank to every server; return its `Worker`.
 
     Blocks until every server has published its address and said welcome. Call it on
@@ -142,18 +173,55 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
         the rest kept as a residual added to the next gradient (Deep Gradient
         Compression, Lin et al. 2018; compress.py). Servers accept either kind of push.
     name: the job's name in the store, as given to `serve`.
+    manager: the server manager's address, as given to `serve`: the servers' addresses
+        come from its ring (waiting until every server registered) instead of the store.
     """
     compression = parse_compression(compression)
     _, plan = _job(model, "attach", "worker", chunk_bytes)
     policy = policy if policy is not None else Sync()
     timeout = timeout if timeout is not None else settings.current().ps_timeout
-    store = dist.distributed_c10d._get_default_store()
-    addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(len(plan))]
+    group = _manager(manager, name)
+    if group:
+        _, addresses = lookup_addresses(group, runtime.rank(), len(plan), _SERVERS_WAIT,
+                                        _attempt())
+    else:
+        store = dist.distributed_c10d._get_default_store()
+        addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(len(plan))]
     return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),
                   timeout=timeout, overlap=overlap, compression=compression,
                   chunk_bytes=chunk_bytes)
 
 
+def _manager(manager: str | None, name: str) -> str | None:
+    """The manager address to use: the given one, else the launcher's for group "ps"."""
+    if manager is not None:
+        return manager or None
+    return settings.current().ps_manager if name == "ps" else None
+
+
+def _attempt() -> int:
+    """The launch attempt (0, then 1.. after `disttrain run --max-restarts` restarted the
+    ranks): a worker uses only servers registered in its own attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def _fingerprint(model: torch.nn.Module, policy: Policy, chunk_bytes: int) -> str:
+    return fingerprint([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
+                       repr(policy), chunk_bytes)
+
+
+def _shard(model: torch.nn.Module, plan, index: int) -> list[tuple[str, int, list[int]]]:
+    """(key, bytes, replica chain) of each key server `index` holds; the chain from the
+    plan's `chain(key, r)` where it has one (server names "serverN" or indices), else the
+    owner alone (replicas=1)."""
+    sizes = {n: p.element_size() for n, p in model.named_parameters()}
+    chain = getattr(plan, "chain", None)
+    return [(c.key, c.numel * sizes[c.name],
+             [int(str(s).removeprefix("server")) for s in chain(c.key, 1)] if chain else [index])
+            for c in plan[index]]
+
+
+_SERVERS_WAIT = 300.0  # seconds a worker waits for every server to register with the manager
 _SERVE = frozenset(inspect.signature(serve).parameters) - {"model"}
 _ATTACH = frozenset(inspect.signature(attach).parameters) - {"model"}
 

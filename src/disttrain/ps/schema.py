@@ -17,6 +17,7 @@ it. Pure: no sockets, no tensor's data read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from disttrain.ps.frame import OPS, PROTOCOL, FrameError, Message
@@ -32,8 +33,9 @@ class Field:
     """One meta entry of an op's header."""
 
     kind: str
-    """"int" (a msgpack integer, never a bool), "str", "strs" (a list of str), "pairs"
-    (a list of [int, int]) or "map" (str keys, any plain values)."""
+    """"int" (a msgpack integer, never a bool), "num" (an int or a finite float), "str",
+    "strs" (a list of str), "ints" (a list of int), "pairs" (a list of [int, int]), "map"
+    (str keys, any plain values) or "rows" (a list of maps, each checked against `row`)."""
     lo: int = 0
     """smallest value allowed (kind "int")."""
     hi: int = MAX
@@ -42,6 +44,8 @@ class Field:
     """False: the field may be absent; `check` then fills in `default` (if not None)."""
     default: int | None = None
     """the value an absent optional field reads as."""
+    row: dict | None = None
+    """kind "rows": each row's fields (name -> Field, all required, no others)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,14 @@ FLAG = Field("int", 0, 1, required=False, default=0)
 VERSION = Field("int", 0)  # a server's parameter version
 KNOWN = Field("int", -1)  # a version a worker holds; -1: none yet
 SHM = Field("int", required=False)  # where the tensors are in the session's segment (shm.py)
+SERVER = Field("int", 0, 2**31 - 1)  # a server's index
+# rows of the server manager's messages (manager.py, membership.py)
+SHARD_ROW = {"key": Field("str"), "bytes": Field("int"), "chain": Field("ints")}
+RING_ROW = {"server": SERVER, "address": Field("str"), "state": Field("str"),
+            "attempt": Field("int")}
+STATE_ROW = dict(RING_ROW, fingerprint=Field("str"), keys=Field("int"), bytes=Field("int"),
+                 version=Field("int"), pushes=Field("int"), rate=Field("num"),
+                 silent=Field("num"))
 
 SCHEMA: dict[str, Op] = {
     # worker -> server
@@ -85,10 +97,31 @@ SCHEMA: dict[str, Op] = {
     "bye": Op("worker", {"stats": Field("map"), "staleness": Field("pairs")}),
     "error": Op("worker", {"message": Field("str"),
                            "protocol": Field("int", required=False)}),
+    # server, worker or `disttrain ps` -> the server manager (manager.py)
+    "register": Op("manager", {"worker": WORKER, "server": SERVER, "address": Field("str"),
+                               "fingerprint": Field("str"), "expected": Field("int", 1, 1 << 16),
+                               "ring": KNOWN, "attempt": Field("int"),
+                               "shard": Field("rows", row=SHARD_ROW)}),
+    "report": Op("manager", {"worker": WORKER, "server": SERVER, "ring": KNOWN,
+                             "version": VERSION, "pushes": Field("int"), "final": FLAG}),
+    "lookup": Op("manager", {"worker": WORKER, "ring": KNOWN}),
+    "join": Op("manager", {"worker": WORKER, "server": SERVER, "address": Field("str"),
+                           "fingerprint": Field("str"), "ring": KNOWN}),
+    "leave": Op("manager", {"worker": WORKER, "server": SERVER, "ring": KNOWN}),
+    "status": Op("manager", {"worker": WORKER}),
+    # the server manager -> its parties
+    "ring": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
+                          "complete": FLAG, "stale": FLAG,
+                          "servers": Field("rows", row=RING_ROW)}),
+    "state": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
+                           "servers": Field("rows", row=STATE_ROW),
+                           "shard": Field("rows", row=dict(SHARD_ROW, server=SERVER)),
+                           "events": Field("strs"), "rejected": Field("map")}),
 }
 assert set(SCHEMA) == set(OPS), "every op on the wire has a schema"
 
-_RECEIVES = {side: [op for op, o in SCHEMA.items() if o.to == side] for side in ("server", "worker")}
+_RECEIVES = {side: [op for op, o in SCHEMA.items() if o.to == side]
+             for side in ("server", "worker", "manager")}
 
 
 class SchemaError(FrameError):
@@ -131,7 +164,7 @@ def check_protocol(msg: Message) -> None:
 
 def check(msg: Message, side: str) -> None:
     """Raise SchemaError naming the first field of `msg` that breaks its op's schema, for
-    `side` ("server" or "worker") receiving it; fills in absent optional fields' defaults.
+    `side` ("server", "worker" or "manager") receiving it; fills in absent optional fields' defaults.
 
     Never blocks, never raises anything else (`msg` came from frame.unpack: its op is one
     of OPS, its keys and tensors agree, its meta is a map).
@@ -210,7 +243,19 @@ def _problem(f: Field, v) -> str | None:
         if not f.lo <= v <= f.hi:
             return f"must be in [{f.lo}, {f.hi}], got {v}"
         return None
+    if f.kind == "rows":
+        if not isinstance(v, list):
+            return f"must be a list of maps, got {_show(v)}"
+        for i, r in enumerate(v):
+            if not isinstance(r, dict) or set(r) != set(f.row):
+                return f"row {i} must be a map of exactly {', '.join(f.row)}, got {_show(r)}"
+            bad = next(((n, p) for n, g in f.row.items() if (p := _problem(g, r[n]))), None)
+            if bad:
+                return f"row {i} field {bad[0]}: {bad[1]}"
+        return None
     ok = {"str": lambda: isinstance(v, str),
+          "num": lambda: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+          "ints": lambda: isinstance(v, list) and all(_is_int(x) for x in v),
           "strs": lambda: isinstance(v, list) and all(isinstance(x, str) for x in v),
           "pairs": lambda: isinstance(v, list) and all(
               isinstance(p, list) and len(p) == 2 and all(_is_int(x) for x in p) for p in v),
@@ -218,7 +263,7 @@ def _problem(f: Field, v) -> str | None:
     return None if ok() else f"must be {_KINDS[f.kind]}, got {_show(v)}"
 
 
-_KINDS = {"str": "a string", "strs": "a list of strings", "pairs": "a list of [int, int]",
+_KINDS = {"str": "a string", "num": "a finite number", "ints": "a list of integers", "strs": "a list of strings", "pairs": "a list of [int, int]",
           "map": "a map with string keys"}
 
 

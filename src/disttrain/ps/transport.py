@@ -84,6 +84,8 @@ def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
 class ServerEndpoint(Endpoint):
     """A server's ROUTER: greets workers, keeps one live session per worker."""
 
+    side = "server"  # whose ops it receives (schema.py); the server manager's: "manager"
+
     def __init__(self, sock: zmq.Socket, secret: bytes, index: int, workers: list[int],
                  limits: Limits = DEFAULT_LIMITS, encrypt: bool = False, always_mac: bool = False,
                  shm: bool = True):
@@ -124,7 +126,7 @@ class ServerEndpoint(Endpoint):
             else:
                 s = self._session(ident, env)
                 msg = self._open(s, env, parts, frames[-1], copy=True)
-                self._check(env, msg, "server")
+                self._check(env, msg, self.side)
                 if msg.meta["worker"] != s.worker:
                     raise FrameError(f"worker of another session: frame says "
                                      f"{msg.meta['worker']}, session is {s.worker}")

@@ -1,0 +1,121 @@
+"""`disttrain ps`: look at and steer a parameter-server group through its server manager.
+
+`disttrain ps status ADDR` prints the ring (version, servers, their keys, bytes, load,
+replica chains, membership events); `disttrain ps manager --state FILE` runs a manager by
+hand (or again after it died: same file, same address, same ring version); `disttrain
+ps drain ADDR --server i` asks it to take a server off the ring (refused while the server
+holds the last copy of a key). ADDR is the manager's address, as `disttrain run
+--servers` prints it, or its state file. Every request goes over the job's authenticated
+wire: DISTTRAIN_SECRET must be the job's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from disttrain.ps.manager_link import ManagerError, ManagerLink, status_party
+
+__all__ = ["add_ps_parser", "format_status"]
+
+
+def add_ps_parser(subparsers) -> None:
+    p = subparsers.add_parser("ps", help="inspect a parameter-server group (its server manager)",
+                              description=__doc__.split("\n\n")[1])
+    sub = p.add_subparsers(title="ps commands", metavar="PS_COMMAND")
+    s = sub.add_parser("status", help="servers, keys, load, ring version, replica chains")
+    s.add_argument("addr", metavar="ADDR", help="manager address (ipc://... or tcp://...) "
+                   "or its state file")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    s.add_argument("--keys", type=int, default=40, help="keys to list (default 40; 0: none)")
+    s.set_defaults(handler=_status)
+    d = sub.add_parser("drain", help="take a server off the ring (refused for the last copy)")
+    d.add_argument("addr", metavar="ADDR")
+    d.add_argument("--server", type=int, required=True, help="the server's index")
+    d.add_argument("--timeout", type=float, default=5.0)
+    d.set_defaults(handler=_drain)
+    m = sub.add_parser("manager", help="run a server manager (blocks; SIGTERM stops it)")
+    m.add_argument("--state", required=True, help="JSON state file (reloaded if it exists)")
+    m.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    m.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat before a server is marked dead")
+    m.set_defaults(handler=_manager)
+    p.set_defaults(handler=lambda _: p.print_help() or 2)
+
+
+def _address(addr: str) -> str:
+    if os.path.isfile(addr):
+        with open(addr) as f:
+            return json.load(f)["address"]
+    return addr
+
+
+def _ask(args, op: str, **meta):
+    """(answer, None) or (None, exit code) after printing the error."""
+    try:
+        link = ManagerLink(_address(args.addr), status_party(), timeout=args.timeout)
+    except (RuntimeError, OSError, ValueError, KeyError) as e:
+        print(f"disttrain ps {args.cmd}: error: {e}", file=sys.stderr)
+        return None, 2
+    try:
+        if op != "status":
+            link.request("lookup")  # NOTE: a change is asked on the current ring version
+        return link.request(op, **meta), None
+    except ManagerError as e:
+        print(f"disttrain ps {args.cmd}: error: {e}", file=sys.stderr)
+        return None, 1
+    finally:
+        link.close()
+
+
+def _status(args) -> int:
+    args.cmd = "status"
+    reply, code = _ask(args, "status")
+    if reply is None:
+        return code
+    print(format_status(reply.meta, _address(args.addr), args.keys))
+    return 0
+
+
+def _drain(args) -> int:
+    args.cmd = "drain"
+    reply, code = _ask(args, "leave", server=args.server)
+    if reply is None:
+        return code
+    print(f"server {args.server} left the ring: ring version {reply.meta['version']}")
+    return 0
+
+
+def _manager(args) -> int:
+    from disttrain.ps.manager import serve_manager
+    serve_manager(args.state, host=args.host, timeout=args.timeout)
+    return 0
+
+
+def format_status(state: dict, address: str, max_keys: int = 40) -> str:
+    """The `state` answer as the table `disttrain ps status` prints."""
+    rows = state["servers"]
+    alive = sum(r["state"] == "alive" for r in rows)
+    out = [f"ring version {state['version']}: {alive} of {state['expected']} servers alive "
+           f"(manager {address})",
+           f"{'server':>6}  {'state':<7} {'keys':>5} {'MB':>9} {'version':>8} {'pushes':>8} "
+           f"{'push/s':>8} {'silent':>7}  address"]
+    for r in rows:
+        out.append(f"{r['server']:>6}  {r['state']:<7} {r['keys']:>5} {r['bytes'] / 1e6:>9.3f} "
+                   f"{r['version']:>8} {r['pushes']:>8} {r['rate']:>8.1f} "
+                   f"{r['silent']:>6.1f}s  {r['address']}")
+    keys = state["shard"]
+    if keys and max_keys:
+        out.append(f"keys ({len(keys)}; replica chain: owner first):")
+        out += [f"  {k['key']:<40} {k['bytes'] / 1e6:>9.3f} MB  server {k['server']}  chain "
+                + " -> ".join(str(c) for c in k["chain"]) for k in keys[:max_keys]]
+        if len(keys) > max_keys:
+            out.append(f"  ... {len(keys) - max_keys} more (--keys N)")
+    if state["rejected"]:
+        out.append("frames refused by the manager: " + ", ".join(
+            f"{k} {n}" for k, n in state["rejected"].items()))
+    if state["events"]:
+        out.append("events:")
+        out += [f"  {e}" for e in state["events"]]
+    return "\n".join(out)

@@ -1,0 +1,249 @@
+"""The server group's membership and ring version: the server manager's state, pure.
+
+The manager (manager.py) owns one `Membership`: which servers exist, where they listen,
+what they hold, whether they are alive, and the ring's `version`. Every change of
+membership (a server registers, joins, leaves, is marked dead, comes back at a new
+address) is exactly one new version, so every party moves through the versions in order;
+a party holding an older version is told so on its next request and gets the whole
+current ring (the state is small: sending it whole is simpler than diffs). Heartbeats
+update load counters and never change the version. Changes that would lose data or mix
+jobs are refused with `Refused`, which names the fix. A change asked for on an older
+version than the current one (`join`, `leave`) is refused with `Stale`: compare and set,
+so two operators never act on two different rings.
+
+The state survives a restart of its process: `save` writes it as JSON atomically (a
+temporary file, fsync, rename) and `load` reads it back; heartbeat times are not saved
+(monotonic clocks are per process), every alive server gets a full timeout again.
+
+Pure: no sockets, no clocks (callers pass `now`), no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Member", "Membership", "Refused", "Stale", "MANAGER_INDEX", "ALIVE", "DEAD",
+           "LEFT", "EXITED"]
+
+MANAGER_INDEX = 2**31 - 1  # the manager's own "server index" on the wire; never a ring member
+ALIVE, DEAD, LEFT, EXITED = "alive", "dead", "left", "exited"
+FORMAT = 1  # of the saved file; bump when its meaning changes
+
+
+class Refused(ValueError):
+    """A membership change or a registration the manager does not make; says why and the fix."""
+
+
+class Stale(Refused):
+    """A change asked for on an older ring version than the current one."""
+
+
+@dataclass
+class Member:
+    """One server of the ring, as the manager knows it."""
+
+    server: int
+    """its index (ring.py names it f"server{index}")."""
+    address: str
+    """where workers reach it (`ipc://...` or `tcp://host:port`)."""
+    state: str = ALIVE
+    """ALIVE, DEAD (missed heartbeats), LEFT (drained) or EXITED (its job ended)."""
+    attempt: int = 0
+    """the launch attempt it registered in (`disttrain run --max-restarts` restarts)."""
+    shard: list = field(default_factory=list)
+    """[key, bytes, chain] of each key it holds; chain: the servers holding copies, owner first."""
+    version: int = 0
+    """its parameter version at its last heartbeat (updates applied)."""
+    pushes: int = 0
+    """push frames it received, at its last heartbeat."""
+    rate: float = 0.0
+    """push frames per second between its last two heartbeats."""
+    beat: float = 0.0
+    """the caller's clock at its last heartbeat or registration (not saved)."""
+
+    def row(self, fingerprint: str, now: float) -> dict:
+        """This member as a `state` message row (schema.STATE_ROW)."""
+        return {"server": self.server, "address": self.address, "state": self.state,
+                "attempt": self.attempt, "fingerprint": fingerprint, "keys": len(self.shard),
+                "bytes": sum(n for _, n, _ in self.shard), "version": self.version,
+                "pushes": self.pushes, "rate": float(self.rate),
+                "silent": float(max(0.0, now - self.beat))}
+
+
+@dataclass
+class Membership:
+    """The ring's members and version; every method says whether it changes the version."""
+
+    expected: int = 0
+    """servers the job was launched with (0: not known until the first registration)."""
+    version: int = 0
+    """the ring version: 0 before anyone registered, +1 per membership change."""
+    fingerprint: str = ""
+    """the model's keys and the policy every server must serve ("" until the first one)."""
+    members: dict[int, Member] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+    """membership changes in order, one line each (what the status and the report show)."""
+
+    # ---- changes ------------------------------------------------------------------------
+    def register(self, server: int, address: str, fingerprint: str, expected: int,
+                 shard: list, now: float, attempt: int = 0) -> bool:
+        """A launched server says where it listens and what it holds; True if that is a new
+        version (first registration, or a new address or launch attempt: a restarted
+        server). Raises Refused."""
+        self._same_job(server, fingerprint, expected)
+        if server >= self.expected and server not in self.members:
+            raise Refused(f"server {server} is not one of the {self.expected} servers this "
+                          f"job was launched with (0..{self.expected - 1}); a server added to "
+                          "a running job joins instead (`disttrain ps add-server`)")
+        m = self.members.get(server)
+        if m is not None and (m.address, m.attempt, m.state) == (address, attempt, ALIVE):
+            m.beat, m.shard = now, [list(r) for r in shard]
+            return False
+        was = "registered" if m is None else f"came back ({m.state} at {m.address})"
+        self.members[server] = Member(server, address, ALIVE, attempt,
+                                      [list(r) for r in shard], beat=now)
+        return self._change(f"server {server} {was} at {address}")
+
+    def join(self, server: int, address: str, fingerprint: str, ring: int, now: float) -> bool:
+        """A server added to a running job (it holds no keys until keys move to it). Raises
+        Stale (ring is not the current version) or Refused."""
+        self._current(ring, "join")
+        self._same_job(server, fingerprint, self.expected)
+        if server == MANAGER_INDEX or server in self.members:
+            raise Refused(f"server {server} is already a member of ring version "
+                          f"{self.version}: pick an index not in use, e.g. "
+                          f"{max(self.members, default=-1) + 1}")
+        self.members[server] = Member(server, address, ALIVE, beat=now)
+        return self._change(f"server {server} joined at {address} (holds no keys yet)")
+
+    def leave(self, server: int, ring: int) -> bool:
+        """Drain `server` from the ring. Refused when it is the manager, not a member, or
+        holds the last live copy of a key. Raises Stale when ring is not current."""
+        if server == MANAGER_INDEX:
+            raise Refused("the manager is not a server of the ring and cannot be drained: "
+                          "servers and workers learn the ring from it; stop the job instead")
+        self._current(ring, "leave")
+        m = self.members.get(server)
+        if m is None or m.state != ALIVE:
+            raise Refused(f"server {server} is not an alive member of ring version "
+                          f"{self.version} (members: {self._names()})")
+        last = self.only_copies(server)
+        if last:
+            nbytes = sum(n for key, n, _chain in m.shard if key in last)
+            raise Refused(
+                f"server {server} holds the last live copy of {len(last)} keys "
+                f"({nbytes / 1e6:.2f} MB, e.g. {last[0]!r}): draining it would lose them. "
+                "Start the job with replicas >= 2 so the next servers of the ring hold "
+                "copies, or wait until its keys have moved to other servers")
+        m.state = LEFT
+        return self._change(f"server {server} at {m.address} left (drained)")
+
+    def beat(self, server: int, version: int, pushes: int, final: bool, now: float) -> bool:
+        """A server's heartbeat (load counters); final: its job ended (no version change).
+        True if the version changed (a server marked dead that beats again is back).
+        Raises Refused for a server that never registered."""
+        m = self.members.get(server)
+        if m is None:
+            raise Refused(f"server {server} is not registered with this manager (members: "
+                          f"{self._names()}): register first")
+        if now > m.beat and pushes >= m.pushes:
+            m.rate = (pushes - m.pushes) / (now - m.beat)
+        m.version, m.pushes, m.beat = version, pushes, now
+        if final:
+            m.state = EXITED
+            self.events.append(f"server {server} exited (its job ended) at ring version "
+                               f"{self.version}")
+            return False
+        if m.state == DEAD:
+            m.state = ALIVE
+            return self._change(f"server {server} at {m.address} is heard again")
+        return False
+
+    def expire(self, now: float, timeout: float) -> list[str]:
+        """Mark dead every alive server silent for more than `timeout` seconds; one new
+        version per server marked. Returns the events (one line each, naming it)."""
+        out = []
+        for m in sorted(self.members.values(), key=lambda m: m.server):
+            if m.state == ALIVE and now - m.beat > timeout:
+                m.state = DEAD
+                lost = self.only_copies(m.server)
+                self._change(f"server {m.server} at {m.address} missed its heartbeats for "
+                             f"{now - m.beat:.1f} s (timeout {timeout:g} s): marked dead"
+                             + (f"; {len(lost)} keys have no other live copy" if lost else ""))
+                out.append(self.events[-1])
+        return out
+
+    # ---- views --------------------------------------------------------------------------
+    def complete(self) -> bool:
+        """Every server the job was launched with has registered and is alive."""
+        return self.expected > 0 and all(
+            i in self.members and self.members[i].state == ALIVE for i in range(self.expected))
+
+    def ring_rows(self) -> list[dict]:
+        """The `ring` message's rows (schema.RING_ROW), by server index."""
+        return [{"server": m.server, "address": m.address, "state": m.state,
+                 "attempt": m.attempt}
+                for _, m in sorted(self.members.items())]
+
+    def only_copies(self, server: int) -> list[str]:
+        """Keys `server` holds of which no other alive member holds a copy."""
+        others = {i for i, m in self.members.items() if i != server and m.state == ALIVE}
+        m = self.members.get(server)
+        return [k for k, _, chain in (m.shard if m else []) if not others & set(chain)]
+
+    # ---- persistence --------------------------------------------------------------------
+    def to_json(self) -> str:
+        members = [dict(asdict(m), beat=None) for _, m in sorted(self.members.items())]
+        return json.dumps({"format": FORMAT, "expected": self.expected, "version": self.version,
+                           "fingerprint": self.fingerprint, "members": members,
+                           "events": self.events[-200:]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, now: float) -> Membership:
+        """The state `to_json` wrote; every alive member's heartbeat timer starts at `now`."""
+        d = json.loads(text)
+        if d.get("format") != FORMAT:
+            raise ValueError(f"manager state of format {d.get('format')!r}, this is {FORMAT}: "
+                             "written by another disttrain version; move the file away")
+        members = {m["server"]: Member(**dict(m, beat=now)) for m in d["members"]}
+        return cls(d["expected"], d["version"], d["fingerprint"], members, d["events"])
+
+    def save(self, path: str, extra: dict | None = None) -> None:
+        """Write the state to `path` atomically (blocks for an fsync): a reader sees the old
+        file or the new one, never a part. `extra` (e.g. the manager's address) is kept too."""
+        d = json.loads(self.to_json())
+        d.update(extra or {})
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(d, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _same_job(self, server: int, fingerprint: str, expected: int) -> None:
+        if server == MANAGER_INDEX:
+            raise Refused(f"server index {MANAGER_INDEX} is the manager's own")
+        if self.fingerprint and fingerprint != self.fingerprint:
+            raise Refused(f"server {server} serves another model or policy (fingerprint "
+                          f"{fingerprint[:16]}, this group's {self.fingerprint[:16]}): build "
+                          "the same model and policy on every rank")
+        if self.expected and expected != self.expected:
+            raise Refused(f"server {server} was launched with {expected} servers, this group "
+                          f"with {self.expected}: one manager serves one job's server group")
+        self.fingerprint, self.expected = fingerprint, expected
+
+    def _current(self, ring: int, what: str) -> None:
+        if ring != self.version:
+            raise Stale(f"{what} asked on ring version {ring}, the current one is "
+                        f"{self.version}: refresh the ring (lookup) and decide again")
+
+    def _change(self, event: str) -> bool:
+        self.version += 1
+        self.events.append(f"ring version {self.version}: {event}")
+        return True
+
+    def _names(self) -> str:
+        return ", ".join(f"{i} ({m.state})" for i, m in sorted(self.members.items())) or "none"
