@@ -155,7 +155,7 @@ def inner_ps(args) -> None:
 
 def ps_experiment(args) -> list[dict]:
     from disttrain.comm.cost import Links, predict
-    from disttrain.ps.ring import plan_keys
+    from disttrain.ps.placement import plan_keys
 
     links = Links(alpha=args.alpha_us * 1e-6, link_Bps=args.fit_gbps * 1e9 / 8)
     w, rows = args.workers, []

@@ -15,8 +15,8 @@ import torch
 from disttrain import ps
 from disttrain.ps.connect import format_stats
 from disttrain.ps.frame import Message
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import KAsync
-from disttrain.ps.ring import plan_keys
 from disttrain.ps.schema import check
 from disttrain.ps.server import Server
 from disttrain.ps.staleness import StaleStep, UpdateRule, divergence_warning

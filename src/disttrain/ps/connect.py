@@ -30,8 +30,9 @@ import torch.distributed as dist
 from disttrain import runtime, settings
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Policy, Sync
-from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
+from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
 from disttrain.ps.worker import Worker
