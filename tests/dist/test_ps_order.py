@@ -94,3 +94,6 @@ def test_sync_is_bitwise_equal_whatever_the_arrival_order(workers):
         for got_a, got_b, want in zip(a, b, ref):
             assert torch.equal(got_a, got_b), f"worker {r}: the two arrival orders differ"
             assert torch.equal(got_a, want), f"worker {r}: differs from the reference"
+    server = out[workers]["first_slow"]  # serve's stats: its load against the mean
+    assert server["version"] == STEPS and server["servers"] == 1
+    assert server["bytes"] == server["mean_bytes"] == sum(4 * t.numel() for t in ref)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from disttrain.models import GPT, GPTConfig
+from disttrain.ps.connect import format_stats
 from disttrain.ps.placement import BALANCE, Placement, key_bytes_limit, place, plan_keys
 from disttrain.ps.ring import HashRing, chunk_tensor
 
@@ -161,3 +162,12 @@ def test_placement_of_plain_sizes_and_errors():
         Placement.of_sizes(sizes, [])
     with pytest.raises(ValueError, match="distinct"):
         Placement.of_sizes(sizes, ["a", "a"])
+
+
+@pytest.mark.timeout(60)
+def test_the_server_report_line_compares_its_bytes_with_the_mean():
+    stats = {"server": 2, "policy": "Sync()", "keys": 30, "bytes": 150_000, "version": 3,
+             "applied": 6, "dropped": 0, "lost_workers": [], "staleness": {0: 6}}
+    assert "30 keys, 0.15 MB, version 3" in format_stats(stats)
+    stats.update(mean_bytes=125_000.0, servers=4)
+    assert "30 keys, 0.15 MB (1.20x the mean of 4 servers), version 3" in format_stats(stats)

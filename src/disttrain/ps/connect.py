@@ -118,6 +118,9 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
     stats = server.serve()
     if path:
         server.snapshot(path)
+    sizes = {n: p.element_size() for n, p in model.named_parameters()}
+    shard_bytes = [sum(c.numel * sizes[c.name] for c in keys) for keys in plan]
+    stats.update(mean_bytes=sum(shard_bytes) / len(plan), servers=len(plan))
     return stats
 
 
@@ -198,7 +201,8 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
 
 
 def format_stats(stats: dict) -> str:
-    """One line for a server's (or a job's) report, and a second one when its momentum and
+    """One line for a server's (or a job's) report (its keys and bytes, and how its bytes
+    compare with the mean of the job's servers when `serve` added it), and a second one when its momentum and
     staleness are in the range where training diverges (staleness.divergence_warning)."""
     warning = stats.get("warning")
     return _stats_line(stats) + (f"\n[ps server{stats.get('server', '?')}] WARNING: {warning}"
@@ -207,7 +211,9 @@ def format_stats(stats: dict) -> str:
 
 def _stats_line(stats: dict) -> str:
     return (f"[ps server{stats.get('server', '?')}] {stats['policy']}: "
-            f"{stats.get('keys', '?')} keys, {stats.get('bytes', 0) / 1e6:.2f} MB, "
+            f"{stats.get('keys', '?')} keys, {stats.get('bytes', 0) / 1e6:.2f} MB"
+            + (f" ({stats['bytes'] / stats['mean_bytes']:.2f}x the mean of {stats['servers']} "
+               "servers)" if stats.get("mean_bytes") else "") + ", "
             f"version {stats['version']}, "
             f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
             f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "

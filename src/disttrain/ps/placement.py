@@ -95,7 +95,7 @@ class Placement:
 
     def _first_with_room(self, key: str, load: dict[str, int]) -> tuple[int, str]:
         walk = []
-        for at, s in self.ring._walk_from(self.ring._point(key)):
+        for at, s in self.ring.walk_from(self.ring.point(key)):
             if load[s] + self.sizes[key] <= self.cap:
                 return at, s
             walk.append((at, s))
@@ -118,7 +118,7 @@ class Placement:
         ValueError naming both."""
         _check_chain(r, len(self.servers))
         self.owner(key)
-        return [s for _, s in itertools.islice(self.ring._walk_from(self._at[key]), r)]
+        return [s for _, s in itertools.islice(self.ring.walk_from(self._at[key]), r)]
 
     def keys(self, server: str) -> list[str]:
         """The keys `server` holds, in model order."""
@@ -145,7 +145,7 @@ class Placement:
         cut the model differently."""
         moved = 0
         for name, size in self.element_size.items():
-            a, b = self._ranges(name), other._ranges(name)
+            a, b = self.ranges(name), other.ranges(name)
             i = j = pos = 0
             while i < len(a) and j < len(b):
                 stop = min(a[i][1], b[j][1])
@@ -154,7 +154,8 @@ class Placement:
                 i, j = i + (a[i][1] == stop), j + (b[j][1] == stop)
         return moved
 
-    def _ranges(self, name: str) -> list[tuple[int, int, str]]:
+    def ranges(self, name: str) -> list[tuple[int, int, str]]:
+        """(start, stop, server) of each key of parameter `name`, in element order."""
         return sorted((c.start, c.stop, self._owner[c.key])
                       for c in self.chunks.values() if c.name == name)
 

@@ -126,14 +126,14 @@ class HashRing:
         every other server once, in ring order (a generator; pure)."""
         if not self._points:
             raise RuntimeError("the ring has no servers; add one with ring.add('server0')")
-        for _, s in self._walk_from(self._point(key)):
+        for _, s in self.walk_from(self.point(key)):
             yield s
 
-    def _point(self, key: str) -> int:
+    def point(self, key: str) -> int:
         """Index of the first ring point clockwise from hash(key) (may equal len: wraps)."""
         return bisect.bisect(self._points, _hash64(key))
 
-    def _walk_from(self, start: int):
+    def walk_from(self, start: int):
         """(point index, server) of each server's first point clockwise from `start`."""
         seen: set[str] = set()
         for j in range(len(self._points)):

@@ -1,0 +1,86 @@
+"""Where a parameter server's bytes go: the key plan before and after bounded loads.
+
+Prints, for the digits MLP (examples/digits_ps.py) and the GPT example's model
+(examples/gpt_char.py defaults), keys and bytes per server under the old plan (whole
+tensors under 4 MB hashed one by one on the ring) and under placement.py (tensors cut
+into small equal ranges, bounded loads at 1.25x the mean), then, for S = 2..16, the
+worst load against the mean and the worst share of bytes moved by adding or removing
+one server (in units of 1/S). Pure computation, no processes:
+
+    python benchmarks/ps_placement.py --servers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from disttrain.models import GPT, GPTConfig
+from disttrain.ps.placement import place
+from disttrain.ps.ring import HashRing, chunk_tensor
+
+
+def _shapes(model: torch.nn.Module) -> list[tuple[str, int, int]]:
+    return [(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
+
+
+def models() -> dict[str, list[tuple[str, int, int]]]:
+    nn = torch.nn
+    digits = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                           nn.Linear(64, 10))
+    gpt = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=64,
+                        tie_embeddings=False))
+    return {"digits MLP": _shapes(digits), "GPT example": _shapes(gpt)}
+
+
+def old_plan(params, servers: int) -> dict[str, tuple[int, int]]:
+    """server -> (keys, bytes) under whole tensors hashed one by one (the plan before)."""
+    ring = HashRing([f"server{i}" for i in range(servers)])
+    out = {s: (0, 0) for s in ring.servers}
+    for name, numel, size in params:
+        for c in chunk_tensor(name, numel, size):
+            k, b = out[ring.owner(c.key)]
+            out[ring.owner(c.key)] = (k + 1, b + c.numel * size)
+    return out
+
+
+def table(name: str, params, servers: int) -> None:
+    total = sum(n * e for _, n, e in params)
+    new = place(params, [f"server{i}" for i in range(servers)])
+    load = new.load()
+    print(f"\n{name}: {len(params)} tensors, {total} bytes, {servers} servers "
+          f"(mean {total / servers:.0f} bytes)")
+    print("| server | keys before | bytes before | x mean | keys after | bytes after | x mean |")
+    print("|---|---|---|---|---|---|---|")
+    for s, (k, b) in old_plan(params, servers).items():
+        print(f"| {s} | {k} | {b} | {b * servers / total:.2f} | {len(new.keys(s))} | "
+              f"{load[s]} | {load[s] * servers / total:.2f} |")
+
+
+def sweep(name: str, params) -> None:
+    total = sum(n * e for _, n, e in params)
+    names = [f"server{i}" for i in range(17)]
+    placed = {s: place(params, names[:s]) for s in range(2, 17)}
+    worst_load = max(max(p.load().values()) * s / total for s, p in placed.items())
+    worst_add = max(placed[s].moved_bytes(placed[s + 1]) * s / total for s in range(2, 16))
+    worst_remove = max(placed[s].moved_bytes(place(params, names[:i] + names[i + 1:s])) * s
+                       / total for s in range(2, 17) for i in range(s))
+    print(f"{name}, S = 2..16: worst load {worst_load:.3f}x the mean; bytes moved by adding a "
+          f"server at most {worst_add:.2f}/S, by removing one at most {worst_remove:.2f}/S "
+          f"({len(placed[16].chunks)} keys)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--servers", type=int, default=4)
+    args = p.parse_args()
+    for name, params in models().items():
+        table(name, params, args.servers)
+    print()
+    for name, params in models().items():
+        sweep(name, params)
+
+
+if __name__ == "__main__":
+    main()
