@@ -175,7 +175,7 @@ def ps_experiment(args) -> list[dict]:
     for r in rows:
         s = r["servers"]
         # NOTE: the busiest server's link carries W x its share of P each way; keys are
-        # placed by the consistent-hash ring (tensors cut at 4 MB), so shares are uneven
+        # placed with bounded loads (placement.py), so no share is over 1.25x the mean
         share = max(sum(c.numel for c in keys) * 4 for keys in plan_keys(shapes, s)) / p if s else 0
         model = compute + (predict("ring", p, w, 1, links) if not s else
                            2 * max(w * share, 1) * p / links.link_Bps + 2 * links.alpha)
