@@ -8,17 +8,25 @@ worst load against the mean and the worst share of bytes moved by adding or remo
 one server (in units of 1/S). Pure computation, no processes:
 
     python benchmarks/ps_placement.py --servers 4
+
+With `--wire`, also what finer keys cost on the wire: bytes per push of the digits MLP
+(2 workers, Sync, 5 pushes; dense and top-k 1%) on 1 server (whole tensors) and on 2
+(cut into keys), measured by `Worker.wire_stats()` on real processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 
 import torch
 
+import disttrain
+from disttrain import ps
 from disttrain.models import GPT, GPTConfig
 from disttrain.ps.placement import place
 from disttrain.ps.ring import HashRing, chunk_tensor
+from disttrain.testing import spawn
 
 
 def _shapes(model: torch.nn.Module) -> list[tuple[str, int, int]]:
@@ -71,15 +79,52 @@ def sweep(name: str, params) -> None:
           f"({len(placed[16].chunks)} keys)")
 
 
+def _push_bytes() -> dict:
+    """On every rank of a 2-worker job: bytes per push, dense and top-k 1% (workers)."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 10))
+    out = {}
+    for name, compression in (("dense", None), ("topk 1%", "topk:ratio=0.01")):
+        if disttrain.role() == "server":
+            out[name] = ps.serve(model, ps.Sync(), timeout=60, name=name)["keys"]
+            continue
+        conn = ps.attach(model, ps.Sync(), timeout=60, name=name, compression=compression)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(disttrain.rank()))
+        for _ in range(5):
+            conn.pull().wait()
+            model.zero_grad()
+            model(x).sum().backward()
+            conn.push().wait()
+        conn.pull().wait()  # NOTE: the last round closes with every worker's push in it
+        out[name] = conn.wire_stats()["sent_bytes"]["push"] / conn.pushes
+        conn.close()
+    return out
+
+
+def wire() -> None:
+    print("\n| servers | keys | dense bytes per push | top-k 1% bytes per push |")
+    print("|---|---|---|---|")
+    for servers in (1, 2):
+        env = {"DISTTRAIN_SERVERS": str(servers), "DISTTRAIN_SECRET": secrets.token_hex(32)}
+        res = spawn(_push_bytes, 2 + servers, env=env, timeout=300)
+        keys = sum(r["dense"] for r in res[2:])
+        print(f"| {servers} | {keys} | {res[0]['dense']:.0f} | {res[0]['topk 1%']:.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--servers", type=int, default=4)
+    p.add_argument("--wire", action="store_true", help="also measure bytes per push")
     args = p.parse_args()
     for name, params in models().items():
         table(name, params, args.servers)
     print()
     for name, params in models().items():
         sweep(name, params)
+    if args.wire:
+        wire()
 
 
 if __name__ == "__main__":
