@@ -202,8 +202,9 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
 
 def format_stats(stats: dict) -> str:
     """One line for a server's (or a job's) report (its keys and bytes, and how its bytes
-    compare with the mean of the job's servers when `serve` added it), and a second one when its momentum and
-    staleness are in the range where training diverges (staleness.divergence_warning)."""
+    compare with the mean of the job's servers when `serve` added it), and a second one
+    when its momentum and staleness are in the range where training diverges
+    (staleness.divergence_warning)."""
     warning = stats.get("warning")
     return _stats_line(stats) + (f"\n[ps server{stats.get('server', '?')}] WARNING: {warning}"
                                  if warning else "")
