@@ -9,15 +9,18 @@ one server (in units of 1/S). Pure computation, no processes:
 
     python benchmarks/ps_placement.py --servers 4
 
-With `--wire`, also what finer keys cost on the wire: bytes per push of the digits MLP
-(2 workers, Sync, 5 pushes; dense and top-k 1%) on 1 server (whole tensors) and on 2
-(cut into keys), measured by `Worker.wire_stats()` on real processes.
+With `--cost`, also what finer keys cost: bytes per push of the digits MLP (2 workers,
+Sync, 5 pushes; dense and top-k 1%) on 1 server (whole tensors) and on 2 (cut into keys),
+measured by `Worker.wire_stats()` on real processes, and the median time of one
+SGD-momentum step over server0's keys (one thread) in each case.
 """
 
 from __future__ import annotations
 
 import argparse
 import secrets
+import statistics
+import time
 
 import torch
 
@@ -113,18 +116,40 @@ def wire() -> None:
         print(f"| {servers} | {keys} | {res[0]['dense']:.0f} | {res[0]['topk 1%']:.0f} |")
 
 
+def step_time() -> None:
+    """Median seconds of one server-side SGD step (momentum 0.9) over server0's keys."""
+    torch.set_num_threads(1)
+    print("\n| servers | keys on server0 | median step, us |")
+    print("|---|---|---|")
+    for servers in (1, 2):
+        keys = place(models()["digits MLP"], [f"server{i}" for i in range(servers)]).plan()[0]
+        params = [torch.nn.Parameter(torch.zeros(c.numel)) for c in keys]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        times = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            for p in params:
+                p.grad = torch.ones(p.numel())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        print(f"| {servers} | {len(keys)} | {statistics.median(times[50:]) * 1e6:.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--servers", type=int, default=4)
-    p.add_argument("--wire", action="store_true", help="also measure bytes per push")
+    p.add_argument("--cost", action="store_true",
+                   help="also measure bytes per push and the server's step time")
     args = p.parse_args()
     for name, params in models().items():
         table(name, params, args.servers)
     print()
     for name, params in models().items():
         sweep(name, params)
-    if args.wire:
+    if args.cost:
         wire()
+        step_time()
 
 
 if __name__ == "__main__":
