@@ -5,7 +5,10 @@ Measured for S = 2..16 on the digits MLP (examples/digits_ps.py), the GPT exampl
 """
 
 import functools
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +174,19 @@ def test_the_server_report_line_compares_its_bytes_with_the_mean():
     assert "30 keys, 0.15 MB, version 3" in format_stats(stats)
     stats.update(mean_bytes=125_000.0, servers=4)
     assert "30 keys, 0.15 MB (1.20x the mean of 4 servers), version 3" in format_stats(stats)
+
+
+@pytest.mark.timeout(60)
+def test_another_process_with_another_hash_seed_computes_the_same_plan():
+    # every rank computes the plan alone: nothing in it may depend on Python's str hash
+    params, names = [("emb", 50000, 4), ("w", 3000, 4), ("b", 10, 4)], _names(5)
+    code = ("from disttrain.ps.placement import place; "
+            f"p = place({params!r}, {names!r}); print(hash('disttrain')); "
+            "print(sorted((k, p.owner(k), c.start, c.stop) for k, c in p.chunks.items()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    child_hash, child_plan = out.splitlines()
+    p = place(params, names)
+    assert int(child_hash) != hash("disttrain")  # the two processes really hash apart
+    assert child_plan == str(sorted((k, p.owner(k), c.start, c.stop) for k, c in p.chunks.items()))
+    assert "emb#" in child_plan
