@@ -155,7 +155,7 @@ def inner_ps(args) -> None:
 
 def ps_experiment(args) -> list[dict]:
     from disttrain.comm.cost import Links, predict
-    from disttrain.ps.ring import plan_keys
+    from disttrain.ps.placement import plan_keys
 
     links = Links(alpha=args.alpha_us * 1e-6, link_Bps=args.fit_gbps * 1e9 / 8)
     w, rows = args.workers, []
@@ -175,7 +175,7 @@ def ps_experiment(args) -> list[dict]:
     for r in rows:
         s = r["servers"]
         # NOTE: the busiest server's link carries W x its share of P each way; keys are
-        # placed by the consistent-hash ring (tensors cut at 4 MB), so shares are uneven
+        # placed with bounded loads (placement.py), so no share is over 1.25x the mean
         share = max(sum(c.numel for c in keys) * 4 for keys in plan_keys(shapes, s)) / p if s else 0
         model = compute + (predict("ring", p, w, 1, links) if not s else
                            2 * max(w * share, 1) * p / links.link_Bps + 2 * links.alpha)

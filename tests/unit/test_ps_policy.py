@@ -29,7 +29,7 @@ def test_sync_waits_for_every_worker_and_parks_pulls():
         assert d.apply == [] and d.cancel == []
         assert p.pull(w).release == []  # must wait for the round
     d = p.push(3, 1, 0)
-    assert d.apply == [0, 1, 2, 3] and p.version == 1
+    assert d.apply == [1, 3, 0, 2] and p.version == 1  # in worker order, not arrival order
     assert d.release == [0, 2, 3]  # the parked pulls
     assert p.pull(1).release == [1]
     assert p.staleness == {0: 4}
@@ -48,7 +48,7 @@ def test_ksync_applies_first_k_cancels_others_drops_late():
     p = started(KSync(2))
     assert p.push(0, 3, 0).apply == []
     d = p.push(1, 1, 0)
-    assert d.apply == [0, 1] and d.cancel == [0, 2] and p.version == 1
+    assert d.apply == [1, 0] and d.cancel == [0, 2] and p.version == 1  # worker 1, then 3
     d = p.push(2, 0, 0)  # worker 0 finished before hearing the cancel: dropped
     assert d.drop == [2] and p.dropped == 1 and d.apply == []
     assert p.pull(0).release == [0]  # late worker pulls the new version at once
@@ -90,6 +90,26 @@ def test_kbatch_sync_counts_minibatches_from_any_worker():
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.parametrize("make", [Sync, lambda: KSync(3), lambda: KBatchSync(3),
+                                  lambda: KAsync(3), lambda: KBatchAsync(3)])
+def test_a_round_is_applied_in_worker_order_whatever_the_arrival_order(make):
+    # the server sums d.apply in this order: worker order makes the sum bitwise the same
+    # whichever worker's push arrived first (tests/dist/test_ps_order.py runs it)
+    applied = set()
+    for arrival in ([2, 0, 1], [1, 2, 0], [0, 1, 2]):
+        p = started(make(), workers=(0, 1, 2))
+        for w in arrival:
+            d = p.push(10 + w, w, 0)
+        assert d.apply == [10, 11, 12] and d.staleness == [0, 0, 0]
+        applied.add(tuple(d.apply))
+    assert applied == {(10, 11, 12)}
+    p = started(KBatchSync(3), workers=(0, 1, 2))  # a worker's own pushes in its order
+    for pid, w in enumerate([1, 0, 1]):
+        d = p.push(pid, w, 0)
+    assert d.apply == [1, 0, 2]
+
+
+@pytest.mark.timeout(10)
 def test_kasync_never_cancels_and_counts_stale_gradients():
     p = started(KAsync(2))
     p.push(0, 0, 0)
@@ -97,7 +117,7 @@ def test_kasync_never_cancels_and_counts_stale_gradients():
     assert d.apply == [0, 1] and d.cancel == [] and p.version == 1
     assert p.push(2, 2, 0).apply == []  # stale, kept for the next round
     d = p.push(3, 0, 1)
-    assert d.apply == [2, 3] and p.staleness == {0: 3, 1: 1}
+    assert d.apply == [3, 2] and p.staleness == {0: 3, 1: 1}  # worker 0's, then worker 2's
     assert p.pull(2).release == [2]
 
 

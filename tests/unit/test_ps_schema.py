@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from disttrain.ps.connect import format_stats
 from disttrain.ps.frame import OPS, PROTOCOL, Message
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
-from disttrain.ps.ring import plan_keys
 from disttrain.ps.schema import SCHEMA, SchemaError, check
 from disttrain.ps.server import PSError, Server
 from disttrain.ps.session import (

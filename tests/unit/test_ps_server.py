@@ -8,8 +8,8 @@ import torch
 
 from disttrain.ps import snapshot as snap
 from disttrain.ps.connect import format_stats
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Async, KSync
-from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server
 
 SECRET = bytes(32)

@@ -18,8 +18,8 @@ import zmq
 
 from disttrain import settings
 from disttrain.ps.frame import DEFAULT_LIMITS, Limits, Message
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Async, Sync
-from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server
 from disttrain.ps.session import PLAIN
 from disttrain.ps.transport import WorkerLink

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from disttrain.ps.compress import ErrorFeedback, TopK, densify, parse_compression
 from disttrain.ps.frame import FrameError, Message, pack, unpack
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import SSP, Async, KBatchSync, KSync, Sync
-from disttrain.ps.ring import plan_keys
 from disttrain.ps.server import Server
 
 KEY = bytes(range(32))
@@ -221,3 +221,22 @@ def test_every_policy_treats_a_sparse_push_as_the_dense_gradient_it_stands_for(p
         assert torch.equal(sparse.params[k], dense.params[k])
     _close(sparse)
     _close(dense)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("ratio", [0.05, 1.0])
+def test_selection_is_over_the_whole_parameter_whatever_its_cut_points(ratio):
+    # placement cuts a parameter into keys at points that depend on the model's size;
+    # what a worker sends must not: the same entries as one key, split at the cut points
+    g = torch.Generator().manual_seed(5)
+    whole, split = ErrorFeedback(TopK(ratio)), ErrorFeedback(TopK(ratio))
+    parts = [(0, 37), (37, 64), (64, 200)]
+    for _ in range(3):
+        grad = torch.randn(200, generator=g)
+        idx, val = whole.compress("w", grad)
+        got = split.compress_parts("w", grad, parts)
+        assert torch.equal(torch.cat([i + start for (i, _), (start, _) in zip(got, parts)]), idx)
+        assert torch.equal(torch.cat([v for _, v in got]), val)
+        assert all(i.dtype == torch.int32 and (i.numel() == 0 or (i[0] >= 0 and i[-1] < stop - start))
+                   for (i, _), (start, stop) in zip(got, parts))
+    assert torch.equal(whole.residual.get("w", torch.zeros(200)), split.residual.get("w", torch.zeros(200)))

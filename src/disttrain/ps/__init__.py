@@ -6,8 +6,8 @@ worker returns a `Worker` whose `push()`/`pull()` return `Handle`s; `connect(...
 one-script helper that calls the rank's entry point and ends a server's process after.
 Consistency is a policy object the servers apply (policy.py; write your own from
 `Policy` and `Decision`; how the asynchronous ones step stale gradients, `step=` and
-`momentum=`, is staleness.py); placement is the consistent-hash `HashRing`
-(ring.py); the wire is transport.py (sockets), session.py (authenticated, sequenced
+`momentum=`, is staleness.py); placement is consistent hashing with bounded
+loads over the `HashRing` (placement.py, ring.py); the wire is transport.py (sockets), session.py (authenticated, sequenced
 sessions) and frame.py (message layout); top-k pushes with error feedback are compress.py;
 `Straggler` delays make stragglers reproducible on one machine. The server manager
 (manager.py, membership.py, manager_link.py) owns the server group's membership and ring

@@ -1,8 +1,9 @@
 """Top-k gradient sparsification with error feedback for parameter-server pushes.
 Follows Deep Gradient Compression (Lin et al. 2018, arXiv 1712.01887): top-k with error feedback.
 
-Who talks to whom: the worker (worker.py) calls `ErrorFeedback.compress(key, grad)` on
-its compute thread for each key of a push and sends the (indices, values) pairs; the
+Who talks to whom: the worker (worker.py) calls `ErrorFeedback.compress_parts(name, grad,
+parts)` on its compute thread for each parameter of a push (top-k over the whole
+parameter, split at its keys' cut points) and sends an (indices, values) pair per key; the
 server (server.py) calls `densify(...)`, which checks every pair (a malformed one raises
 `FrameError`: the server drops the push, counts it and tells that worker) and scatters
 them into dense gradients; from there the server's policy and optimizer treat the push
@@ -23,12 +24,12 @@ from disttrain.ps.frame import FrameError
 __all__ = ["TopK", "ErrorFeedback", "parse_compression", "densify"]
 
 _HELP = ('use None (dense), "topk:ratio=R" with 0 < R <= 1 (e.g. "topk:ratio=0.01": '
-         "send 1% of each key's entries) or ps.TopK(ratio=R)")
+         "send 1% of each parameter's entries) or ps.TopK(ratio=R)")
 
 
 @dataclass(frozen=True)
 class TopK:
-    """Send the ceil(ratio * numel) largest-magnitude entries of each key per push."""
+    """Send the ceil(ratio * numel) largest-magnitude entries of each parameter per push."""
 
     ratio: float = 0.01
 
@@ -66,7 +67,7 @@ def parse_compression(spec: str | TopK | None) -> TopK | None:
 
 
 class ErrorFeedback:
-    """One worker's residuals, per key: what top-k selection has not sent yet.
+    """One worker's residuals, per parameter (or key): what top-k selection has not sent yet.
 
     Used from the compute thread only (the gradient hooks and `push()`); not thread-safe.
     """
@@ -94,6 +95,19 @@ class ErrorFeedback:
         acc[idx] = 0
         self.residual[key] = acc
         return idx.to(index_dtype), values
+
+
+    def compress_parts(self, name: str, grad: torch.Tensor, parts: list[tuple[int, int]]
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`compress` over a whole parameter `name` (DGC's per-layer selection), split at
+        the cut points of its keys: (indices relative to the part, values) per [start,
+        stop) of `parts`, an empty pair where nothing of a part was selected. So what is
+        sent does not depend on how placement cut the parameter; never blocks."""
+        idx, values = self.compress(name, grad)
+        bounds = torch.tensor([b for part in parts for b in part], dtype=idx.dtype)
+        at = torch.searchsorted(idx, bounds).tolist()  # idx is strictly increasing
+        return [(idx[at[2 * i]:at[2 * i + 1]] - start, values[at[2 * i]:at[2 * i + 1]])
+                for i, (start, _) in enumerate(parts)]
 
 
 def densify(keys: list[str], tensors: list[torch.Tensor],

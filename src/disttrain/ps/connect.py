@@ -40,8 +40,9 @@ from disttrain.ps.manager_link import (
     lookup_addresses,
     register_server,
 )
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Policy, Sync
-from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
+from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
 from disttrain.ps.worker import Worker
@@ -148,6 +149,9 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
             beat.stop()
     if path:
         server.snapshot(path)
+    sizes = {n: p.element_size() for n, p in model.named_parameters()}
+    shard_bytes = [sum(c.numel * sizes[c.name] for c in keys) for keys in plan]
+    stats.update(mean_bytes=sum(shard_bytes) / len(plan), servers=len(plan))
     return stats
 
 
@@ -265,8 +269,10 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
 
 
 def format_stats(stats: dict) -> str:
-    """One line for a server's (or a job's) report, and a second one when its momentum and
-    staleness are in the range where training diverges (staleness.divergence_warning)."""
+    """One line for a server's (or a job's) report (its keys and bytes, and how its bytes
+    compare with the mean of the job's servers when `serve` added it), and a second one
+    when its momentum and staleness are in the range where training diverges
+    (staleness.divergence_warning)."""
     warning = stats.get("warning")
     return _stats_line(stats) + (f"\n[ps server{stats.get('server', '?')}] WARNING: {warning}"
                                  if warning else "")
@@ -274,7 +280,9 @@ def format_stats(stats: dict) -> str:
 
 def _stats_line(stats: dict) -> str:
     return (f"[ps server{stats.get('server', '?')}] {stats['policy']}: "
-            f"{stats.get('keys', '?')} keys, {stats.get('bytes', 0) / 1e6:.2f} MB, "
+            f"{stats.get('keys', '?')} keys, {stats.get('bytes', 0) / 1e6:.2f} MB"
+            + (f" ({stats['bytes'] / stats['mean_bytes']:.2f}x the mean of {stats['servers']} "
+               "servers)" if stats.get("mean_bytes") else "") + ", "
             f"version {stats['version']}, "
             f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
             f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "

@@ -139,6 +139,10 @@ class Policy:
     def _maybe_close(self) -> Decision:
         out = Decision()
         if self.buffer and len(self.buffer) >= self._need():
+            # NOTE: a round is summed in worker order (a worker's own pushes in the order
+            # it sent them), never in arrival order: float addition is not associative,
+            # so this makes every update bitwise the same however the pushes raced
+            self.buffer.sort(key=lambda b: (b[1], b[0]))
             out.apply = [pid for pid, _, _ in self.buffer]
             out.staleness = [self.version - v for _, _, v in self.buffer]
             contributors = {w for _, w, _ in self.buffer}

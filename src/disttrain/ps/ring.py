@@ -6,8 +6,10 @@ the first point clockwise from the key's hash. Adding or removing one of S serve
 only the keys of the ring arcs that change hands, about 1/S of them, instead of
 rehashing everything as `hash(key) % S` would.
 
-Keys are parameter names. A tensor larger than `chunk_bytes` is cut (flattened) into
-chunks named `name#0`, `name#1`, ... so a big layer spreads over several servers.
+Keys are parameter names. A tensor larger than a limit is cut (flattened) into equal
+contiguous ranges named `name#0`, `name#1`, ... so a big layer spreads over several
+servers. The job's placement (placement.py) cuts and places keys on this ring with
+bounded loads, so that bytes, not key counts, are balanced.
 
 Pure: no processes, no sockets. Workers and servers each build the same ring from the
 same server list and agree on every owner without talking.
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 from dataclasses import dataclass
 
-__all__ = ["HashRing", "Chunk", "chunk_tensor", "plan_keys", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["HashRing", "Chunk", "chunk_tensor", "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 
@@ -46,7 +49,8 @@ class Chunk:
 
 def chunk_tensor(name: str, numel: int, element_size: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Chunk]:
-    """Cut a parameter of `numel` elements into keys of at most `chunk_bytes` bytes.
+    """Cut a parameter of `numel` elements into the fewest keys of at most `chunk_bytes`
+    bytes, as equal contiguous ranges of the flattened tensor (ps-lite's equal key ranges).
 
     A parameter that fits keeps its own name as key; a bigger one becomes `name#0..n-1`.
     """
@@ -55,11 +59,17 @@ def chunk_tensor(name: str, numel: int, element_size: int,
                          f"({element_size} bytes); use at least 1 MB, e.g. 4 << 20")
     if "#" in name:
         raise ValueError(f"parameter name {name!r} contains '#', which marks chunks; rename it")
-    per = max(1, chunk_bytes // element_size)
-    if numel <= per:
+    per = chunk_bytes // element_size
+    n = -(-numel // per)
+    if n <= 1:
         return [Chunk(name, name, 0, numel)]
-    return [Chunk(f"{name}#{i}", name, s, min(s + per, numel))
-            for i, s in enumerate(range(0, numel, per))]
+    return [Chunk(f"{name}#{i}", name, i * numel // n, (i + 1) * numel // n) for i in range(n)]
+
+
+def _check_chain(r: int, servers: int) -> None:
+    if not isinstance(r, int) or not 1 <= r <= servers:
+        raise ValueError(f"a replica chain of r={r} servers needs 1 <= r <= the number of "
+                         f"servers ({servers}); use replicas <= {servers} or add servers")
 
 
 class HashRing:
@@ -111,6 +121,35 @@ class HashRing:
         i = bisect.bisect(self._points, _hash64(key)) % len(self._points)
         return self._owners[i]
 
+    def walk(self, key: str):
+        """The distinct servers met walking clockwise from hash(key): the owner first, then
+        every other server once, in ring order (a generator; pure)."""
+        if not self._points:
+            raise RuntimeError("the ring has no servers; add one with ring.add('server0')")
+        for _, s in self.walk_from(self.point(key)):
+            yield s
+
+    def point(self, key: str) -> int:
+        """Index of the first ring point clockwise from hash(key) (may equal len: wraps)."""
+        return bisect.bisect(self._points, _hash64(key))
+
+    def walk_from(self, start: int):
+        """(point index, server) of each server's first point clockwise from `start`."""
+        seen: set[str] = set()
+        for j in range(len(self._points)):
+            i = (start + j) % len(self._points)
+            if self._owners[i] not in seen:
+                seen.add(self._owners[i])
+                yield i, self._owners[i]
+                if len(seen) == len(self._servers):
+                    return
+
+    def chain(self, key: str, r: int) -> list[str]:
+        """The owner of `key` followed by the next r-1 distinct servers clockwise: the
+        key's replica chain. r <= number of servers, else ValueError."""
+        _check_chain(r, len(self._servers))
+        return list(itertools.islice(self.walk(key), r))
+
     def assign(self, keys: list[str]) -> dict[str, list[str]]:
         """server -> its keys (in the given order); every server appears, maybe empty."""
         out: dict[str, list[str]] = {s: [] for s in self._servers}
@@ -126,17 +165,3 @@ class HashRing:
         return out
 
 
-def plan_keys(params: list[tuple[str, int, int]], servers: int, *,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES, vnodes: int = 128) -> list[list[Chunk]]:
-    """Keys of each server (index 0..S-1) for parameters given as (name, numel, elem size).
-
-    Every process computes the same plan from the same model, so no one sends it.
-    """
-    if servers < 1:
-        raise ValueError(f"need at least one server, got {servers}; launch with --servers S")
-    ring = HashRing([f"server{i}" for i in range(servers)], vnodes=vnodes)
-    out: list[list[Chunk]] = [[] for _ in range(servers)]
-    for name, numel, size in params:
-        for c in chunk_tensor(name, numel, size, chunk_bytes):
-            out[int(ring.owner(c.key).removeprefix("server"))].append(c)
-    return out

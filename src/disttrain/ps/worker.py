@@ -231,14 +231,15 @@ class Worker:
             # handle completes only then, so wait() before changing .grad in place.
             g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(
                 p.numel(), dtype=p.dtype)
-            for s, c in self._chunks[name]:
+            # (k,) indices and (k,) values, a pair per key, selected over the whole
+            # parameter whatever its keys (compress.py); else each key's slice
+            parts = (self.feedback.compress_parts(name, g, [(c.start, c.stop) for _, c in
+                                                            self._chunks[name]])
+                     if self.feedback is not None else [None] * len(self._chunks[name]))
+            for (s, c), pair in zip(self._chunks[name], parts):
                 keys, tensors = per_server[s]
-                if self.feedback is None:
-                    keys.append(c.key)
-                    tensors.append(g[c.start:c.stop])
-                else:  # (k,) indices and (k,) values, a pair per key (compress.py)
-                    keys += [c.key, c.key]
-                    tensors += self.feedback.compress(c.key, g[c.start:c.stop])
+                keys += [c.key] if pair is None else [c.key, c.key]
+                tensors += [g[c.start:c.stop]] if pair is None else list(pair)
             self._sent.add(name)
         per = 1 if self.feedback is None else 2  # tensors per key
         for s, (keys, tensors) in per_server.items():
