@@ -10,8 +10,11 @@ node's cores, or all nodes' when they share one machine, as emulated clusters do
 Without the CPU terms (the defaults) it is the plain alpha-beta model. Formulas, the
 fit and a worked 4 x 2 example: docs/cluster.md ("Notes from comm/cost.py").
 
-Who talks to whom: comm/algorithms.py's `auto`, benchmarks/allreduce.py and
-benchmarks/scaling.py ask it for predictions. Pure functions: no processes, no torch.
+`collective_steps` / `predict_collective` price the other collectives with the same
+steps (reduce-scatter and all-gather are the ring's halves, p2p one message).
+
+Who talks to whom: comm/algorithms.py's `auto`, benchmarks/allreduce.py,
+benchmarks/scaling.py and plan/cost.py (`disttrain plan layout`) ask it for predictions. Pure functions: no processes, no torch.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from dataclasses import dataclass
 
 from disttrain import settings
 
-__all__ = ["Links", "Step", "steps", "predict", "choose_algorithm", "links_from_env", "MODELLED"]
+__all__ = ["Links", "Step", "steps", "predict", "choose_algorithm", "links_from_env", "MODELLED",
+           "COLLECTIVES", "collective_steps", "predict_collective"]
 
 MODELLED = ("ring", "halving-doubling", "tree", "hierarchical")
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "p2p")
+"""What `predict_collective` models (the collectives `disttrain plan layout` prices)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,32 @@ def _halving_doubling(nbytes: float, world: int, local: int) -> list[Step]:
 def predict(algorithm: str, nbytes: float, world: int, local: int, links: Links) -> float:
     """Predicted seconds of one allreduce of `nbytes` over `world` ranks, `local` per node."""
     return sum(links.cost(s, world // local) for s in steps(algorithm, nbytes, world, local))
+
+
+def collective_steps(op: str, nbytes: float, world: int, local: int) -> list[Step]:
+    """The ring steps of one collective over `world` ranks, `local` per node (node-major).
+
+    `nbytes` is the full tensor: the all-reduce's input, the reduce-scatter's input (each
+    rank keeps nbytes / world), the all-gather's output. A ring all-reduce is a
+    reduce-scatter (its first world - 1 steps) then an all-gather (the last world - 1),
+    as NCCL and `steps("ring", ...)` run it; "p2p" is one message of `nbytes` to the next
+    node when `local` < `world`, else inside the node.
+    """
+    if op not in COLLECTIVES:
+        raise ValueError(f"no model for collective {op!r}; modelled: {', '.join(COLLECTIVES)}")
+    if op == "p2p":
+        remote = local < world
+        return [Step(nbytes, remote, 1, 1 if remote else 0, 0 if remote else 1)]
+    ring = steps("ring", nbytes, world, local)
+    if op == "all-reduce":
+        return ring
+    return ring[: len(ring) // 2]  # NOTE: both halves cost the same; either stands for the op
+
+
+def predict_collective(op: str, nbytes: float, world: int, local: int, links: Links) -> float:
+    """Predicted seconds of one ring `op` (see `collective_steps`) of `nbytes`."""
+    return sum(links.cost(s, max(world // local, 1))
+               for s in collective_steps(op, nbytes, world, local))
 
 
 def links_from_env(environ: Mapping[str, str] | None = None) -> Links:

@@ -7,6 +7,7 @@ process group or imports torch.distributed.
 
 from __future__ import annotations
 
+from disttrain.plan.layout import add_layout_parser
 from disttrain.plan.memory import (
     OPTIMIZERS,
     PRECISIONS,
@@ -20,7 +21,7 @@ from disttrain.plan.memory import (
 __all__ = ["PRECISIONS", "OPTIMIZERS", "MemoryPlan", "bytes_per_param", "model_state_bytes",
            "plan_table", "add_plan_parser"]
 
-PLANS = (add_memory_parser,)
+PLANS = (add_memory_parser, add_layout_parser)
 """Each plan's `add_<name>_parser(sub)`, in the order `disttrain plan --help` lists them."""
 
 

@@ -1,0 +1,77 @@
+"""The device table `disttrain plan layout` prices layouts with: plan/devices.json.
+
+Each device is a peak FLOP/s per dtype, the share of it a large matmul reaches, memory
+and its bandwidth, and the two links a layout's collectives cross (inside a node, one
+NIC per device across nodes), every number with its source (printed by `--explain`).
+The file is package data read with the standard library: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from disttrain.comm.cost import Links
+
+__all__ = ["Device", "DEVICES", "device"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One row of devices.json (rates in FLOP/s and bytes/s, memory in bytes)."""
+
+    key: str
+    name: str
+    peak_flops: dict
+    """dtype -> dense peak FLOP/s."""
+    matmul_efficiency: float
+    """Achieved / peak FLOP/s of a large matmul (a cited measurement)."""
+    memory_bytes: float
+    hbm_Bps: float
+    """Device memory bandwidth: what elementwise (non-matmul) work runs at."""
+    intra_Bps: float
+    """Ring bus bandwidth between devices of one node (an all-reduce moves 2(n-1)/n S at it)."""
+    intra_alpha: float
+    inter_Bps: float
+    """Bytes/s of one device's share of its node's network (one NIC per device)."""
+    inter_alpha: float
+    sources: dict
+    """field -> where its number comes from."""
+
+    def matmul_flops(self, dtype: str) -> float:
+        """FLOP/s a large matmul reaches in `dtype`: peak x matmul_efficiency."""
+        if dtype not in self.peak_flops:
+            raise ValueError(f"device {self.key!r} has no {dtype} peak in devices.json; "
+                             f"it has {', '.join(sorted(self.peak_flops))}")
+        return self.peak_flops[dtype] * self.matmul_efficiency
+
+    def links(self, nics: float = 1.0) -> Links:
+        """comm/cost.py's Links for one group: its node link is `nics` of the per-device NICs."""
+        return Links(alpha=self.inter_alpha, link_Bps=self.inter_Bps * nics,
+                     local_alpha=self.intra_alpha, local_Bps=self.intra_Bps)
+
+
+@cache
+def _table() -> dict[str, Device]:
+    text = resources.files("disttrain.plan").joinpath("devices.json").read_text()
+    rows = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+    out = {}
+    for key, row in rows.items():
+        sources = {k[: -len("_source")]: v for k, v in row.items() if k.endswith("_source")}
+        fields = {k: v for k, v in row.items() if not k.endswith("_source")}
+        out[key] = Device(key=key, sources=sources, **fields)
+    return out
+
+
+DEVICES = tuple(_table())
+"""The device names devices.json defines (`--device` takes one)."""
+
+
+def device(key: str) -> Device:
+    """The device called `key`; a ValueError naming the known ones otherwise."""
+    table = _table()
+    if key not in table:
+        raise ValueError(f"unknown device {key!r}; devices.json defines {', '.join(table)}")
+    return table[key]

@@ -1,0 +1,98 @@
+"""The terms of plan/cost.py's estimate: each number with its formula and source.
+
+`time_terms` lists the busiest stage's work (matmul, elementwise, gradient
+accumulation, LM head, tensor-parallel collectives, pipeline sends), the simulator's
+bubble and the exposed data-parallel / ZeRO communication; `wire_bytes` counts what one
+device sends per step. `--explain` prints them (plan/layout_text.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain.plan.gpt import KORTHIKANTI, NARAYANAN, GPTSpec
+
+__all__ = ["Term", "time_terms", "wire_bytes"]
+
+DTYPE = "bf16"
+"""Mixed precision: bf16 matmuls, fp32 master weights and Adam (plan/memory.py's "mixed")."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One number of the estimate with where it comes from."""
+
+    name: str
+    value: float
+    """Seconds (time terms) or bytes (memory terms)."""
+    formula: str
+    source: str = ""
+
+
+def wire_bytes(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> float:
+    """Bytes one device sends per step (ring counts; `lay` is a cost.Layout)."""
+    t, n, mb = lay.tp, lay.dp, lay.microbatches
+    layers = m.layers // lay.pp
+    count = 2 + (3 if lay.sp else 2) + (2 if lay.recompute else 0)
+    tp = count * 2 * (t - 1) / t * per["cost"].tp_bytes * layers * mb
+    p2p = 2 * d["p2p_bytes"] * mb if lay.pp > 1 else 0.0
+    g = dp["grads"]
+    data = {0: 2 * g, 1: 2 * g, 2: 2 * g, 3: 3 * g * mb}[lay.zero] * (n - 1) / n
+    return tp + p2p + data
+
+
+def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
+    """The step's time terms (seconds), each with formula and source, for `--explain`."""
+    mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
+    passes = 4 if lay.recompute else 3
+    rate = f"{dev.matmul_flops(DTYPE) / 1e12:.4g} TFLOP/s"
+    src = f"{dev.sources.get('peak')}; {dev.sources.get('matmul')}"
+    c = per["cost"]
+    out = [
+        Term("matmul", mb * layers * passes * per["mm"],
+             f"{mb} micro-batches x {layers} layers x {passes} passes x (24bsh^2 + 4bs^2h)/t = "
+             f"{c.matmul_flops:.4g} FLOP at {rate}", f"{NARAYANAN}; {src}"),
+        Term("elementwise", mb * layers * (passes + 1) * per["el"],
+             f"{mb} x {layers} x (fwd 1 + bwd 2{' + recompute 1' if lay.recompute else ''}) x "
+             f"{c.elementwise_bytes / 1e6:.4g} MB at {dev.hbm_Bps / 1e9:.4g} GB/s",
+             f"{KORTHIKANTI} (tensor list); {dev.sources.get('hbm')}"),
+        Term("gradient accumulation", mb * layers * d["acc"],
+             f"{mb} x {layers} layers x 6 B/param x {m.layer_params / lay.tp:.4g} params "
+             f"at {dev.hbm_Bps / 1e9:.4g} GB/s (AccumulateGrad into bf16 .grad)",
+             dev.sources.get("hbm", "")),
+        Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
+             f"{mb} x 3 x 2bshV/t FLOP + fp32 logits", NARAYANAN),
+    ]
+    if lay.tp > 1:
+        where = "intra" if per["tp_local"] == lay.tp else "inter"
+        n = (per["tp_f"] + per["tp_b"] + (per["tp_f"] if lay.recompute else 0)) / per["ar"]
+        out.append(Term("tp all-reduce" + (" (SP: all-gather/reduce-scatter)" if lay.sp else ""),
+                        mb * layers * n * per["ar"],
+                        f"{mb} x {layers} layers x {n:g} x ring all-reduce of 2bsh = "
+                        f"{c.tp_bytes / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each)",
+                        f"comm/cost.py ring; {dev.sources.get(where)}"))
+    if lay.pp > 1:
+        out.append(Term("pipeline p2p", 2 * mb * d["p2p"],
+                        f"2 x {mb} sends of {d['p2p_bytes'] / 1e6:.4g} MB ({d['p2p'] * 1e3:.3g} ms each)",
+                        f"comm/cost.py p2p; {dev.sources.get('inter')}"))
+        out.append(Term(f"bubble ({lay.schedule}, pp={lay.pp}, m={mb})", bubble,
+                        "makespan - busiest stage's busy time, from the schedule simulator",
+                        "parallel/pipeline/schedules.py simulate()"))
+    if lay.zero == 3:
+        out.append(Term("ZeRO-3 gathers (exposed)", mb * (lc * lay.virtual) * (d["z3_f"] + d["z3_b"])
+                        + 2 * mb * lay.virtual * d["z3_first"],
+                        "per layer max(0, all-gather [+ reduce-scatter] - compute), prefetching "
+                        "the next layer; the first layer's gather exposed", "comm/cost.py ring"))
+    if dp["buckets"]:
+        op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
+        out.append(Term(f"dp {op} (exposed)", dp["reduce"],
+                        f"{dp['buckets']} buckets of {dp['grads'] / dp['buckets'] / 1e6:.3g} MB, "
+                        f"{dp['bucket'] * 1e3:.3g} ms each, ready over the last backward: "
+                        f"max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
+    if dp["gather"]:
+        out.append(Term("ZeRO parameter all-gather", dp["gather"],
+                        f"all-gather of {dp['grads'] / 1e6:.4g} MB bf16 parameters after the step",
+                        "zero.md (Stages 0-2)"))
+    out.append(Term("optimizer step", opt, "30 B/param of Adam's shard at memory bandwidth",
+                    dev.sources.get("hbm", "")))
+    return out
