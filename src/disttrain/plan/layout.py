@@ -44,11 +44,15 @@ class Pins:
 
 @dataclass
 class Plan:
-    """The ranked estimates (fastest first) and how many layouts did not fit."""
+    """The ranked estimates (fastest first) and what happened to the other candidates."""
 
     ranked: list[Estimate]
     too_big: int
+    """Candidates checked and found not to fit the device's memory."""
     visited: int
+    """Candidates priced in full (simulated)."""
+    candidates: int
+    """All candidates; those neither priced nor too big were pruned by their lower bound."""
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -109,7 +113,7 @@ def plan_layouts(m: GPTSpec, dev: Device, n: int, nodes_of: int, global_batch: i
         visited += 1
         ranked.append(estimate(m, lay, dev, nodes_of))
         ranked.sort(key=lambda e: (round(e.step, 6), e.memory))  # ties: the smaller footprint
-    return Plan(ranked[:top], too_big, visited)
+    return Plan(ranked[:top], too_big, visited, len(order))
 
 
 def add_layout_parser(sub) -> None:

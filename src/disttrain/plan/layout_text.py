@@ -45,8 +45,9 @@ def _row(i, m, dev, n, batch, e: Estimate, tokens) -> str:
 def table(m: GPTSpec, dev: Device, n: int, batch: int, result, tokens: float | None) -> str:
     """The ranked table, fastest first."""
     head = (f"{m.params / 1e9:.4g}B-parameter GPT on {n} x {dev.key}, global batch {batch} "
-            f"x {m.seq} tokens; {len(result.ranked)} fastest of {result.visited} layouts that "
-            f"fit ({result.too_big} do not fit {dev.memory_bytes / 1e9:.3g} GB)")
+            f"x {m.seq} tokens; {result.candidates} layouts: {result.visited} priced, "
+            f"{result.too_big} do not fit {dev.memory_bytes / 1e9:.3g} GB, the rest cannot "
+            f"beat row {len(result.ranked)}")
     cols = (" #   pp    dp  tp zero  mb     m    schedule   rc   sp   step(s)    MFU  TFLOP/s"
             "  mem(GB) fits  bubble  GB/step")
     if tokens:
