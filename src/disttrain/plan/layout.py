@@ -53,6 +53,8 @@ class Plan:
     """Candidates priced in full (simulated)."""
     candidates: int
     """All candidates; those neither priced nor too big were pruned by their lower bound."""
+    smallest: tuple[float, Layout] | None = None
+    """The least memory a candidate that did not fit needs, and that candidate."""
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -104,16 +106,19 @@ def plan_layouts(m: GPTSpec, dev: Device, n: int, nodes_of: int, global_batch: i
                     for i, lay in enumerate(candidates(m, n, global_batch, pins))))
     ranked: list[Estimate] = []
     too_big = visited = 0
+    smallest = None
     for bound, _, lay in order:
         if len(ranked) >= top and bound >= ranked[top - 1].step:
             break
-        if sum(t.value for t in memory(m, lay)) > dev.memory_bytes:
+        need = sum(t.value for t in memory(m, lay))
+        if need > dev.memory_bytes:
             too_big += 1
+            smallest = min(smallest or (need, lay), (need, lay), key=lambda x: x[0])
             continue
         visited += 1
         ranked.append(estimate(m, lay, dev, nodes_of))
         ranked.sort(key=lambda e: (round(e.step, 6), e.memory))  # ties: the smaller footprint
-    return Plan(ranked[:top], too_big, visited, len(order))
+    return Plan(ranked[:top], too_big, visited, len(order), smallest)
 
 
 def add_layout_parser(sub) -> None:
@@ -149,6 +154,9 @@ def _check(args: argparse.Namespace) -> tuple[GPTSpec, Device, Pins]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.zero is not None and args.zero not in range(4):
         raise ValueError(f"--zero must be 0, 1, 2 or 3, got {args.zero}")
+    if args.devices > args.nodes_of and args.devices % args.nodes_of:
+        raise ValueError(f"--devices ({args.devices}) must be whole nodes: a multiple of "
+                         f"--nodes-of ({args.nodes_of})")
     if args.tokens is not None and not args.tokens > 0:
         raise ValueError(f"--tokens must be > 0, got {args.tokens}")
     on = {None: None, "on": True, "off": False}
@@ -163,11 +171,7 @@ def _plan_layout(args: argparse.Namespace) -> int:
         batch = args.global_batch or args.devices
         result = plan_layouts(m, dev, args.devices, args.nodes_of, batch, pins, args.top)
         if not result.ranked:
-            raise ValueError(
-                f"no layout of this model fits {args.devices} x {dev.key} "
-                f"({result.too_big} tried do not fit {dev.memory_bytes / 1e9:.3g} GB, or none "
-                f"divides --global-batch {batch}); add devices, pick a larger device, or "
-                f"loosen the fixed --tp/--pp/--zero/--recompute/--sp")
+            raise ValueError(_nothing_fits(args, dev, batch, result))
     except ValueError as err:
         print(f"disttrain plan layout: error: {err}", file=sys.stderr)
         return 2
@@ -175,3 +179,14 @@ def _plan_layout(args: argparse.Namespace) -> int:
     if args.explain:
         print(explain(m, dev, args.devices, batch, result))
     return 0
+
+
+def _nothing_fits(args: argparse.Namespace, dev: Device, batch: int, result: Plan) -> str:
+    if not result.candidates:
+        return (f"no layout of {args.devices} devices divides --global-batch {batch} with the "
+                f"fixed fields; pick a global batch that is a multiple of dp x micro-batch")
+    need, lay = result.smallest
+    return (f"no layout fits {args.devices} x {dev.key} ({dev.memory_bytes / 1e9:.3g} GB): the "
+            f"smallest of {result.too_big} needs {need / 1e9:.3g} GB (pp={lay.pp} dp={lay.dp} "
+            f"tp={lay.tp} zero={lay.zero} recompute={'on' if lay.recompute else 'off'}); add "
+            f"devices, pick a larger device, or loosen --tp/--pp/--zero/--recompute/--sp")
