@@ -48,8 +48,7 @@ def test_bubble_is_the_schedule_simulators():
     lay = cost.Layout(pp=4, dp=2, tp=1, zero=0, micro_batch=1, microbatches=8,
                       schedule="1f1b", recompute=False, sp=False)
     est = cost.estimate(GPT_1B, lay, A100, 8)
-    per = cost._per_layer(GPT_1B, lay, A100, 8)
-    d = cost._durations(GPT_1B, lay, A100, 8, per)
+    d = cost.action_times(GPT_1B, lay, A100, 8)
     sched = make_schedule("1f1b", 4, 8)
     rows = [[(d["F"] + (d["p2p"] if s else 0) + (d["head_f"] if s == 3 else 0)) if a.kind == "F"
              else (d["B"] + (d["p2p"] if s < 3 else 0) + (d["head_b"] if s == 3 else 0))

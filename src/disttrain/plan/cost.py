@@ -39,7 +39,8 @@ from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, layer_cost
 from disttrain.plan.memory import model_state_bytes
 from disttrain.plan.terms import DTYPE, Term, time_terms, wire_bytes
 
-__all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_bound", "BUCKET_BYTES"]
+__all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_bound",
+           "action_times", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
@@ -171,6 +172,13 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
             "p2p": p2p, "head_f": head_mm + head_el, "head_b": 2 * head_mm + head_el,
             "z3_f": z3_f, "z3_b": z3_b, "z3_first": z3_first, "p2p_bytes": act, "lc": lc,
             "acc": acc}
+
+
+def action_times(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
+    """Seconds of one chunk's "F", "B" (whole backward), "B_split" and "W" (ZB-H1's halves),
+    one pipeline send "p2p", and the LM head's "head_f" / "head_b" on the last stage:
+    what the simulator is given for each action."""
+    return _durations(m, lay, dev, nodes_of, _per_layer(m, lay, dev, nodes_of))
 
 
 def _pipeline(lay: Layout, d: dict) -> tuple[float, float]:
