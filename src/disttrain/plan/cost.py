@@ -168,7 +168,8 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     acc = 0.0 if lay.zero == 3 else 6 * m.layer_params / t / dev.hbm_Bps
     fwd = lc * (per["fwd"] + z3_f) + z3_first
     bwd = lc * (per["bwd"] + z3_b + acc) + z3_first
-    return {"F": fwd, "B": bwd, "W": lc * per["mm"], "B_split": bwd - lc * per["mm"],
+    w = lc * (per["mm"] + acc)  # ZB-H1's W: the weight-gradient matmuls and their accumulation
+    return {"F": fwd, "B": bwd, "W": w, "B_split": bwd - w,
             "p2p": p2p, "head_f": head_mm + head_el, "head_b": 2 * head_mm + head_el,
             "z3_f": z3_f, "z3_b": z3_b, "z3_first": z3_first, "p2p_bytes": act, "lc": lc,
             "acc": acc}
