@@ -183,8 +183,10 @@ def _plan_layout(args: argparse.Namespace) -> int:
 
 def _nothing_fits(args: argparse.Namespace, dev: Device, batch: int, result: Plan) -> str:
     if not result.candidates:
-        return (f"no layout of {args.devices} devices divides --global-batch {batch} with the "
-                f"fixed fields; pick a global batch that is a multiple of dp x micro-batch")
+        return (f"no layout of {args.devices} devices matches the fixed fields and divides "
+                f"--global-batch {batch}; pick a global batch that is a multiple of dp x "
+                f"micro-batch, or fix fewer of --tp/--pp/--zero/--schedule/--micro-batch "
+                f"(--zero needs dp > 1, --schedule pp > 1)")
     need, lay = result.smallest
     return (f"no layout fits {args.devices} x {dev.key} ({dev.memory_bytes / 1e9:.3g} GB): the "
             f"smallest of {result.too_big} needs {need / 1e9:.3g} GB (pp={lay.pp} dp={lay.dp} "
