@@ -164,3 +164,19 @@ def test_cli_table_and_explain(capsys):
     assert out.count(" days") == 3 and "winner: " in out and "runner-up: " in out
     for source in ("Bekman", "datasheet", "Korthikanti", "schedule simulator", "comm/cost.py"):
         assert source in out
+
+
+@pytest.mark.timeout(10)
+def test_ranks_of_this_machine_share_it_and_its_cpu_pool():
+    here = device("cpu-here")
+    quarter = here.per_rank(4)
+    assert quarter.peak_flops["bf16"] == pytest.approx(here.peak_flops["bf16"] / 4)
+    assert quarter.memory_bytes == pytest.approx(here.memory_bytes / 4)
+    assert A100.per_rank(8) is A100  # GPUs are devices of their own
+    links = here.links()
+    assert links.shared_cpu and links.step_alpha > 0  # comm/cost.py's emulated-cluster fit
+    tiny = parse_gpt("gpt:layers=4,hidden=64,heads=4,seq=64,vocab=128")
+    lay = cost.Layout(pp=1, dp=2, tp=1, zero=0, micro_batch=4, microbatches=1,
+                      schedule="-", recompute=False, sp=False)
+    two, four = (cost.estimate(tiny, dataclasses.replace(lay, dp=n), here, 8) for n in (2, 4))
+    assert four.time[0].value == pytest.approx(2 * two.time[0].value)  # matmul: half the machine

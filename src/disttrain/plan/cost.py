@@ -131,6 +131,7 @@ def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
     The last stage is busy m (F + B + head) and cannot start before its first input
     crossed the p - 1 chunks before it; exposed data-parallel time and the optimizer add.
     """
+    dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
     per = _per_layer(m, lay, dev, nodes_of)
     d = _durations(m, lay, dev, nodes_of, per)
     v, mb = lay.virtual, lay.microbatches
@@ -179,6 +180,7 @@ def action_times(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     """Seconds of one chunk's "F", "B" (whole backward), "B_split" and "W" (ZB-H1's halves),
     one pipeline send "p2p", and the LM head's "head_f" / "head_b" on the last stage:
     what the simulator is given for each action."""
+    dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
     return _durations(m, lay, dev, nodes_of, _per_layer(m, lay, dev, nodes_of))
 
 
@@ -275,6 +277,7 @@ def memory(m: GPTSpec, lay: Layout) -> list[Term]:
 
 def estimate(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> Estimate:
     """The predicted step of `lay` (see the module docstring for the model)."""
+    dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
     per = _per_layer(m, lay, dev, nodes_of)
     d = _durations(m, lay, dev, nodes_of, per)
     makespan, bubble = _pipeline(lay, d)

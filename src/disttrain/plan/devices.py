@@ -9,7 +9,8 @@ The file is package data read with the standard library: nothing here imports to
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 
@@ -39,6 +40,20 @@ class Device:
     inter_alpha: float
     sources: dict
     """field -> where its number comes from."""
+    step_alpha: float = 0.0
+    """comm/cost.py's CPU pool terms (emulated clusters on one machine); GPUs leave them out."""
+    cpu_Bps: float = math.inf
+    cpu_local_Bps: float = math.inf
+    shared_cpu: bool = False
+    shared_machine: bool = False
+    """True when all N devices are processes of one machine: each gets 1/N of its rates."""
+
+    def per_rank(self, n: int) -> Device:
+        """What one of `n` ranks gets: the device itself, or 1/n of a shared machine."""
+        if not self.shared_machine or n == 1:
+            return self
+        return replace(self, peak_flops={k: v / n for k, v in self.peak_flops.items()},
+                       hbm_Bps=self.hbm_Bps / n, memory_bytes=self.memory_bytes / n)
 
     def matmul_flops(self, dtype: str) -> float:
         """FLOP/s a large matmul reaches in `dtype`: peak x matmul_efficiency."""
@@ -50,7 +65,9 @@ class Device:
     def links(self, nics: float = 1.0) -> Links:
         """comm/cost.py's Links for one group: its node link is `nics` of the per-device NICs."""
         return Links(alpha=self.inter_alpha, link_Bps=self.inter_Bps * nics,
-                     local_alpha=self.intra_alpha, local_Bps=self.intra_Bps)
+                     local_alpha=self.intra_alpha, local_Bps=self.intra_Bps,
+                     step_alpha=self.step_alpha, cpu_Bps=self.cpu_Bps,
+                     cpu_local_Bps=self.cpu_local_Bps, shared_cpu=self.shared_cpu)
 
 
 @cache

@@ -111,7 +111,7 @@ def plan_layouts(m: GPTSpec, dev: Device, n: int, nodes_of: int, global_batch: i
         if len(ranked) >= top and bound >= ranked[top - 1].step:
             break
         need = sum(t.value for t in memory(m, lay))
-        if need > dev.memory_bytes:
+        if need > dev.per_rank(n).memory_bytes:
             too_big += 1
             smallest = min(smallest or (need, lay), (need, lay), key=lambda x: x[0])
             continue

@@ -21,7 +21,7 @@ def throughput(m: GPTSpec, e: Estimate, n: int, batch: int) -> float:
 
 
 def mfu(m: GPTSpec, e: Estimate, dev: Device, n: int, batch: int) -> float:
-    return m.model_flops(batch * m.seq) / (n * e.step * dev.peak_flops[DTYPE])
+    return m.model_flops(batch * m.seq) / (n * e.step * dev.per_rank(n).peak_flops[DTYPE])
 
 
 def days(m: GPTSpec, e: Estimate, batch: int, tokens: float) -> float:
@@ -46,7 +46,7 @@ def table(m: GPTSpec, dev: Device, n: int, batch: int, result, tokens: float | N
     """The ranked table, fastest first."""
     head = (f"{m.params / 1e9:.4g}B-parameter GPT on {n} x {dev.key}, global batch {batch} "
             f"x {m.seq} tokens; {result.candidates} layouts: {result.visited} priced, "
-            f"{result.too_big} do not fit {dev.memory_bytes / 1e9:.3g} GB, the rest cannot "
+            f"{result.too_big} do not fit {dev.per_rank(n).memory_bytes / 1e9:.3g} GB, the rest cannot "
             f"beat row {len(result.ranked)}")
     cols = (" #   pp    dp  tp zero  mb     m    schedule   rc   sp   step(s)    MFU  TFLOP/s"
             "  mem(GB) fits  bubble  GB/step")
@@ -79,7 +79,8 @@ def explain(m: GPTSpec, dev: Device, n: int, batch: int, result) -> str:
              f"  {m.params / 1e9:.4g}B params = 12lh^2 + 13lh + (V + s)h ({NARAYANAN}, eq. 2)"]
     lines += _terms("time (the busiest stage's work; bubble and exposed communication added):",
                     win.time, "s")
-    lines += _terms(f"memory per device (limit {dev.memory_bytes / 1e9:.3g} GB):", win.mem, "GB")
+    limit = dev.per_rank(n).memory_bytes
+    lines += _terms(f"memory per device (limit {limit / 1e9:.3g} GB):", win.mem, "GB")
     lines.append(f"device {dev.key}: {dev.name}")
     lines += [f"  {k}: {v}" for k, v in dev.sources.items()]
     if len(result.ranked) > 1:
