@@ -35,12 +35,12 @@ from disttrain.parallel.pipeline.schedules import (
     simulate,
 )
 from disttrain.plan.devices import Device
-from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, layer_cost
+from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, LayerCost, layer_cost
 from disttrain.plan.memory import model_state_bytes
 from disttrain.plan.terms import DTYPE, Term, time_terms, wire_bytes
 
 __all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_bound",
-           "action_times", "BUCKET_BYTES"]
+           "action_times", "layer_seconds", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
@@ -105,11 +105,19 @@ def _group_local(size: int, stride: int, nodes_of: int) -> int:
     return max(1, min(size, nodes_of // stride)) if stride < nodes_of else 1
 
 
+def layer_seconds(c: LayerCost, dev: Device) -> tuple[float, float]:
+    """(matmul, elementwise) forward seconds of one layer on one micro-batch.
+
+    The one place compute time comes from FLOPs and bytes: a measured per-layer profile
+    (forward seconds of the real module) replaces this function, nothing else.
+    """
+    return c.matmul_flops / dev.matmul_flops(DTYPE), c.elementwise_bytes / dev.hbm_Bps
+
+
 def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     """Seconds of one layer's forward / backward on one micro-batch, with their parts."""
     c = layer_cost(m, lay.micro_batch, lay.tp, lay.sp)
-    rate = dev.matmul_flops(DTYPE)
-    mm, el = c.matmul_flops / rate, c.elementwise_bytes / dev.hbm_Bps
+    mm, el = layer_seconds(c, dev)
     local = _group_local(lay.tp, 1, nodes_of)
     ar = _collective("all-reduce", c.tp_bytes, lay.tp, local, dev.links(nics=local))
     tp_f = 2 * ar  # 2 all-reduces (SP: 2 all-gathers + 2 reduce-scatters, the same bytes)

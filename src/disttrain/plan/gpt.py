@@ -7,8 +7,8 @@ activations. A layer is 12h^2 + 13h parameters; its forward is 24bsh^2 + 4bs^2h 
 (matmuls), the LM head's 2bshV; backward is twice forward; full recompute adds one more
 layer forward. Activations per layer (Korthikanti): sbh(10 + 24/t) + 5as^2b/t bytes,
 34sbh/t + 5as^2b/t with sequence parallelism, 2sbh (the layer input) with full
-recompute. Pure arithmetic; `LayerCost` is the one input a measured per-layer profile
-would replace.
+recompute. Pure arithmetic; cost.py's `layer_seconds` turns a `LayerCost` into seconds,
+the one step a measured per-layer profile would replace.
 """
 
 from __future__ import annotations
