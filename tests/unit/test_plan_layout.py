@@ -162,7 +162,8 @@ def test_cli_table_and_explain(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count(" days") == 3 and "winner: " in out and "runner-up: " in out
-    for source in ("Bekman", "datasheet", "Korthikanti", "schedule simulator", "comm/cost.py"):
+    for source in ("Bekman", "datasheet", "Korthikanti", "schedule simulator", "comm/cost.py",
+                   "bytes one device sends per step:", "MFU = 72 B s l h^2"):
         assert source in out
 
 

@@ -37,7 +37,7 @@ from disttrain.parallel.pipeline.schedules import (
 from disttrain.plan.devices import Device
 from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, LayerCost, layer_cost
 from disttrain.plan.memory import model_state_bytes
-from disttrain.plan.terms import DTYPE, Term, time_terms, wire_bytes
+from disttrain.plan.terms import DTYPE, Term, time_terms, wire_terms
 
 __all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_bound",
            "action_times", "layer_seconds", "BUCKET_BYTES"]
@@ -77,6 +77,7 @@ class Estimate:
     fits: bool = True
     wire_bytes: float = 0.0
     """Bytes one device sends per step (ring counts: all-reduce 2(n-1)/n S, halves (n-1)/n S)."""
+    wire: list[Term] = field(default_factory=list)
     time: list[Term] = field(default_factory=list)
     mem: list[Term] = field(default_factory=list)
 
@@ -297,5 +298,6 @@ def estimate(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> Estimate:
     est.mem = _memory(m, lay)
     est.memory = sum(t.value for t in est.mem)
     est.fits = est.memory <= dev.memory_bytes
-    est.wire_bytes = wire_bytes(m, lay, per, d, dp)
+    est.wire = wire_terms(m, lay, per, d, dp)
+    est.wire_bytes = sum(t.value for t in est.wire)
     return est

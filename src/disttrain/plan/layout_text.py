@@ -81,6 +81,12 @@ def explain(m: GPTSpec, dev: Device, n: int, batch: int, result) -> str:
                     win.time, "s")
     limit = dev.per_rank(n).memory_bytes
     lines += _terms(f"memory per device (limit {limit / 1e9:.3g} GB):", win.mem, "GB")
+    lines += _terms("bytes one device sends per step:", win.wire, "GB")
+    flops = "96" if lay.recompute else "72"
+    lines += [f"TFLOP/s per device = {flops} B s l h^2 (1 + s/6h + V/16lh) / (N step) = "
+              f"{throughput(m, win, n, batch) / 1e12:.4g} ({NARAYANAN}, eq. 3)",
+              f"MFU = 72 B s l h^2 (1 + s/6h + V/16lh) / (N step peak {DTYPE}) = "
+              f"{mfu(m, win, dev, n, batch):.1%}"]
     lines.append(f"device {dev.key}: {dev.name}")
     lines += [f"  {k}: {v}" for k, v in dev.sources.items()]
     if len(result.ranked) > 1:

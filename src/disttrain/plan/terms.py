@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from disttrain.plan.gpt import KORTHIKANTI, NARAYANAN, GPTSpec
 
-__all__ = ["Term", "time_terms", "wire_bytes"]
+__all__ = ["Term", "time_terms", "wire_terms"]
 
 DTYPE = "bf16"
 """Mixed precision: bf16 matmuls, fp32 master weights and Adam (plan/memory.py's "mixed")."""
@@ -29,16 +29,25 @@ class Term:
     source: str = ""
 
 
-def wire_bytes(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> float:
-    """Bytes one device sends per step (ring counts; `lay` is a cost.Layout)."""
+def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
+    """Bytes one device sends per step, per kind (ring counts; `lay` is a cost.Layout)."""
     t, n, mb = lay.tp, lay.dp, lay.microbatches
     layers = m.layers // lay.pp
     count = 2 + (3 if lay.sp else 2) + (2 if lay.recompute else 0)
-    tp = count * 2 * (t - 1) / t * per["cost"].tp_bytes * layers * mb
-    p2p = 2 * d["p2p_bytes"] * mb if lay.pp > 1 else 0.0
+    s = per["cost"].tp_bytes
+    out = [Term("tp collectives", count * 2 * (t - 1) / t * s * layers * mb,
+                f"{count} all-reduces' worth x 2(t-1)/t x {s / 1e6:.4g} MB x {layers} layers x "
+                f"{mb} micro-batches")] if t > 1 else []
+    if lay.pp > 1:
+        out.append(Term("pipeline sends", 2 * d["p2p_bytes"] * mb,
+                        f"2 x {mb} x {d['p2p_bytes'] / 1e6:.4g} MB"))
     g = dp["grads"]
-    data = {0: 2 * g, 1: 2 * g, 2: 2 * g, 3: 3 * g * mb}[lay.zero] * (n - 1) / n
-    return tp + p2p + data
+    what = {0: "all-reduce 2(n-1)/n", 1: "reduce-scatter + all-gather 2(n-1)/n",
+            2: "reduce-scatter + all-gather 2(n-1)/n", 3: f"3(n-1)/n per micro-batch x {mb}"}
+    if n > 1:
+        out.append(Term("data parallel", {0: 2, 1: 2, 2: 2, 3: 3 * mb}[lay.zero] * g * (n - 1) / n,
+                        f"{what[lay.zero]} x {g / 1e6:.4g} MB of bf16 gradients, n = dp = {n}"))
+    return out
 
 
 def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
