@@ -5,7 +5,7 @@ parallel) of a GPT (plan/gpt.py) on a device of plan/devices.json. Every number 
 `Term` carrying its formula, inputs and source, so `--explain` can print it:
 
 - compute: matmul FLOPs at the device's achieved matmul rate, elementwise bytes at its
-  memory bandwidth; backward twice forward, full recompute one more forward;
+  achieved memory bandwidth (datasheet x a measured copy fraction); backward twice forward, full recompute one more forward;
 - tensor parallel: the collectives of the layer (not overlapped, as the runtime issues
   them inline), priced by comm/cost.py's ring model; pipeline sends as one p2p message
   per micro-batch, added to the receiving action;
@@ -112,7 +112,7 @@ def layer_seconds(c: LayerCost, dev: Device) -> tuple[float, float]:
     The one place compute time comes from FLOPs and bytes: a measured per-layer profile
     (forward seconds of the real module) replaces this function, nothing else.
     """
-    return c.matmul_flops / dev.matmul_flops(DTYPE), c.elementwise_bytes / dev.hbm_Bps
+    return c.matmul_flops / dev.matmul_flops(DTYPE), c.elementwise_bytes / dev.memory_Bps
 
 
 def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
@@ -153,7 +153,7 @@ def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
 
 def _optimizer(m: GPTSpec, lay: Layout, dev: Device) -> float:
     """Adam over this device's shard: read p, g, m, v, master (16 B), write 14 B per param."""
-    return 30 * _stage_params(m, lay) / (lay.dp if lay.zero else 1) / dev.hbm_Bps
+    return 30 * _stage_params(m, lay) / (lay.dp if lay.zero else 1) / dev.memory_Bps
 
 
 def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -> dict:
@@ -161,7 +161,7 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     b, s, h, v, t = lay.micro_batch, m.seq, m.hidden, m.vocab, lay.tp
     rate = dev.matmul_flops(DTYPE)
     head_mm = 2 * b * s * h * v / t / rate
-    head_el = 2 * 4 * b * s * v / t / dev.hbm_Bps  # fp32 logits written, read by the loss
+    head_el = 2 * 4 * b * s * v / t / dev.memory_Bps  # fp32 logits written, read by the loss
     act = 2 * b * s * h / (t if lay.sp else 1)
     remote = lay.dp * lay.tp >= nodes_of  # NOTE: pp is the outermost mesh axis
     p2p = _collective("p2p", act, 2, 1 if remote else 2, dev.links()) if lay.pp > 1 else 0.0
@@ -175,7 +175,7 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     lc = m.layers // (lay.pp * lay.virtual)
     # NOTE: autograd accumulates each micro-batch's weight gradients into .grad (read it
     # and the new gradient, write it: 6 B/param in bf16) unless ZeRO-3 reduce-scatters them
-    acc = 0.0 if lay.zero == 3 else 6 * m.layer_params / t / dev.hbm_Bps
+    acc = 0.0 if lay.zero == 3 else 6 * m.layer_params / t / dev.memory_Bps
     fwd = lc * (per["fwd"] + z3_f) + z3_first
     bwd = lc * (per["bwd"] + z3_b + acc) + z3_first
     w = lc * (per["mm"] + acc)  # ZB-H1's W: the weight-gradient matmuls and their accumulation
@@ -297,7 +297,7 @@ def estimate(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> Estimate:
     est.time = time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt)
     est.mem = _memory(m, lay)
     est.memory = sum(t.value for t in est.mem)
-    est.fits = est.memory <= dev.memory_bytes
+    est.fits = est.memory <= dev.usable_bytes
     est.wire = wire_terms(m, lay, per, d, dp)
     est.wire_bytes = sum(t.value for t in est.wire)
     return est

@@ -1,7 +1,8 @@
 """The device table `disttrain plan layout` prices layouts with: plan/devices.json.
 
 Each device is a peak FLOP/s per dtype, the share of it a large matmul reaches, memory
-and its bandwidth, and the two links a layout's collectives cross (inside a node, one
+(what a process can allocate, less the CUDA context and the allocator's fragmentation)
+and its bandwidth (datasheet x the share a copy kernel reaches), and the two links a layout's collectives cross (inside a node, one
 NIC per device across nodes), every number with its source (printed by `--explain`).
 The file is package data read with the standard library: nothing here imports torch.
 """
@@ -30,8 +31,9 @@ class Device:
     matmul_efficiency: float
     """Achieved / peak FLOP/s of a large matmul (a cited measurement)."""
     memory_bytes: float
+    """What one process can allocate (PyTorch's total capacity), before the reserve."""
     hbm_Bps: float
-    """Device memory bandwidth: what elementwise (non-matmul) work runs at."""
+    """Device memory bandwidth (datasheet)."""
     intra_Bps: float
     """Ring bus bandwidth between devices of one node (an all-reduce moves 2(n-1)/n S at it)."""
     intra_alpha: float
@@ -47,6 +49,22 @@ class Device:
     shared_cpu: bool = False
     shared_machine: bool = False
     """True when all N devices are processes of one machine: each gets 1/N of its rates."""
+    hbm_efficiency: float = 1.0
+    """Achieved / datasheet bandwidth of a copy kernel (a cited measurement)."""
+    context_bytes: float = 0.0
+    """Memory the CUDA context holds before any tensor."""
+    fragmentation: float = 0.0
+    """Share of the rest the caching allocator loses to fragmentation (a cited measurement)."""
+
+    @property
+    def memory_Bps(self) -> float:
+        """Bytes/s memory-bound (non-matmul) work reaches: hbm_Bps x hbm_efficiency."""
+        return self.hbm_Bps * self.hbm_efficiency
+
+    @property
+    def usable_bytes(self) -> float:
+        """What "fits" compares with: (memory_bytes - context_bytes) x (1 - fragmentation)."""
+        return (self.memory_bytes - self.context_bytes) * (1 - self.fragmentation)
 
     def per_rank(self, n: int) -> Device:
         """What one of `n` ranks gets: the device itself, or 1/n of a shared machine."""

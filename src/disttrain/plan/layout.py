@@ -111,7 +111,7 @@ def plan_layouts(m: GPTSpec, dev: Device, n: int, nodes_of: int, global_batch: i
         if len(ranked) >= top and bound >= ranked[top - 1].step:
             break
         need = sum(t.value for t in memory(m, lay))
-        if need > dev.per_rank(n).memory_bytes:
+        if need > dev.per_rank(n).usable_bytes:
             too_big += 1
             smallest = min(smallest or (need, lay), (need, lay), key=lambda x: x[0])
             continue
@@ -188,7 +188,7 @@ def _nothing_fits(args: argparse.Namespace, dev: Device, batch: int, result: Pla
                 f"micro-batch, or fix fewer of --tp/--pp/--zero/--schedule/--micro-batch "
                 f"(--zero needs dp > 1, --schedule pp > 1)")
     need, lay = result.smallest
-    return (f"no layout fits {args.devices} x {dev.key} ({dev.memory_bytes / 1e9:.3g} GB): the "
+    return (f"no layout fits {args.devices} x {dev.key} ({dev.usable_bytes / 1e9:.3g} GB usable): the "
             f"smallest of {result.too_big} needs {need / 1e9:.3g} GB (pp={lay.pp} dp={lay.dp} "
             f"tp={lay.tp} zero={lay.zero} recompute={'on' if lay.recompute else 'off'}); add "
             f"devices, pick a larger device, or loosen --tp/--pp/--zero/--recompute/--sp")

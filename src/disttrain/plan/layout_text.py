@@ -46,7 +46,7 @@ def table(m: GPTSpec, dev: Device, n: int, batch: int, result, tokens: float | N
     """The ranked table, fastest first."""
     head = (f"{m.params / 1e9:.4g}B-parameter GPT on {n} x {dev.key}, global batch {batch} "
             f"x {m.seq} tokens; {result.candidates} layouts: {result.visited} priced, "
-            f"{result.too_big} do not fit {dev.per_rank(n).memory_bytes / 1e9:.3g} GB, the rest cannot "
+            f"{result.too_big} do not fit {dev.per_rank(n).usable_bytes / 1e9:.3g} GB, the rest cannot "
             f"beat row {len(result.ranked)}")
     cols = (" #   pp    dp  tp zero  mb     m    schedule   rc   sp   step(s)    MFU  TFLOP/s"
             "  mem(GB) fits  bubble  GB/step")
@@ -79,8 +79,10 @@ def explain(m: GPTSpec, dev: Device, n: int, batch: int, result) -> str:
              f"  {m.params / 1e9:.4g}B params = 12lh^2 + 13lh + (V + s)h ({NARAYANAN}, eq. 2)"]
     lines += _terms("time (the busiest stage's work; bubble and exposed communication added):",
                     win.time, "s")
-    limit = dev.per_rank(n).memory_bytes
-    lines += _terms(f"memory per device (limit {limit / 1e9:.3g} GB):", win.mem, "GB")
+    rank = dev.per_rank(n)
+    lines += _terms(f"memory per device (limit {rank.usable_bytes / 1e9:.3g} GB = "
+                    f"({rank.memory_bytes / 1e9:.4g} GB - CUDA context {rank.context_bytes / 1e9:.3g}"
+                    f" GB) x (1 - fragmentation {rank.fragmentation:.3g})):", win.mem, "GB")
     lines += _terms("bytes one device sends per step:", win.wire, "GB")
     flops = "96" if lay.recompute else "72"
     lines += [f"TFLOP/s per device = {flops} B s l h^2 (1 + s/6h + V/16lh) / (N step) = "

@@ -61,13 +61,14 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         Term("matmul", mb * layers * passes * per["mm"],
              f"{mb} micro-batches x {layers} layers x {passes} passes x (24bsh^2 + 4bs^2h)/t = "
              f"{c.matmul_flops:.4g} FLOP at {rate}", f"{NARAYANAN}; {src}"),
-        Term("elementwise", mb * layers * (passes + 1) * per["el"],
+        Term("elementwise", mb * layers * passes * per["el"],
              f"{mb} x {layers} x (fwd 1 + bwd 2{' + recompute 1' if lay.recompute else ''}) x "
-             f"{c.elementwise_bytes / 1e6:.4g} MB at {dev.hbm_Bps / 1e9:.4g} GB/s",
-             f"{KORTHIKANTI} (tensor list); {dev.sources.get('hbm')}"),
+             f"{c.elementwise_bytes / 1e6:.4g} MB at {dev.memory_Bps / 1e9:.4g} GB/s",
+             f"{KORTHIKANTI} (tensor list); {dev.sources.get('hbm')} x "
+             f"{dev.hbm_efficiency:.3g}: {dev.sources.get('hbm_efficiency')}"),
         Term("gradient accumulation", mb * layers * d["acc"],
              f"{mb} x {layers} layers x 6 B/param x {m.layer_params / lay.tp:.4g} params "
-             f"at {dev.hbm_Bps / 1e9:.4g} GB/s (AccumulateGrad into bf16 .grad)",
+             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into bf16 .grad)",
              dev.sources.get("hbm", "")),
         Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
              f"{mb} x 3 x 2bshV/t FLOP + fp32 logits", NARAYANAN),
