@@ -106,26 +106,46 @@ def _group_local(size: int, stride: int, nodes_of: int) -> int:
     return max(1, min(size, nodes_of // stride)) if stride < nodes_of else 1
 
 
-def layer_seconds(c: LayerCost, dev: Device) -> tuple[float, float]:
-    """(matmul, elementwise) forward seconds of one layer on one micro-batch.
+def layer_seconds(c: LayerCost, dev: Device) -> tuple[float, float, float]:
+    """(forward, backward, weight-gradient) compute seconds of one layer, one micro-batch.
 
-    The one place compute time comes from FLOPs and bytes: a measured per-layer profile
-    (forward seconds of the real module) replaces this function, nothing else.
+    The one place compute time comes from: FLOPs at the achieved matmul rate plus
+    elementwise bytes at the achieved memory rate (backward twice forward, its weight
+    half one forward's matmuls), or, with a measured profile (`--profile`), the profiled
+    block's seconds scaled by FLOPs (b / profiled b, over tp; times the ranks sharing
+    the machine), its weight half taken as half its backward.
     """
-    return c.matmul_flops / dev.matmul_flops(DTYPE), c.elementwise_bytes / dev.memory_Bps
+    p = dev.profile
+    if p is None:
+        mm, el = c.matmul_flops / dev.matmul_flops(DTYPE), c.elementwise_bytes / dev.memory_Bps
+        return mm + el, 2 * (mm + el), mm
+    k = c.matmul_flops / p.flops * p.share
+    return p.fwd_s * k, p.bwd_s * k, p.bwd_s * k / 2
+
+
+def head_seconds(m: GPTSpec, b: int, t: int, dev: Device) -> tuple[float, float]:
+    """(forward, backward) seconds of the LM head on the last stage, one micro-batch."""
+    flops = 2 * b * m.seq * m.hidden * m.vocab / t
+    p = dev.profile
+    if p is not None:
+        k = flops / p.head_flops * p.share
+        return p.head_fwd_s * k, p.head_bwd_s * k
+    mm = flops / dev.matmul_flops(DTYPE)
+    el = 2 * 4 * b * m.seq * m.vocab / t / dev.memory_Bps  # fp32 logits written, read by the loss
+    return mm + el, 2 * mm + el
 
 
 def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     """Seconds of one layer's forward / backward on one micro-batch, with their parts."""
     c = layer_cost(m, lay.micro_batch, lay.tp, lay.sp)
-    mm, el = layer_seconds(c, dev)
+    f, b, w = layer_seconds(c, dev)
     local = _group_local(lay.tp, 1, nodes_of)
     ar = _collective("all-reduce", c.tp_bytes, lay.tp, local, dev.links(nics=local))
     tp_f = 2 * ar  # 2 all-reduces (SP: 2 all-gathers + 2 reduce-scatters, the same bytes)
     tp_b = (3 if lay.sp else 2) * ar  # SP re-gathers the column inputs: 4 AG + 2 RS
-    fwd = mm + el + tp_f
-    bwd = 2 * mm + 2 * el + tp_b + (fwd if lay.recompute else 0.0)
-    return {"mm": mm, "el": el, "ar": ar, "tp_f": tp_f, "tp_b": tp_b, "fwd": fwd, "bwd": bwd,
+    fwd = f + tp_f
+    bwd = b + tp_b + (fwd if lay.recompute else 0.0)
+    return {"f": f, "b": b, "w": w, "ar": ar, "tp_f": tp_f, "tp_b": tp_b, "fwd": fwd, "bwd": bwd,
             "cost": c, "tp_local": local}
 
 
@@ -158,10 +178,8 @@ def _optimizer(m: GPTSpec, lay: Layout, dev: Device) -> float:
 
 def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -> dict:
     """Seconds of each pipeline action kind, per layer chunk, plus the pieces for --explain."""
-    b, s, h, v, t = lay.micro_batch, m.seq, m.hidden, m.vocab, lay.tp
-    rate = dev.matmul_flops(DTYPE)
-    head_mm = 2 * b * s * h * v / t / rate
-    head_el = 2 * 4 * b * s * v / t / dev.memory_Bps  # fp32 logits written, read by the loss
+    b, s, h, t = lay.micro_batch, m.seq, m.hidden, lay.tp
+    head_f, head_b = head_seconds(m, b, t, dev)
     act = 2 * b * s * h / (t if lay.sp else 1)
     remote = lay.dp * lay.tp >= nodes_of  # NOTE: pp is the outermost mesh axis
     p2p = _collective("p2p", act, 2, 1 if remote else 2, dev.links()) if lay.pp > 1 else 0.0
@@ -178,9 +196,9 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     acc = 0.0 if lay.zero == 3 else 6 * m.layer_params / t / dev.memory_Bps
     fwd = lc * (per["fwd"] + z3_f) + z3_first
     bwd = lc * (per["bwd"] + z3_b + acc) + z3_first
-    w = lc * (per["mm"] + acc)  # ZB-H1's W: the weight-gradient matmuls and their accumulation
+    w = lc * (per["w"] + acc)  # ZB-H1's W: the weight-gradient matmuls and their accumulation
     return {"F": fwd, "B": bwd, "W": w, "B_split": bwd - w,
-            "p2p": p2p, "head_f": head_mm + head_el, "head_b": 2 * head_mm + head_el,
+            "p2p": p2p, "head_f": head_f, "head_b": head_b,
             "z3_f": z3_f, "z3_b": z3_b, "z3_first": z3_first, "p2p_bytes": act, "lc": lc,
             "acc": acc}
 

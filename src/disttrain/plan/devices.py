@@ -16,6 +16,7 @@ from functools import cache
 from importlib import resources
 
 from disttrain.comm.cost import Links
+from disttrain.plan.profiled import LayerProfile
 
 __all__ = ["Device", "DEVICES", "device"]
 
@@ -55,6 +56,8 @@ class Device:
     """Memory the CUDA context holds before any tensor."""
     fragmentation: float = 0.0
     """Share of the rest the caching allocator loses to fragmentation (a cited measurement)."""
+    profile: LayerProfile | None = None
+    """Measured layer seconds (`--profile`): compute comes from them, not from FLOPs."""
 
     @property
     def memory_Bps(self) -> float:
@@ -71,7 +74,8 @@ class Device:
         if not self.shared_machine or n == 1:
             return self
         return replace(self, peak_flops={k: v / n for k, v in self.peak_flops.items()},
-                       hbm_Bps=self.hbm_Bps / n, memory_bytes=self.memory_bytes / n)
+                       hbm_Bps=self.hbm_Bps / n, memory_bytes=self.memory_bytes / n,
+                       profile=self.profile.shared(n) if self.profile else None)
 
     def matmul_flops(self, dtype: str) -> float:
         """FLOP/s a large matmul reaches in `dtype`: peak x matmul_efficiency."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from disttrain.parallel.pipeline.schedules import SCHEDULES
 from disttrain.plan.cost import Estimate, Layout, estimate, lower_bound, memory
 from disttrain.plan.devices import DEVICES, Device, device
 from disttrain.plan.gpt import GPTSpec, parse_gpt
 from disttrain.plan.layout_text import explain, table
+from disttrain.plan.profiled import load_profile, profile_model
 
 __all__ = ["Pins", "Plan", "candidates", "plan_layouts", "add_layout_parser"]
 
@@ -129,7 +130,10 @@ def add_layout_parser(sub) -> None:
         epilog="example: disttrain plan layout --model gpt:layers=96,hidden=12288,heads=96,"
                "seq=2048,vocab=51200 --devices 1024 --device a100-80gb --global-batch 1536 "
                "--tokens 300e9")
-    p.add_argument("--model", required=True, help="gpt:layers=L,hidden=H,heads=A,seq=S,vocab=V")
+    p.add_argument("--model", help="gpt:layers=L,hidden=H,heads=A,seq=S,vocab=V (default: "
+                                   "the --profile's model)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="layer seconds measured by `disttrain plan profile` in place of FLOPs")
     p.add_argument("--devices", type=int, required=True, help="number of devices N")
     p.add_argument("--device", required=True, help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--nodes-of", type=int, default=8, help="devices per node (default 8)")
@@ -147,7 +151,12 @@ def add_layout_parser(sub) -> None:
 
 
 def _check(args: argparse.Namespace) -> tuple[GPTSpec, Device, Pins]:
-    m, dev = parse_gpt(args.model), device(args.device)
+    m, dev = _model(args), device(args.device)
+    if args.profile:
+        if not dev.shared_machine:
+            raise ValueError(f"--profile {args.profile} was measured on this machine's CPU; "
+                             f"plan it with --device cpu-here (not {dev.key})")
+        dev = replace(dev, profile=load_profile(args.profile, m))
     for name in ("devices", "nodes_of", "global_batch", "micro_batch", "top", "tp", "pp"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -163,6 +172,18 @@ def _check(args: argparse.Namespace) -> tuple[GPTSpec, Device, Pins]:
     pins = Pins(args.tp, args.pp, args.zero, args.micro_batch, args.schedule,
                 on[args.recompute], on[args.sp])
     return m, dev, pins
+
+
+def _model(args: argparse.Namespace) -> GPTSpec:
+    """--model, or the GPT the --profile measured; a ValueError when neither says."""
+    if args.model:
+        return parse_gpt(args.model)
+    m = profile_model(args.profile) if args.profile else None
+    if m is None:
+        raise ValueError("give --model gpt:layers=L,hidden=H,heads=A,seq=S,vocab=V" +
+                         (f" (--profile {args.profile} does not name its model)"
+                          if args.profile else ""))
+    return m
 
 
 def _plan_layout(args: argparse.Namespace) -> int:

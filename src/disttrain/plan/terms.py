@@ -50,28 +50,46 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
     return out
 
 
+def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
+    """The layers' compute: matmul and elementwise terms, or the profiled block's seconds."""
+    c, p = per["cost"], dev.profile
+    recompute = " + recompute 1" if lay.recompute else ""
+    if p is not None:
+        total = count * (per["f"] + per["b"] + (per["f"] if lay.recompute else 0.0))
+        return [Term("layer compute (profiled)", total,
+                     f"{count} layer passes x (fwd {per['f'] * 1e3:.4g} + bwd {per['b'] * 1e3:.4g}"
+                     f"{recompute and ' + fwd again'} ms): the profiled {p.block}'s median "
+                     f"{p.fwd_s * 1e3:.4g} / {p.bwd_s * 1e3:.4g} ms at batch {p.batch} on "
+                     f"{p.threads} threads x b/{p.batch}/t{f' x {p.share} ranks sharing' if p.share > 1 else ''}",
+                     f"measured: {p.path} (disttrain plan profile)")]
+    mm, el = per["w"], per["f"] - per["w"]
+    rate = f"{dev.matmul_flops(DTYPE) / 1e12:.4g} TFLOP/s"
+    src = f"{dev.sources.get('peak')}; {dev.sources.get('matmul')}"
+    return [
+        Term("matmul", count * passes * mm,
+             f"{count} layer passes x {passes} x (24bsh^2 + 4bs^2h)/t = "
+             f"{c.matmul_flops:.4g} FLOP at {rate}", f"{NARAYANAN}; {src}"),
+        Term("elementwise", count * passes * el,
+             f"{count} layer passes x (fwd 1 + bwd 2{recompute}) x "
+             f"{c.elementwise_bytes / 1e6:.4g} MB at {dev.memory_Bps / 1e9:.4g} GB/s",
+             f"{KORTHIKANTI} (tensor list); {dev.sources.get('hbm')} x "
+             f"{dev.hbm_efficiency:.3g}: {dev.sources.get('hbm_efficiency')}")]
+
+
 def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
     """The step's time terms (seconds), each with formula and source, for `--explain`."""
     mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
     passes = 4 if lay.recompute else 3
-    rate = f"{dev.matmul_flops(DTYPE) / 1e12:.4g} TFLOP/s"
-    src = f"{dev.sources.get('peak')}; {dev.sources.get('matmul')}"
     c = per["cost"]
-    out = [
-        Term("matmul", mb * layers * passes * per["mm"],
-             f"{mb} micro-batches x {layers} layers x {passes} passes x (24bsh^2 + 4bs^2h)/t = "
-             f"{c.matmul_flops:.4g} FLOP at {rate}", f"{NARAYANAN}; {src}"),
-        Term("elementwise", mb * layers * passes * per["el"],
-             f"{mb} x {layers} x (fwd 1 + bwd 2{' + recompute 1' if lay.recompute else ''}) x "
-             f"{c.elementwise_bytes / 1e6:.4g} MB at {dev.memory_Bps / 1e9:.4g} GB/s",
-             f"{KORTHIKANTI} (tensor list); {dev.sources.get('hbm')} x "
-             f"{dev.hbm_efficiency:.3g}: {dev.sources.get('hbm_efficiency')}"),
+    out = _compute_terms(lay, dev, per, mb * layers, passes) + [
         Term("gradient accumulation", mb * layers * d["acc"],
              f"{mb} x {layers} layers x 6 B/param x {m.layer_params / lay.tp:.4g} params "
              f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into bf16 .grad)",
              dev.sources.get("hbm", "")),
         Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
-             f"{mb} x 3 x 2bshV/t FLOP + fp32 logits", NARAYANAN),
+             f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
+                           else "3 x 2bshV/t FLOP + fp32 logits"),
+             dev.profile.path if dev.profile else NARAYANAN),
     ]
     if lay.tp > 1:
         where = "intra" if per["tp_local"] == lay.tp else "inter"
