@@ -12,6 +12,7 @@ from disttrain import cli
 from disttrain.plan.devices import device
 from disttrain.plan.gpt import parse_gpt
 from disttrain.plan.layout import Pins, plan_layouts
+from disttrain.plan.profile import backward_seconds
 from disttrain.plan.profiled import FORMAT, load_profile
 
 TINY = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128"
@@ -36,7 +37,7 @@ def _synthetic(tmp_path, block_fwd: float, block_bwd: float, name="p.json"):
                "backward_s": block_bwd} for i in range(2)),
             {"name": "head", "kind": "Head", "forward_s": 0.002, "backward_s": 0.004}]
     path = tmp_path / name
-    path.write_text(json.dumps({"format": FORMAT, "device": "cpu", "threads": 1, "steps": 3,
+    path.write_text(json.dumps({"format": FORMAT, "device": "cpu", "threads": 1, "cpus": 1, "steps": 3,
                                 "batch": 4, "seq": 64, "gpt": TINY, "layers": rows}))
     return str(path)
 
@@ -58,6 +59,15 @@ def test_profile_times_each_top_level_layer_of_the_gpt(tmp_path, capsys):
     assert saved == rows["blocks.1"]["activation_bytes"] and saved >= 10 * 4 * 64 * 64 * 4
     assert rows["blocks.0"]["params"] == 12 * 64 * 64 + 13 * 64
     assert "blocks.1" in capsys.readouterr().out
+    assert prof["backward_order"] == ["head", "blocks.1", "blocks.0", "embed"]  # every hook fired
+
+
+def test_backward_seconds_split_the_backward_between_consecutive_layers():
+    starts = {"blocks.0": 3.0, "head": 1.0, "embed": 4.5, "blocks.1": 1.5}
+    got = backward_seconds(starts, 5.0)
+    assert list(got) == ["head", "blocks.1", "blocks.0", "embed"]
+    assert got == pytest.approx({"head": 0.5, "blocks.1": 1.5, "blocks.0": 1.5, "embed": 0.5})
+    assert sum(got.values()) == pytest.approx(5.0 - 1.0)  # the whole backward after the head's start
 
 
 @pytest.mark.timeout(30)
@@ -80,7 +90,7 @@ def test_profile_replaces_flop_derived_compute(tmp_path):
     gap = terms["slow"]["layer compute (profiled)"] / 2
     assert plans["slow"].step - plans["fast"].step == pytest.approx(gap, rel=1e-6)
     assert "matmul" in terms["flops"] and "layer compute (profiled)" not in terms["flops"]
-    # two ranks share this machine: each runs the profiled layers twice as slowly
+    # two ranks share the profiled machine (1 thread on 1 CPU): each runs twice as slowly
     two = plan_layouts(gpt, slow, 2, 8, 8, Pins(micro_batch=2, tp=1, pp=1, zero=0), top=1).ranked[0]
     assert {t.name: t.value for t in two.time}["layer compute (profiled)"] == pytest.approx(
         2 * 2 * 0.030 * 2 / 4 * 2)

@@ -33,7 +33,7 @@ import warnings
 
 from disttrain.plan.profiled import FORMAT
 
-__all__ = ["profile_script", "add_profile_parser"]
+__all__ = ["profile_script", "backward_seconds", "add_profile_parser"]
 
 ENTRY = "profile_target"
 
@@ -85,6 +85,7 @@ class _Clock:
         self.bwd_start: dict[str, float] = {}
         self.saved: dict[str, dict[int, int]] = {}
         self.current: str | None = None
+        self.order: list[str] = []
         self.handles = []
         for name, mod in layers:
             self.handles += [mod.register_forward_pre_hook(self._enter(name)),
@@ -127,13 +128,18 @@ def _step(model, batch, clock: _Clock) -> dict[str, tuple[float, float, int]]:
     with warnings.catch_warnings():  # NOTE: a layer fed token ids has no input gradient
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         out.float().mean().backward()
-    end = time.perf_counter()
-    # NOTE: backward runs the layers in reverse order; each lasts until the next one starts
-    order = sorted(clock.bwd_start, key=clock.bwd_start.get)
-    stops = [clock.bwd_start[n] for n in order[1:]] + [end]
-    bwd = {n: stop - clock.bwd_start[n] for n, stop in zip(order, stops)}
+    bwd = backward_seconds(clock.bwd_start, time.perf_counter())
+    clock.order = list(bwd)
     return {name: (clock.fwd[name], bwd.get(name, 0.0), sum(clock.saved.get(name, {}).values()))
             for name, _ in clock.layers}
+
+
+def backward_seconds(starts: dict[str, float], end: float) -> dict[str, float]:
+    """Each layer's backward, in backward order: from its start to the next layer's start
+    (backward runs the layers in reverse), the last one to `end` (backward() returned)."""
+    order = sorted(starts, key=starts.get)
+    stops = [starts[n] for n in order[1:]] + [end]
+    return {n: stop - starts[n] for n, stop in zip(order, stops)}
 
 
 def _gpt_spec(model, batch) -> str | None:
@@ -174,9 +180,9 @@ def profile_script(script: str, steps: int = 10, threads: int | None = None) -> 
              "params": sum(p.numel() for p in mod.parameters())} for name, mod in layers]
     first = batch[0]
     return {"format": FORMAT, "script": os.path.abspath(script), "device": "cpu",
-            "threads": torch.get_num_threads(), "steps": steps,
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count() or 1, "steps": steps,
             "batch": int(first.shape[0]), "seq": int(first.shape[1]) if first.dim() > 1 else 1,
-            "gpt": _gpt_spec(model, batch), "layers": rows}
+            "gpt": _gpt_spec(model, batch), "backward_order": clock.order, "layers": rows}
 
 
 def add_profile_parser(sub) -> None:

@@ -41,12 +41,15 @@ class LayerProfile:
     """Forward FLOPs of the LM head at the profiled batch: 2bshV."""
     batch: int
     threads: int
-    share: int = 1
-    """Ranks sharing the profiled machine (each runs `share` times slower)."""
+    """Torch threads the profile ran with."""
+    cpus: int
+    """CPUs of the machine it ran on."""
+    share: float = 1.0
+    """How many times slower a layer runs when ranks share the machine."""
 
     def shared(self, n: int) -> LayerProfile:
-        """The profile as one of `n` ranks sharing this machine sees it."""
-        return replace(self, share=self.share * n)
+        """As one of `n` ranks on this machine sees it: slower once n x threads > cpus."""
+        return replace(self, share=max(1.0, n * self.threads / self.cpus))
 
 
 def _read(path: str) -> dict:
@@ -61,6 +64,12 @@ def _read(path: str) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"--profile {path}: not a `disttrain plan profile` file "
                          f"(format {FORMAT!r} expected)")
+    missing = [k for k in ("batch", "seq", "threads", "cpus", "layers") if k not in data]
+    missing += sorted({k for row in data.get("layers", []) for k in ("kind", "forward_s",
+                       "backward_s") if k not in row})
+    if missing:
+        raise ValueError(f"--profile {path} lacks {', '.join(missing)}; write it again with "
+                         f"`disttrain plan profile`")
     return data
 
 
@@ -93,4 +102,4 @@ def load_profile(path: str, m: GPTSpec) -> LayerProfile:
         head_fwd_s=sum(x["forward_s"] for x in after),
         head_bwd_s=sum(x["backward_s"] for x in after),
         flops=24 * b * s * h * h + 4 * b * s * s * h, head_flops=2 * b * s * h * m.vocab,
-        batch=b, threads=data["threads"])
+        batch=b, threads=data["threads"], cpus=data["cpus"])

@@ -60,7 +60,8 @@ def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
                      f"{count} layer passes x (fwd {per['f'] * 1e3:.4g} + bwd {per['b'] * 1e3:.4g}"
                      f"{recompute and ' + fwd again'} ms): the profiled {p.block}'s median "
                      f"{p.fwd_s * 1e3:.4g} / {p.bwd_s * 1e3:.4g} ms at batch {p.batch} on "
-                     f"{p.threads} threads x b/{p.batch}/t{f' x {p.share} ranks sharing' if p.share > 1 else ''}",
+                     f"{p.threads} of {p.cpus} CPUs x b/{p.batch}/t"
+                     f"{f' x {p.share:.3g} (ranks x threads over CPUs)' if p.share > 1 else ''}",
                      f"measured: {p.path} (disttrain plan profile)")]
     mm, el = per["w"], per["f"] - per["w"]
     rate = f"{dev.matmul_flops(DTYPE) / 1e12:.4g} TFLOP/s"
