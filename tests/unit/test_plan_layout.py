@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from disttrain import cli
-from disttrain.comm.cost import Links, predict, predict_collective
+from disttrain.comm.cost import Links, collective_bound, predict, predict_collective
 from disttrain.parallel.pipeline.schedules import make_schedule, simulate
 from disttrain.plan import cost
 from disttrain.plan.devices import device
@@ -212,3 +212,21 @@ def test_fits_keeps_the_cuda_context_and_the_allocators_fragmentation_free():
     bare = dataclasses.replace(A100, context_bytes=0.0, fragmentation=0.0)
     more = plan_layouts(GPT_7B, bare, 8, 8, 64, top=200)
     assert any(usable < e.memory <= A100.memory_bytes for e in more.ranked)
+
+
+@pytest.mark.timeout(10)
+def test_collective_bound_names_the_part_of_the_model_that_dominates():
+    # this machine's emulated 1 Gbit/s fit (cpu-here): 526 us per message, 184 us per
+    # sender and step, one CPU pool of 3.06 Gbit/s for all nodes
+    fit = device("cpu-here").links()
+    kind, seconds, parts = collective_bound("all-reduce", 0.1e6, 2, 1, fit)
+    assert kind == "latency" and seconds == pytest.approx(predict_collective("all-reduce", 0.1e6, 2, 1, fit))
+    assert sum(parts.values()) == pytest.approx(seconds)
+    assert collective_bound("all-reduce", 100e6, 2, 1, fit)[0] == "bandwidth"
+    slow_cpu = dataclasses.replace(fit, cpu_Bps=fit.link_Bps / 10)
+    assert collective_bound("all-reduce", 100e6, 2, 1, slow_cpu)[0] == "cpu"
+    tiny = parse_gpt("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128")
+    lay = cost.Layout(pp=1, dp=2, tp=2, zero=0, micro_batch=4, microbatches=1,
+                      schedule="-", recompute=False, sp=False)
+    text = " ".join(t.formula for t in cost.estimate(tiny, lay, device("cpu-here"), 2).time)
+    assert "latency-bound" in text  # --explain says it for the tp and the dp collectives

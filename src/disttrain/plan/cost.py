@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from disttrain.comm.cost import Links, predict_collective
+from disttrain.comm.cost import Links, collective_bound, predict_collective
 from disttrain.parallel.pipeline.schedules import (
     SCHEDULE_TABLE,
     peak_in_flight,
@@ -145,8 +145,10 @@ def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     tp_b = (3 if lay.sp else 2) * ar  # SP re-gathers the column inputs: 4 AG + 2 RS
     fwd = f + tp_f
     bwd = b + tp_b + (fwd if lay.recompute else 0.0)
+    bound = collective_bound("all-reduce", c.tp_bytes, lay.tp, local,
+                             dev.links(nics=local))[0] if lay.tp > 1 else ""
     return {"f": f, "b": b, "w": w, "ar": ar, "tp_f": tp_f, "tp_b": tp_b, "fwd": fwd, "bwd": bwd,
-            "cost": c, "tp_local": local}
+            "cost": c, "tp_local": local, "tp_bound": bound}
 
 
 def _stage_params(m: GPTSpec, lay: Layout) -> float:
@@ -250,7 +252,7 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
     grads = 2 * params  # bf16 gradients
     local = _group_local(lay.dp, lay.tp, nodes_of)
     links = dev.links(nics=local)
-    out = {"grads": grads, "buckets": 0, "bucket": 0.0, "reduce": 0.0, "gather": 0.0}
+    out = {"grads": grads, "buckets": 0, "bucket": 0.0, "reduce": 0.0, "gather": 0.0, "bound": ""}
     if lay.dp == 1 or lay.zero == 3:
         return out
     k = math.ceil(grads / BUCKET_BYTES)
@@ -258,7 +260,8 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
     c = _collective(op, grads / k, lay.dp, local, links)
     # NOTE: bucket i is ready at window * i / k and buckets go out one at a time, so the
     # last finishes at max(window / k + k c, window + c): the exposed part is that - window.
-    out.update(buckets=k, bucket=c, reduce=max(window / k + k * c - window, c))
+    out.update(buckets=k, bucket=c, reduce=max(window / k + k * c - window, c),
+               bound=collective_bound(op, grads / k, lay.dp, local, links)[0])
     if lay.zero in (1, 2):
         out["gather"] = _collective("all-gather", grads, lay.dp, local, links)
     return out

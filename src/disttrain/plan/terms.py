@@ -98,7 +98,8 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         out.append(Term("tp all-reduce" + (" (SP: all-gather/reduce-scatter)" if lay.sp else ""),
                         mb * layers * n * per["ar"],
                         f"{mb} x {layers} layers x {n:g} x ring all-reduce of 2bsh = "
-                        f"{c.tp_bytes / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each)",
+                        f"{c.tp_bytes / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
+                        f"{per['tp_bound']}-bound)",
                         f"comm/cost.py ring; {dev.sources.get(where)}"))
     if lay.pp > 1:
         out.append(Term("pipeline p2p", 2 * mb * d["p2p"],
@@ -116,7 +117,7 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
         out.append(Term(f"dp {op} (exposed)", dp["reduce"],
                         f"{dp['buckets']} buckets of {dp['grads'] / dp['buckets'] / 1e6:.3g} MB, "
-                        f"{dp['bucket'] * 1e3:.3g} ms each, ready over the last backward: "
+                        f"{dp['bucket'] * 1e3:.3g} ms each ({dp['bound']}-bound), ready over the last backward: "
                         f"max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
     if dp["gather"]:
         out.append(Term("ZeRO parameter all-gather", dp["gather"],
