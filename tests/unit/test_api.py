@@ -46,6 +46,8 @@ API = {'disttrain': ['Checkpointer', 'CollectiveError', 'DataParallel', 'FiniteG
                                'llama_plan', 'plan_for', 'tied_names',
                                'vocab_parallel_cross_entropy'],
  'disttrain.parallel.zero': ['LossScaler', 'Zero', 'ZeroOptimizer'],
+ 'disttrain.plan': ['MemoryPlan', 'OPTIMIZERS', 'PRECISIONS', 'add_plan_parser',
+                     'bytes_per_param', 'model_state_bytes', 'plan_table'],
  'disttrain.ps': ['Async', 'Cancelled', 'Decision', 'Handle', 'HashRing', 'KAsync',
                   'KBatchAsync', 'KBatchSync', 'KSync', 'PSError', 'Policy', 'SSP',
                   'Straggler', 'Sync', 'TopK', 'Worker', 'attach', 'backup_workers',

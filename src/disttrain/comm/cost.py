@@ -10,8 +10,12 @@ node's cores, or all nodes' when they share one machine, as emulated clusters do
 Without the CPU terms (the defaults) it is the plain alpha-beta model. Formulas, the
 fit and a worked 4 x 2 example: docs/cluster.md ("Notes from comm/cost.py").
 
-Who talks to whom: comm/algorithms.py's `auto`, benchmarks/allreduce.py and
-benchmarks/scaling.py ask it for predictions. Pure functions: no processes, no torch.
+`collective_steps` / `predict_collective` price the other collectives with the same
+steps (reduce-scatter and all-gather are the ring's halves, p2p one message);
+`collective_bound` says which part (latency, link bandwidth, CPU pool) dominates one.
+
+Who talks to whom: comm/algorithms.py's `auto`, benchmarks/allreduce.py,
+benchmarks/scaling.py and plan/cost.py (`disttrain plan layout`) ask it for predictions. Pure functions: no processes, no torch.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from dataclasses import dataclass
 
 from disttrain import settings
 
-__all__ = ["Links", "Step", "steps", "predict", "choose_algorithm", "links_from_env", "MODELLED"]
+__all__ = ["Links", "Step", "steps", "predict", "choose_algorithm", "links_from_env", "MODELLED",
+           "COLLECTIVES", "collective_steps", "predict_collective", "collective_bound"]
 
 MODELLED = ("ring", "halving-doubling", "tree", "hierarchical")
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "p2p")
+"""What `predict_collective` models (the collectives `disttrain plan layout` prices)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,17 @@ class Links:
             return self.alpha + self.step_alpha * senders + max(s.sharing * s.nbytes / self.link_Bps, cpu)
         return self.local_alpha + self.step_alpha * senders + max(s.nbytes / self.local_Bps, cpu)
 
+    def parts(self, s: Step, nodes: int) -> dict[str, float]:
+        """`cost`'s three parts: "latency" (alpha and the per-sender CPU time), "bandwidth"
+        (the link), "cpu" (the pool moving the bytes); the step costs latency + the larger
+        of the other two."""
+        share = 1 if self.shared_cpu else 1 / max(nodes, 1)
+        senders = (s.remote_senders + s.local_senders) * share
+        cpu = share * s.nbytes * (s.remote_senders / self.cpu_Bps + s.local_senders / self.cpu_local_Bps)
+        alpha, wire = ((self.alpha, s.sharing * s.nbytes / self.link_Bps) if s.remote
+                       else (self.local_alpha, s.nbytes / self.local_Bps))
+        return {"latency": alpha + self.step_alpha * senders, "bandwidth": wire, "cpu": cpu}
+
 
 def steps(algorithm: str, nbytes: float, world: int, local: int) -> list[Step]:
     """The steps of one allreduce of `nbytes` over `world` ranks, `local` per node."""
@@ -112,6 +130,46 @@ def _halving_doubling(nbytes: float, world: int, local: int) -> list[Step]:
 def predict(algorithm: str, nbytes: float, world: int, local: int, links: Links) -> float:
     """Predicted seconds of one allreduce of `nbytes` over `world` ranks, `local` per node."""
     return sum(links.cost(s, world // local) for s in steps(algorithm, nbytes, world, local))
+
+
+def collective_steps(op: str, nbytes: float, world: int, local: int) -> list[Step]:
+    """The ring steps of one collective over `world` ranks, `local` per node (node-major).
+
+    `nbytes` is the full tensor: the all-reduce's input, the reduce-scatter's input (each
+    rank keeps nbytes / world), the all-gather's output. A ring all-reduce is a
+    reduce-scatter (its first world - 1 steps) then an all-gather (the last world - 1),
+    as NCCL and `steps("ring", ...)` run it; "p2p" is one message of `nbytes` to the next
+    node when `local` < `world`, else inside the node.
+    """
+    if op not in COLLECTIVES:
+        raise ValueError(f"no model for collective {op!r}; modelled: {', '.join(COLLECTIVES)}")
+    if op == "p2p":
+        remote = local < world
+        return [Step(nbytes, remote, 1, 1 if remote else 0, 0 if remote else 1)]
+    ring = steps("ring", nbytes, world, local)
+    if op == "all-reduce":
+        return ring
+    return ring[: len(ring) // 2]  # NOTE: both halves cost the same; either stands for the op
+
+
+def predict_collective(op: str, nbytes: float, world: int, local: int, links: Links) -> float:
+    """Predicted seconds of one ring `op` (see `collective_steps`) of `nbytes`."""
+    return sum(links.cost(s, max(world // local, 1))
+               for s in collective_steps(op, nbytes, world, local))
+
+
+def collective_bound(op: str, nbytes: float, world: int, local: int,
+                     links: Links) -> tuple[str, float, dict[str, float]]:
+    """What bounds one `op` in this model: ("latency" | "bandwidth" | "cpu", predicted
+    seconds, seconds per part). Per step only the slower of link and CPU pool counts."""
+    total = {"latency": 0.0, "bandwidth": 0.0, "cpu": 0.0}
+    nodes = max(world // local, 1)
+    for st in collective_steps(op, nbytes, world, local):
+        p = links.parts(st, nodes)
+        total["latency"] += p["latency"]
+        slower = "cpu" if p["cpu"] > p["bandwidth"] else "bandwidth"
+        total[slower] += p[slower]
+    return max(total, key=total.get), sum(total.values()), total
 
 
 def links_from_env(environ: Mapping[str, str] | None = None) -> Links:

@@ -1,12 +1,15 @@
 """`disttrain plan`: what a strategy costs before running it, computed from data alone.
 
 One module per plan, each registering its own `disttrain plan <name>` subcommand:
-`memory` (ZeRO model-state formulas). Pure Python over data: nothing here starts a
-process group or imports torch.distributed.
+`memory` (ZeRO model-state formulas), `layout` (the layout cost model), `profile`
+(per-layer times measured here, for `layout --profile`), `ps` (the parameter-server
+simulator). Pure Python over data: nothing here starts a
+process group or imports torch.distributed (`profile` imports torch when it runs).
 """
 
 from __future__ import annotations
 
+from disttrain.plan.layout import add_layout_parser
 from disttrain.plan.memory import (
     OPTIMIZERS,
     PRECISIONS,
@@ -16,12 +19,13 @@ from disttrain.plan.memory import (
     model_state_bytes,
     plan_table,
 )
+from disttrain.plan.profile import add_profile_parser
 from disttrain.plan.ps_cli import add_ps_parser
 
 __all__ = ["PRECISIONS", "OPTIMIZERS", "MemoryPlan", "bytes_per_param", "model_state_bytes",
            "plan_table", "add_plan_parser"]
 
-PLANS = (add_memory_parser, add_ps_parser)
+PLANS = (add_memory_parser, add_layout_parser, add_profile_parser, add_ps_parser)
 """Each plan's `add_<name>_parser(sub)`, in the order `disttrain plan --help` lists them."""
 
 

@@ -1,0 +1,217 @@
+"""`disttrain plan profile script.py`: measure each layer of the user's module, here.
+
+The script defines `profile_target()` returning `(model, batch)`: an `nn.Module` and
+one sample input (a tensor, or a tuple of tensors passed as `model(*batch)`). Loading
+runs the script with `__name__ == "__disttrain_profile__"`, so its `__main__` block
+does not run. One warm-up step and `--steps` measured steps of forward and backward
+(loss: the output's mean) run in this process on the CPU; module hooks time each
+top-level layer (`model.pipeline_layers()` when the model names them, else its
+children, containers expanded):
+
+- forward: from the layer's forward pre-hook to its forward hook;
+- backward: from the layer's backward pre-hook (its output's gradient is ready) to the
+  next layer's, or to the end of `backward()` for the first layer, so the layers'
+  backward seconds add up to the whole backward;
+- activation bytes: the storages autograd saves while the layer runs forward
+  (`torch.autograd.graph.saved_tensors_hooks`), parameters left out.
+
+The median over the measured steps (and the minimum, for a loaded machine) goes to a JSON file (format "disttrain-plan-profile/1")
+that `disttrain plan layout --profile FILE` reads (plan/profiled.py). Torch is imported
+only when a profile runs: the planner itself imports none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import statistics
+import sys
+import time
+import warnings
+
+from disttrain.plan.profiled import FORMAT
+
+__all__ = ["profile_script", "backward_seconds", "add_profile_parser"]
+
+ENTRY = "profile_target"
+
+
+def _target(script: str):
+    """(model, batch) from the script's `profile_target()`; ValueError saying what is missing."""
+    import torch
+
+    if not os.path.isfile(script):
+        raise ValueError(f"{script}: no such file")
+    env = runpy.run_path(script, run_name="__disttrain_profile__")
+    fn = env.get(ENTRY)
+    if not callable(fn):
+        raise ValueError(f"{script} defines no {ENTRY}(); add `def {ENTRY}(): return model, "
+                         f"batch` (an nn.Module and one sample input, a tensor or a tuple "
+                         f"of tensors passed as model(*batch))")
+    got = fn()
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.nn.Module)):
+        raise ValueError(f"{script}: {ENTRY}() must return (model, batch) with model an "
+                         f"nn.Module; got {type(got).__name__}")
+    model, batch = got
+    batch = batch if isinstance(batch, tuple) else (batch,)
+    if not batch or not all(isinstance(x, torch.Tensor) for x in batch):
+        raise ValueError(f"{script}: {ENTRY}()'s batch must be a tensor or a tuple of tensors")
+    return model, batch
+
+
+def _layers(model) -> list[tuple[str, object]]:
+    """The top-level layers in forward order: the model's pipeline layers, or its children."""
+    import torch
+
+    if hasattr(model, "pipeline_layers"):
+        return [(name, model.get_submodule(name)) for name in model.pipeline_layers()]
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
+            out += [(f"{name}.{k}", c) for k, c in child.named_children()]
+        else:
+            out.append((name, child))
+    return out
+
+
+class _Clock:
+    """Hooks on every layer: forward and backward timestamps, saved bytes per layer."""
+
+    def __init__(self, layers, params: set[int]):
+        self.layers, self.params = layers, params
+        self.fwd: dict[str, float] = {}
+        self.bwd_start: dict[str, float] = {}
+        self.saved: dict[str, dict[int, int]] = {}
+        self.current: str | None = None
+        self.order: list[str] = []
+        self.handles = []
+        for name, mod in layers:
+            self.handles += [mod.register_forward_pre_hook(self._enter(name)),
+                             mod.register_forward_hook(self._leave(name)),
+                             mod.register_full_backward_pre_hook(self._backward(name))]
+
+    def _enter(self, name):
+        def hook(_mod, _args):
+            self.current, self.fwd[name] = name, time.perf_counter()
+        return hook
+
+    def _leave(self, name):
+        def hook(_mod, _args, _out):
+            self.current, self.fwd[name] = None, time.perf_counter() - self.fwd[name]
+        return hook
+
+    def _backward(self, name):
+        def hook(_mod, _grad):
+            self.bwd_start[name] = time.perf_counter()
+        return hook
+
+    def pack(self, t):
+        """saved_tensors_hooks' pack: count the storage once per layer, not parameters."""
+        ptr = t.untyped_storage().data_ptr()
+        if self.current is not None and ptr not in self.params:
+            self.saved.setdefault(self.current, {})[ptr] = t.untyped_storage().nbytes()
+        return t
+
+
+def _step(model, batch, clock: _Clock) -> dict[str, tuple[float, float, int]]:
+    """One forward and backward: {layer: (forward s, backward s, saved bytes)}."""
+    import torch
+
+    for record in (clock.fwd, clock.bwd_start, clock.saved):
+        record.clear()
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(clock.pack, lambda t: t):
+        out = model(*batch)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    with warnings.catch_warnings():  # NOTE: a layer fed token ids has no input gradient
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        out.float().mean().backward()
+    bwd = backward_seconds(clock.bwd_start, time.perf_counter())
+    clock.order = list(bwd)
+    return {name: (clock.fwd[name], bwd.get(name, 0.0), sum(clock.saved.get(name, {}).values()))
+            for name, _ in clock.layers}
+
+
+def backward_seconds(starts: dict[str, float], end: float) -> dict[str, float]:
+    """Each layer's backward, in backward order: from its start to the next layer's start
+    (backward runs the layers in reverse), the last one to `end` (backward() returned)."""
+    order = sorted(starts, key=starts.get)
+    stops = [starts[n] for n in order[1:]] + [end]
+    return {n: stop - starts[n] for n, stop in zip(order, stops)}
+
+
+def _gpt_spec(model, batch) -> str | None:
+    """The planner's `gpt:` string of a models/gpt.py GPT (its cfg), else None."""
+    cfg = getattr(model, "cfg", None)
+    keys = ("n_layer", "n_embd", "n_head", "vocab_size")
+    if cfg is None or not all(hasattr(cfg, k) for k in keys) or batch[0].dim() < 2:
+        return None
+    return (f"gpt:layers={cfg.n_layer},hidden={cfg.n_embd},heads={cfg.n_head},"
+            f"seq={batch[0].shape[1]},vocab={cfg.vocab_size}")
+
+
+def profile_script(script: str, steps: int = 10, threads: int | None = None) -> dict:
+    """Run `script`'s profile_target() for 1 + `steps` steps here; the profile as a dict.
+
+    Blocks for the whole run. `threads` sets torch's intra-op threads (default: torch's).
+    """
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    model, batch = _target(script)
+    model.train()
+    layers = _layers(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    clock = _Clock(layers, params)
+    try:
+        runs = [_step(model, batch, clock) for _ in range(1 + steps)][1:]  # the first warms up
+    finally:
+        for h in clock.handles:
+            h.remove()
+    rows = [{"name": name, "kind": type(mod).__name__,
+             "forward_s": statistics.median(r[name][0] for r in runs),
+             "backward_s": statistics.median(r[name][1] for r in runs),
+             "forward_min_s": min(r[name][0] for r in runs),
+             "backward_min_s": min(r[name][1] for r in runs),
+             "activation_bytes": runs[-1][name][2],
+             "params": sum(p.numel() for p in mod.parameters())} for name, mod in layers]
+    first = batch[0]
+    return {"format": FORMAT, "script": os.path.abspath(script), "device": "cpu",
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count() or 1, "steps": steps,
+            "batch": int(first.shape[0]), "seq": int(first.shape[1]) if first.dim() > 1 else 1,
+            "gpt": _gpt_spec(model, batch), "backward_order": clock.order, "layers": rows}
+
+
+def add_profile_parser(sub) -> None:
+    """Register `disttrain plan profile` on the `plan` command's subparsers."""
+    p = sub.add_parser("profile", help="measure each layer of a module here (for plan layout "
+                                       "--profile)",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("script", help=f"a Python file defining {ENTRY}() -> (model, batch)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps after 1 warm-up; "
+                                                         "the median goes to the file (10)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", default="profile.json", help="where to write (profile.json)")
+    p.set_defaults(handler=_plan_profile)
+
+
+def _plan_profile(args: argparse.Namespace) -> int:
+    try:
+        for name in ("steps", "threads"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+        prof = profile_script(args.script, args.steps, args.threads)
+    except ValueError as err:
+        print(f"disttrain plan profile: error: {err}", file=sys.stderr)
+        return 2
+    with open(args.out, "w") as f:
+        json.dump(prof, f, indent=1)
+    for row in prof["layers"]:
+        print(f"{row['name']:<16} {row['kind']:<12} fwd {row['forward_s'] * 1e3:8.3f} ms  "
+              f"bwd {row['backward_s'] * 1e3:8.3f} ms  saved {row['activation_bytes'] / 1e6:8.3f} MB")
+    print(f"wrote {args.out} ({prof['steps']} steps, batch {prof['batch']} x {prof['seq']}, "
+          f"{prof['threads']} threads)")
+    return 0

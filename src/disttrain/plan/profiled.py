@@ -1,0 +1,105 @@
+"""A measured per-layer profile as `disttrain plan layout --profile FILE` uses it.
+
+`disttrain plan profile script.py` (plan/profile.py) writes the file: the forward and
+backward seconds and saved-activation bytes of each top-level layer of the user's
+module, measured on this machine. `load_profile` reads it for a GPT of the planner's
+notation and returns a `LayerProfile`: the median transformer block's forward and
+backward seconds and the LM head's, with the FLOPs they were measured at, so that
+cost.py's `layer_seconds` scales them by FLOPs (micro-batch b / profiled b, over tp)
+in place of FLOPs over the device's matmul rate. Pure Python over JSON: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from disttrain.plan.gpt import GPTSpec, parse_gpt
+
+__all__ = ["LayerProfile", "load_profile", "profile_model"]
+
+FORMAT = "disttrain-plan-profile/1"
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Measured seconds of one transformer block and of the LM head, at `flops` / `head_flops`."""
+
+    path: str
+    block: str
+    """The repeated layer's class (the transformer block)."""
+    blocks: int
+    fwd_s: float
+    bwd_s: float
+    head_fwd_s: float
+    head_bwd_s: float
+    flops: float
+    """Forward matmul FLOPs of one block at the profiled batch: (24bsh^2 + 4bs^2h)."""
+    head_flops: float
+    """Forward FLOPs of the LM head at the profiled batch: 2bshV."""
+    batch: int
+    threads: int
+    """Torch threads the profile ran with."""
+    cpus: int
+    """CPUs of the machine it ran on."""
+    share: float = 1.0
+    """How many times slower a layer runs when ranks share the machine."""
+
+    def shared(self, n: int) -> LayerProfile:
+        """As one of `n` ranks on this machine sees it: slower once n x threads > cpus."""
+        return replace(self, share=max(1.0, n * self.threads / self.cpus))
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ValueError(f"--profile {path}: cannot read it ({err.strerror}); write one with "
+                         f"`disttrain plan profile script.py --out {path}`") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--profile {path}: not JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"--profile {path}: not a `disttrain plan profile` file "
+                         f"(format {FORMAT!r} expected)")
+    missing = [k for k in ("batch", "seq", "threads", "cpus", "layers") if k not in data]
+    missing += sorted({k for row in data.get("layers", []) for k in ("kind", "forward_s",
+                       "backward_s") if k not in row})
+    if missing:
+        raise ValueError(f"--profile {path} lacks {', '.join(missing)}; write it again with "
+                         f"`disttrain plan profile`")
+    return data
+
+
+def profile_model(path: str) -> GPTSpec | None:
+    """The GPT the profile measured, when its script's model said (`cfg` of models/gpt.py)."""
+    gpt = _read(path).get("gpt")
+    return parse_gpt(gpt) if gpt else None
+
+
+def load_profile(path: str, m: GPTSpec) -> LayerProfile:
+    """`path`'s block and head seconds for planning `m`; a ValueError saying what differs."""
+    data = _read(path)
+    layers = data["layers"]
+    kinds = Counter(layer["kind"] for layer in layers)
+    block, count = kinds.most_common(1)[0]
+    if count != m.layers:
+        raise ValueError(f"--profile {path} measured {count} {block} layers; --model has "
+                         f"layers={m.layers}: profile the model you plan (or give no --model)")
+    if data["seq"] != m.seq:
+        raise ValueError(f"--profile {path} measured sequences of {data['seq']} tokens; "
+                         f"--model has seq={m.seq}")
+    last = max(i for i, layer in enumerate(layers) if layer["kind"] == block)
+    after = layers[last + 1:]  # the LM head (and its LayerNorm): what follows the blocks
+    blocks = [layer for layer in layers if layer["kind"] == block]
+    b, s, h = data["batch"], m.seq, m.hidden
+    return LayerProfile(
+        path=path, block=block, blocks=count,
+        fwd_s=statistics.median(x["forward_s"] for x in blocks),
+        bwd_s=statistics.median(x["backward_s"] for x in blocks),
+        head_fwd_s=sum(x["forward_s"] for x in after),
+        head_bwd_s=sum(x["backward_s"] for x in after),
+        flops=24 * b * s * h * h + 4 * b * s * s * h, head_flops=2 * b * s * h * m.vocab,
+        batch=b, threads=data["threads"], cpus=data["cpus"])

@@ -1,0 +1,128 @@
+"""The terms of plan/cost.py's estimate: each number with its formula and source.
+
+`time_terms` lists the busiest stage's work (matmul, elementwise, gradient
+accumulation, LM head, tensor-parallel collectives, pipeline sends), the simulator's
+bubble and the exposed data-parallel / ZeRO communication; `wire_bytes` counts what one
+device sends per step. `--explain` prints them (plan/layout_text.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain.plan.gpt import KORTHIKANTI, NARAYANAN, GPTSpec
+
+__all__ = ["Term", "time_terms", "wire_terms"]
+
+DTYPE = "bf16"
+"""Mixed precision: bf16 matmuls, fp32 master weights and Adam (plan/memory.py's "mixed")."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One number of the estimate with where it comes from."""
+
+    name: str
+    value: float
+    """Seconds (time terms) or bytes (memory terms)."""
+    formula: str
+    source: str = ""
+
+
+def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
+    """Bytes one device sends per step, per kind (ring counts; `lay` is a cost.Layout)."""
+    t, n, mb = lay.tp, lay.dp, lay.microbatches
+    layers = m.layers // lay.pp
+    count = 2 + (3 if lay.sp else 2) + (2 if lay.recompute else 0)
+    s = per["cost"].tp_bytes
+    out = [Term("tp collectives", count * 2 * (t - 1) / t * s * layers * mb,
+                f"{count} all-reduces' worth x 2(t-1)/t x {s / 1e6:.4g} MB x {layers} layers x "
+                f"{mb} micro-batches")] if t > 1 else []
+    if lay.pp > 1:
+        out.append(Term("pipeline sends", 2 * d["p2p_bytes"] * mb,
+                        f"2 x {mb} x {d['p2p_bytes'] / 1e6:.4g} MB"))
+    g = dp["grads"]
+    what = {0: "all-reduce 2(n-1)/n", 1: "reduce-scatter + all-gather 2(n-1)/n",
+            2: "reduce-scatter + all-gather 2(n-1)/n", 3: f"3(n-1)/n per micro-batch x {mb}"}
+    if n > 1:
+        out.append(Term("data parallel", {0: 2, 1: 2, 2: 2, 3: 3 * mb}[lay.zero] * g * (n - 1) / n,
+                        f"{what[lay.zero]} x {g / 1e6:.4g} MB of bf16 gradients, n = dp = {n}"))
+    return out
+
+
+def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
+    """The layers' compute: matmul and elementwise terms, or the profiled block's seconds."""
+    c, p = per["cost"], dev.profile
+    recompute = " + recompute 1" if lay.recompute else ""
+    if p is not None:
+        total = count * (per["f"] + per["b"] + (per["f"] if lay.recompute else 0.0))
+        return [Term("layer compute (profiled)", total,
+                     f"{count} layer passes x (fwd {per['f'] * 1e3:.4g} + bwd {per['b'] * 1e3:.4g}"
+                     f"{recompute and ' + fwd again'} ms): the profiled {p.block}'s median "
+                     f"{p.fwd_s * 1e3:.4g} / {p.bwd_s * 1e3:.4g} ms at batch {p.batch} on "
+                     f"{p.threads} of {p.cpus} CPUs x b/{p.batch}/t"
+                     f"{f' x {p.share:.3g} (ranks x threads over CPUs)' if p.share > 1 else ''}",
+                     f"measured: {p.path} (disttrain plan profile)")]
+    mm, el = per["w"], per["f"] - per["w"]
+    rate = f"{dev.matmul_flops(DTYPE) / 1e12:.4g} TFLOP/s"
+    src = f"{dev.sources.get('peak')}; {dev.sources.get('matmul')}"
+    return [
+        Term("matmul", count * passes * mm,
+             f"{count} layer passes x {passes} x (24bsh^2 + 4bs^2h)/t = "
+             f"{c.matmul_flops:.4g} FLOP at {rate}", f"{NARAYANAN}; {src}"),
+        Term("elementwise", count * passes * el,
+             f"{count} layer passes x (fwd 1 + bwd 2{recompute}) x "
+             f"{c.elementwise_bytes / 1e6:.4g} MB at {dev.memory_Bps / 1e9:.4g} GB/s",
+             f"{KORTHIKANTI} (tensor list); {dev.sources.get('hbm')} x "
+             f"{dev.hbm_efficiency:.3g}: {dev.sources.get('hbm_efficiency')}")]
+
+
+def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
+    """The step's time terms (seconds), each with formula and source, for `--explain`."""
+    mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
+    passes = 4 if lay.recompute else 3
+    c = per["cost"]
+    out = _compute_terms(lay, dev, per, mb * layers, passes) + [
+        Term("gradient accumulation", mb * layers * d["acc"],
+             f"{mb} x {layers} layers x 6 B/param x {m.layer_params / lay.tp:.4g} params "
+             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into bf16 .grad)",
+             dev.sources.get("hbm", "")),
+        Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
+             f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
+                           else "3 x 2bshV/t FLOP + fp32 logits"),
+             dev.profile.path if dev.profile else NARAYANAN),
+    ]
+    if lay.tp > 1:
+        where = "intra" if per["tp_local"] == lay.tp else "inter"
+        n = (per["tp_f"] + per["tp_b"] + (per["tp_f"] if lay.recompute else 0)) / per["ar"]
+        out.append(Term("tp all-reduce" + (" (SP: all-gather/reduce-scatter)" if lay.sp else ""),
+                        mb * layers * n * per["ar"],
+                        f"{mb} x {layers} layers x {n:g} x ring all-reduce of 2bsh = "
+                        f"{c.tp_bytes / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
+                        f"{per['tp_bound']}-bound)",
+                        f"comm/cost.py ring; {dev.sources.get(where)}"))
+    if lay.pp > 1:
+        out.append(Term("pipeline p2p", 2 * mb * d["p2p"],
+                        f"2 x {mb} sends of {d['p2p_bytes'] / 1e6:.4g} MB ({d['p2p'] * 1e3:.3g} ms each)",
+                        f"comm/cost.py p2p; {dev.sources.get('inter')}"))
+        out.append(Term(f"bubble ({lay.schedule}, pp={lay.pp}, m={mb})", bubble,
+                        "makespan - busiest stage's busy time, from the schedule simulator",
+                        "parallel/pipeline/schedules.py simulate()"))
+    if lay.zero == 3:
+        out.append(Term("ZeRO-3 gathers (exposed)", mb * (lc * lay.virtual) * (d["z3_f"] + d["z3_b"])
+                        + 2 * mb * lay.virtual * d["z3_first"],
+                        "per layer max(0, all-gather [+ reduce-scatter] - compute), prefetching "
+                        "the next layer; the first layer's gather exposed", "comm/cost.py ring"))
+    if dp["buckets"]:
+        op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
+        out.append(Term(f"dp {op} (exposed)", dp["reduce"],
+                        f"{dp['buckets']} buckets of {dp['grads'] / dp['buckets'] / 1e6:.3g} MB, "
+                        f"{dp['bucket'] * 1e3:.3g} ms each ({dp['bound']}-bound), ready over the last backward: "
+                        f"max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
+    if dp["gather"]:
+        out.append(Term("ZeRO parameter all-gather", dp["gather"],
+                        f"all-gather of {dp['grads'] / 1e6:.4g} MB bf16 parameters after the step",
+                        "zero.md (Stages 0-2)"))
+    out.append(Term("optimizer step", opt, "30 B/param of Adam's shard at memory bandwidth",
+                    dev.sources.get("hbm", "")))
+    return out

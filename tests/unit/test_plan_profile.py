@@ -1,0 +1,114 @@
+"""`disttrain plan profile`: per-layer times of a real module, and `plan layout --profile`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+
+import pytest
+
+from disttrain import cli
+from disttrain.plan.devices import device
+from disttrain.plan.gpt import parse_gpt
+from disttrain.plan.layout import Pins, plan_layouts
+from disttrain.plan.profile import backward_seconds
+from disttrain.plan.profiled import FORMAT, load_profile
+
+TINY = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128"
+SCRIPT = textwrap.dedent("""
+    import torch
+    from disttrain.models.gpt import GPT, GPTConfig
+
+    def profile_target():
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=64)
+        return GPT(cfg), torch.randint(0, 128, (4, 64))
+
+    if __name__ == "__main__":
+        raise SystemExit("the profiler must not run the script's main block")
+""")
+
+
+def _synthetic(tmp_path, block_fwd: float, block_bwd: float, name="p.json"):
+    """A profile file of the tiny GPT with chosen block and head seconds (batch 4)."""
+    rows = [{"name": "embed", "kind": "Embed", "forward_s": 1e-4, "backward_s": 1e-4},
+            *({"name": f"blocks.{i}", "kind": "Block", "forward_s": block_fwd,
+               "backward_s": block_bwd} for i in range(2)),
+            {"name": "head", "kind": "Head", "forward_s": 0.002, "backward_s": 0.004}]
+    path = tmp_path / name
+    path.write_text(json.dumps({"format": FORMAT, "device": "cpu", "threads": 1, "cpus": 1, "steps": 3,
+                                "batch": 4, "seq": 64, "gpt": TINY, "layers": rows}))
+    return str(path)
+
+
+@pytest.mark.timeout(60)
+def test_profile_times_each_top_level_layer_of_the_gpt(tmp_path, capsys):
+    script, out = tmp_path / "tiny.py", tmp_path / "tiny.json"
+    script.write_text(SCRIPT)
+    argv = ["plan", "profile", str(script), "--out", str(out), "--steps", "3", "--threads", "1"]
+    assert cli.main(argv) == 0
+    prof = json.loads(out.read_text())
+    rows = {r["name"]: r for r in prof["layers"]}
+    assert list(rows) == ["embed", "blocks.0", "blocks.1", "head"]  # GPT.pipeline_layers()
+    assert [rows[n]["kind"] for n in rows] == ["Embed", "Block", "Block", "Head"]
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in rows.values())
+    assert prof["gpt"] == TINY and (prof["batch"], prof["seq"], prof["threads"]) == (4, 64, 1)
+    # identical blocks save identical activations: the fp32 (B, T, C) tensors autograd keeps
+    saved = rows["blocks.0"]["activation_bytes"]
+    assert saved == rows["blocks.1"]["activation_bytes"] and saved >= 10 * 4 * 64 * 64 * 4
+    assert rows["blocks.0"]["params"] == 12 * 64 * 64 + 13 * 64
+    assert "blocks.1" in capsys.readouterr().out
+    assert prof["backward_order"] == ["head", "blocks.1", "blocks.0", "embed"]  # every hook fired
+
+
+def test_backward_seconds_split_the_backward_between_consecutive_layers():
+    starts = {"blocks.0": 3.0, "head": 1.0, "embed": 4.5, "blocks.1": 1.5}
+    got = backward_seconds(starts, 5.0)
+    assert list(got) == ["head", "blocks.1", "blocks.0", "embed"]
+    assert got == pytest.approx({"head": 0.5, "blocks.1": 1.5, "blocks.0": 1.5, "embed": 0.5})
+    assert sum(got.values()) == pytest.approx(5.0 - 1.0)  # the whole backward after the head's start
+
+
+@pytest.mark.timeout(30)
+def test_profile_replaces_flop_derived_compute(tmp_path):
+    gpt = parse_gpt(TINY)
+    here = device("cpu-here")
+    slow, fast = (dataclasses.replace(here, profile=load_profile(_synthetic(tmp_path, f, 2 * f, n), gpt))
+                  for f, n in ((0.010, "slow.json"), (0.005, "fast.json")))
+    pins = Pins(micro_batch=2)
+    plans = {k: plan_layouts(gpt, d, 1, 8, 8, pins, top=1).ranked[0]
+             for k, d in (("slow", slow), ("fast", fast), ("flops", here))}
+    lay = plans["slow"].layout
+    assert (lay.pp, lay.dp, lay.tp, lay.microbatches) == (1, 1, 1, 4)
+    terms = {k: {t.name: t.value for t in e.time} for k, e in plans.items()}
+    # 4 micro-batches x 2 layers x (10 + 20 ms) x b 2 / profiled b 4
+    assert terms["slow"]["layer compute (profiled)"] == pytest.approx(4 * 2 * 0.030 * 2 / 4)
+    assert terms["fast"]["layer compute (profiled)"] == pytest.approx(
+        terms["slow"]["layer compute (profiled)"] / 2)
+    assert terms["slow"]["LM head (last stage)"] == pytest.approx(4 * 0.006 * 2 / 4)
+    gap = terms["slow"]["layer compute (profiled)"] / 2
+    assert plans["slow"].step - plans["fast"].step == pytest.approx(gap, rel=1e-6)
+    assert "matmul" in terms["flops"] and "layer compute (profiled)" not in terms["flops"]
+    # two ranks share the profiled machine (1 thread on 1 CPU): each runs twice as slowly
+    two = plan_layouts(gpt, slow, 2, 8, 8, Pins(micro_batch=2, tp=1, pp=1, zero=0), top=1).ranked[0]
+    assert {t.name: t.value for t in two.time}["layer compute (profiled)"] == pytest.approx(
+        2 * 2 * 0.030 * 2 / 4 * 2)
+
+
+@pytest.mark.timeout(30)
+def test_profile_errors_say_what_to_fix(tmp_path, capsys):
+    bare = tmp_path / "bare.py"
+    bare.write_text("x = 1\n")
+    assert cli.main(["plan", "profile", str(bare), "--out", str(tmp_path / "o.json")]) == 2
+    assert "defines no profile_target()" in capsys.readouterr().err
+    prof = _synthetic(tmp_path, 0.01, 0.02)
+    base = ["plan", "layout", "--profile", prof, "--devices", "2", "--global-batch", "8"]
+    assert cli.main([*base, "--device", "a100-80gb"]) == 2
+    assert "plan it with --device cpu-here" in capsys.readouterr().err
+    wrong = "gpt:layers=4,hidden=64,heads=4,seq=64,vocab=128"
+    assert cli.main([*base, "--device", "cpu-here", "--model", wrong]) == 2
+    assert "measured 2 Block layers; --model has layers=4" in capsys.readouterr().err
+    assert cli.main([*base, "--device", "cpu-here", "--explain"]) == 0  # model: the profile's
+    out = capsys.readouterr().out
+    assert "GPT on 2 x cpu-here" in out and "layer compute (profiled)" in out
