@@ -20,10 +20,22 @@ from disttrain.plan.memory import (
     plan_table,
 )
 from disttrain.plan.profile import add_profile_parser
-from disttrain.plan.ps_cli import add_ps_parser
 
 __all__ = ["PRECISIONS", "OPTIMIZERS", "MemoryPlan", "bytes_per_param", "model_state_bytes",
            "plan_table", "add_plan_parser"]
+
+
+
+def add_ps_parser(sub) -> None:
+    """Register `disttrain plan ps`.
+
+    NOTE: imported here, not at the top: the simulator drives ps/policy.py's objects,
+    whose package imports torch, and `import disttrain.plan.layout` stays torch-free.
+    """
+    from disttrain.plan.ps_cli import add_ps_parser as add
+
+    add(sub)
+
 
 PLANS = (add_memory_parser, add_layout_parser, add_profile_parser, add_ps_parser)
 """Each plan's `add_<name>_parser(sub)`, in the order `disttrain plan --help` lists them."""
