@@ -1,6 +1,9 @@
 """ZeRO stage 3: parameters sharded too, gathered per layer just in time.
 Follows ZeRO stage 3 (Rajbhandari et al. 2019, sec. 5.3) with FSDP's mechanics (Zhao et al. 2023).
 
+Which module's forward gathers which parameters: units.py (a module whose forward reads
+its submodules' parameters, as nn.MultiheadAttention, is gathered whole).
+
 Who talks to whom: api.Zero drives this; module hooks call back into `_pre_forward`,
 `_post_forward`, `_pre_backward_of` and `_on_full_grad_of`; those call comm.py.
 
@@ -212,8 +215,8 @@ class ParamShards:
 
     # NOTE: the forward hooks are never traced (gathers, storage resizes, hooks on
     # outputs): under torch.compile Dynamo runs each one eagerly, a graph break at each
-    # bound module, as FSDP2's hooks (torch's skip_fsdp_hooks, the default); the code
-    # between them compiles.
+    # hooked module, as FSDP2's hooks (torch.distributed.fsdp wraps them in
+    # torch._dynamo.disable); the code between them compiles (zero.md has the counts).
     @not_traced
     def _pre_forward(self, m: nn.Module, args) -> None:
         units = self._units_of(m)
