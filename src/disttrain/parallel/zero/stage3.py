@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from disttrain.compiling import not_traced
 from disttrain.parallel.zero import comm
 from disttrain.parallel.zero.flat import Piece, Segment
 from disttrain.parallel.zero.mixed import accumulate_shard_grad
@@ -87,10 +86,19 @@ class ParamShards:
         self._recording = True
         self._pending: list[tuple] = []
         self.live = self.peak = 0  # bytes of full buffers/grads this engine holds now, max
+        # NOTE: the forward hooks are never traced (gathers, storage resizes, hooks on
+        # outputs): under torch.compile Dynamo breaks the graph at each hooked module and
+        # runs the hooks eagerly, as FSDP2's (torch.distributed.fsdp wraps them in
+        # torch._dynamo.disable); the code between them compiles (zero.md has the counts).
+        # torch.compiler.disable imports Dynamo, which building the optimizer (Zero, next)
+        # does anyway; wrapping here, not in a frame of ours, keeps Dynamo from tracing a
+        # wrapper frame each time a hook runs.
+        pre, post = torch.compiler.disable(self._pre_forward), \
+            torch.compiler.disable(self._post_forward)
         self._handles = []
         for m in self.binds:
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post))
 
     def _build(self, module: nn.Module, whole: tuple[type[nn.Module], ...]) -> None:
         owned = owned_by_gatherer(module, whole)
@@ -213,11 +221,6 @@ class ParamShards:
 
     # ---- hooks -------------------------------------------------------------------
 
-    # NOTE: the forward hooks are never traced (gathers, storage resizes, hooks on
-    # outputs): under torch.compile Dynamo runs each one eagerly, a graph break at each
-    # hooked module, as FSDP2's hooks (torch.distributed.fsdp wraps them in
-    # torch._dynamo.disable); the code between them compiles (zero.md has the counts).
-    @not_traced
     def _pre_forward(self, m: nn.Module, args) -> None:
         units = self._units_of(m)
         self._bind(m)
@@ -227,7 +230,6 @@ class ParamShards:
         if nxt is not None:
             self._gather(nxt, wait=False)  # prefetch: overlaps this module's forward
 
-    @not_traced
     def _post_forward(self, m: nn.Module, args, output):
         units = self._units_of(m)
         for u in units:
