@@ -2,8 +2,9 @@
 
 `nn.MultiheadAttention` passes `out_proj.weight` to `F.multi_head_attention_forward`
 without calling `out_proj`: it is gathered whole at its own forward (zero/units.py), also
-inside `nn.TransformerEncoderLayer` (whose inference fast path, which would read every
-weight, is off while forward hooks are attached);
+inside `nn.TransformerEncoder` layers (whose inference fast path, which would read every
+weight, is off while forward hooks are attached; reading a weight's dtype or shape
+outside its forward is allowed);
 a user's module doing the same is refused in the first forward with its name and the
 fix (`whole_modules=`), and trains once given it. World 2 against a single-process
 reference on the whole batch (same seed): the first step's update (lr * the averaged
@@ -32,6 +33,7 @@ class Attention(nn.Module):
         self.head = nn.Linear(8, 4)
 
     def forward(self, x):  # (B, T, 8) -> (B, T, 4)
+        x = x.to(self.head.weight.dtype)  # metadata of a unit not gathered yet: allowed
         return self.head(self.att(x, x, x, need_weights=False)[0])
 
 
@@ -49,8 +51,9 @@ class Reader(nn.Module):
 
 def make(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    if kind == "encoder":
-        return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    if kind == "encoder":  # its fast-path checks read the layers' weights' metadata
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     return {"attention": Attention, "reader": Reader}[kind]()
 
 
@@ -94,6 +97,7 @@ def train_all():
         out[kind] = (before, want, run(zero, zero.optimizer, rank, world))
     zero = disttrain.Zero(make("reader"), sgd, stage=3)
     try:
+        zero.optimizer.zero_grad()  # as a training loop starts (ends the recording pass)
         zero(batch(0)[0])
         out["refused"] = None
     except RuntimeError as e:

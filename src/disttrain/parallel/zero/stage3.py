@@ -84,6 +84,7 @@ class ParamShards:
         self._build(module, WHOLE + tuple(whole))
         self._fwd_order: list[_Unit] = []
         self._recording = True
+        self._reads_checked = False  # the first eager forward is (read_check)
         self._pending: list[tuple] = []
         self.live = self.peak = 0  # bytes of full buffers/grads this engine holds now, max
         # NOTE: the forward hooks are never traced (gathers, storage resizes, hooks on
@@ -132,8 +133,9 @@ class ParamShards:
     def read_check(self) -> ReadCheck | None:
         """A mode to enter around the first forward (None after it, and under compile):
         refuses a read of a parameter outside its unit's forward (units.py)."""
-        if not self._recording or torch.compiler.is_compiling():
+        if self._reads_checked or torch.compiler.is_compiling():
             return None
+        self._reads_checked = True
         return ReadCheck(self.root, self.names, self.rank)
 
     def shard_parameters(self) -> list[nn.Parameter]:

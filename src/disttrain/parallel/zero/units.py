@@ -29,6 +29,12 @@ __all__ = ["WHOLE", "ReadCheck", "owned_by_gatherer"]
 WHOLE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 """torch modules whose forward reads their submodules' parameters directly."""
 
+# Tensor methods that read metadata only (shape, dtype, device, requires_grad: the
+# property getters are `__get__`), which a freed unit answers: never refused.
+_METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride",
+                       "storage_offset", "is_contiguous", "element_size", "data_ptr",
+                       "is_floating_point", "is_complex", "get_device", "__len__", "__hash__"})
+
 Entry = tuple[nn.Module, str, str, nn.Parameter]  # (owner, state_dict key, attribute, param)
 
 
@@ -70,6 +76,8 @@ class ReadCheck(TorchFunctionMode):
         self.units = {id(u.full): u for *_, u, _ in names}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in _METADATA:
+            return func(*args, **(kwargs or {}))
         for t in tree_flatten((args, kwargs or {}))[0]:
             if isinstance(t, torch.Tensor) and t._base is not None:
                 unit = self.units.get(id(t._base))
