@@ -1,5 +1,5 @@
 """Stage 3's units: which module's forward gathers which parameters, and the check, in
-the first forward, that no forward reads a parameter its own unit has not gathered.
+the first eager forward, that no forward reads a parameter its unit has not gathered.
 
 A unit is gathered in the forward pre-hook of the module that owns its parameters and
 freed after that module's forward. Some forwards read their submodules' parameters
@@ -9,12 +9,12 @@ at its own forward, its submodules' parameters with it, as FSDP wraps at the par
 DeepSpeed's ZeRO-3 treats "leaf modules". torch's are listed in `WHOLE`
 (`nn.TransformerEncoderLayer`'s inference fast path reads every weight of the layer too,
 but it is never taken while forward hooks are attached, and stage 3's are); a user
-passes their own classes (`Zero(..., whole_modules=[Block])`). A pattern not listed is caught by
-`ReadCheck` during the first forward and refused with the module and the fix, not with
-torch's storage error.
+passes their own classes (`Zero(..., whole_modules=[Block])`). A pattern not listed is
+caught by `ReadCheck` during the first eager forward and refused with the module and
+the fix, not with torch's storage error.
 
-Who talks to whom: stage3.ParamShards calls `owned_by_gatherer` once and enters
-`ReadCheck` around the first forward (api.Zero.forward).
+Who talks to whom: stage3.ParamShards calls `owned_by_gatherer` once and hands out a
+`ReadCheck` that api.Zero.forward enters around the first eager forward.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class ReadCheck(TorchFunctionMode):
 
     `names`: (state_dict key, owner, attribute, unit, index) of every bound parameter
     of `root`; `rank` goes into the message. Costs one Python call per torch function: entered for
-    the first forward only (ParamShards.read_check).
+    the first eager forward only (ParamShards.read_check). Metadata reads (`_METADATA`)
+    pass.
     """
 
     def __init__(self, root: nn.Module, names, rank: int):
