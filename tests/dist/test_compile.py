@@ -3,7 +3,7 @@
 Graph breaks in the forward of DataParallel, ZeRO 0-3 and a TP-sharded model are counted
 with `torch._dynamo.explain` and Dynamo's own graph-break counter (which also sees a break
 at a graph's edge, where `explain` sees none); ZeRO-3's are set beside FSDP2's on the
-same model. Compiled training (the `aot_eager` backend: Dynamo + AOTAutograd, no code
+same two models (user layers, torch.nn layers). Compiled training (the `aot_eager` backend: Dynamo + AOTAutograd, no code
 generation, to stay fast) must match eager training of the same wrapper step by step;
 the pipeline compiles each stage's chunk and must match the eager pipeline (slow-marked).
 Unloaded on 2 cores: ~10 s for the explain counts and DataParallel (one spawn), ~8 s for
@@ -38,9 +38,47 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
-def make(norm: bool = False) -> Net:
+class Block(nn.Module):
+    """A user layer with parameters of its own (as a transformer block is)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.b = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):  # (B, n_in) -> (B, n_out)
+        return torch.tanh(x @ self.w.t() + self.b)
+
+
+class BlockNet(nn.Module):
+    """Net with user layers: FSDP2 and ZeRO-3 both compile each layer's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = Block(8, 16), Block(16, 4)
+
+    def forward(self, x):  # (B, 8) -> (B, 4)
+        return self.fc2(self.fc1(x) * 2)
+
+
+class AttentionNet(nn.Module):
+    """nn.MultiheadAttention (gathered whole at stage 3, out_proj with it), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):  # (B, 8) -> (B, 4): two tokens of 4 features, duplicated
+        h = x.view(-1, 2, 4).repeat(1, 1, 2)  # (B, 2, 8)
+        return self.head(self.att(h, h, h, need_weights=False)[0].mean(1))
+
+
+def make(norm: bool = False, blocks: bool = False, attention: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return Net(norm)
+    if attention:
+        return AttentionNet()
+    return BlockNet() if blocks else Net(norm)
 
 
 def sgd(params):
@@ -54,21 +92,23 @@ def wrap(kind: str) -> nn.Module:
         return model
     if kind == "dp-bn":
         return disttrain.DataParallel(make(norm=True))
+    blocks, attention = kind.endswith("-blocks"), kind.endswith("-attention")
     if kind.startswith("zero"):
-        return disttrain.Zero(make(), sgd, stage=int(kind[-1]))
+        return disttrain.Zero(make(blocks=blocks, attention=attention), sgd, stage=int(kind[4]))
     if kind == "tp":
         return apply_tp(make(), None, {"fc1": "colwise", "fc2": "rowwise"})
-    if kind == "fsdp2":
+    if kind.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
-        model = make()
+        model = make(blocks=blocks)
         fully_shard(model.fc1), fully_shard(model.fc2), fully_shard(model)
         return model
     raise ValueError(kind)
 
 
 def explain_all(kinds):
-    """Per kind: (graphs, explain's breaks, Dynamo's break count, ops in the graphs)."""
+    """Per kind: (graphs, explain's breaks, Dynamo's break count, ops in the graphs, ops
+    per graph)."""
     x = torch.randn(4, 8)
     out = {}
     for kind in kinds:
@@ -78,7 +118,8 @@ def explain_all(kinds):
         e = torch._dynamo.explain(model)(x)
         ops = [str(getattr(op, "__name__", op)) for graph in e.ops_per_graph for op in graph]
         out[kind] = (e.graph_count, e.graph_break_count, sum(counters["graph_break"].values()),
-                     sorted(ops))
+                     sorted(ops), [[str(getattr(op, "__name__", op)) for op in graph]
+                                   for graph in e.ops_per_graph])
     return out
 
 
@@ -89,28 +130,47 @@ def explain_and_train_dp(kinds):
 @pytest.fixture(scope="module")
 def fast_run():
     """One spawn for the fast tests: explain every wrapper, train DataParallel both ways."""
-    kinds = ["dp", "dp-bn", "zero0", "zero1", "zero2", "zero3", "tp", "fsdp2"]
+    kinds = ["dp", "dp-bn", "zero0", "zero1", "zero2", "zero3", "tp", "fsdp2", "zero3-blocks",
+             "fsdp2-blocks"]
     return spawn(explain_and_train_dp, 2, kinds, timeout=150)
 
 
 def test_no_graph_break_in_the_forward_of_any_wrapper(fast_run):
     got = fast_run[0][0]
     for kind in ["dp", "zero0", "zero1", "zero2", "tp"]:
-        graphs, breaks, dynamo_breaks, ops = got[kind]
+        graphs, breaks, dynamo_breaks, ops, _ = got[kind]
         assert (graphs, breaks, dynamo_breaks) == (1, 0, 0), (kind, got[kind])
         assert ops.count("linear") == 2 and "tanh" in ops, (kind, ops)  # the whole model
     # the buffer broadcast runs before the graph (a break at its edge, none inside).
     # NOTE: Dynamo's own counter sees two per not_traced call (the call, and the wrapper's
     # frame that hands it to torch._disable_dynamo); explain's graphs and breaks, one.
-    graphs, breaks, dynamo_breaks, ops = got["dp-bn"]
+    graphs, breaks, dynamo_breaks, ops, _ = got["dp-bn"]
     assert (graphs, breaks) == (1, 0) and dynamo_breaks <= 2, got["dp-bn"]
-
     assert ops.count("linear") == 2 and "batch_norm" in ops, ops
-    # ZeRO-3: one break at each bound module's hooks, as FSDP2 at its hooks; FSDP2 runs
-    # its wrapped layers wholly eagerly (its graph: tanh), ZeRO-3 compiles their forward.
-    assert got["zero3"][1] <= 2 and got["zero3"][2] <= 7, got["zero3"]
-    assert got["zero3"][3].count("linear") == 2, got["zero3"]
-    assert got["fsdp2"][3] == ["tanh"], got["fsdp2"]
+
+
+def test_zero3_breaks_where_fsdp2_breaks(fast_run):
+    """ZeRO-3 against FSDP2 (`fully_shard` on fc1, fc2 and the root) on the same models.
+
+    Layers of the user's own (BlockNet): both break at each sharded layer's hooks and
+    compile the same graphs. torch.nn layers (Net's nn.Linear): FSDP2's swapped class
+    (FSDPLinear) keeps Dynamo from compiling the layer's forward, so each runs wholly
+    eagerly; ZeRO-3 keeps the class, and Dynamo compiles each hooked torch.nn layer's
+    forward as a graph of its own ("inbuilt nn.Module.forward allowed - module has
+    hooks"): one more graph per layer, the layer's compute, where FSDP2 has none.
+    Dynamo's own break counter: ZeRO-3 one more than FSDP2 (the break inside Zero's
+    forward, a frame FSDP2 does not have).
+    """
+    got = fast_run[0][0]
+    for model in ["", "-blocks"]:  # Dynamo's counter: one more, at Zero's own frame
+        assert got["zero3" + model][2] <= got["fsdp2" + model][2] + 1, got
+    zero, fsdp = got["zero3-blocks"], got["fsdp2-blocks"]
+    assert zero[1] <= fsdp[1] and zero[4] == fsdp[4], (zero, fsdp)
+    assert fsdp[4] == [["matmul", "add", "tanh"], ["mul"], ["matmul", "add", "tanh"]], fsdp
+    zero, fsdp = got["zero3"], got["fsdp2"]
+    assert fsdp[4] == [["tanh"]], fsdp  # fc1 and fc2 ran eagerly, uncompiled
+    layers = [g for g in zero[4] if g != ["tanh"]]
+    assert layers == [["linear"], ["linear"]] and zero[1] == fsdp[1] + len(layers), (zero, fsdp)
 
 
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -166,7 +226,8 @@ def test_compiled_data_parallel_trains_as_eager(fast_run):
 
 
 def test_compiled_zero_and_tp_train_as_eager():
-    check_same(spawn(train_both, 2, ["zero1", "zero2", "zero3", "tp"], timeout=300))
+    check_same(spawn(train_both, 2, ["zero1", "zero2", "zero3", "zero3-attention", "tp"],
+                     timeout=300))
 
 
 class _Stage0(nn.Module):

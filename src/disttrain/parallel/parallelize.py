@@ -4,7 +4,8 @@ The GPT-3 layout of the user's documents (pipeline stages, data-parallel replica
 each stage, tensor parallelism inside a machine), composed as torchtitan's
 `parallelize_llama` is: `parallelize(model, mesh, plan, config)` validates the options
 (`Parallelism`, config.py) and calls the public steps with plain values, in order:
-`apply_tp` (tensor/), `split_stages` (with recompute), `tie_stages`,
+`survey` (what the later steps read from the untouched model), `apply_tp` (tensor/),
+`split_stages` (with recompute), `tie_stages`,
 `apply_data_parallel` (steps.py), then `Pipeline` (pipeline/); the `ParallelModel` is
 built once, complete. A user can write the same chain by hand (README, "The chain").
 
@@ -28,15 +29,13 @@ from disttrain.dtypes import upcast_half
 from disttrain.mesh import Mesh
 from disttrain.parallel.config import Parallelism
 from disttrain.parallel.default_loss import default_loss, token_loss
-from disttrain.parallel.model_loss import target_arg
 from disttrain.parallel.parallel_model import ChunkOptimizers, ParallelModel, param_info
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.schedules import make_schedule
 from disttrain.parallel.pipeline.tied import TiedWeights
-from disttrain.parallel.steps import apply_data_parallel, split_stages, stage_costs, tie_stages
+from disttrain.parallel.steps import apply_data_parallel, split_stages, survey, tie_stages
 from disttrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from disttrain.parallel.tensor import apply_tp
-from disttrain.parallel.tensor.tied import tied_names
 
 __all__ = ["parallelize", "token_loss", "ParallelModel", "ChunkOptimizers", "Parallelism"]
 
@@ -59,33 +58,29 @@ def parallelize(model: nn.Module, mesh: Mesh, plan=None,
     cfg = config if config is not None else Parallelism.from_options(options)
     pp, stage, tp = mesh.size("pp"), mesh.local_rank("pp"), mesh.size("tp")
     actions = make_schedule(cfg.schedule, pp, cfg.microbatches, cfg.num_virtual)  # checks first
-    full = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
-    tied = tied_names(model, cfg.tied)
-    # NOTE: a model that takes the targets computes its own loss, unless loss_fn is given
-    arg = target_arg(model) if cfg.loss_fn is None else None
-    device = next(model.parameters()).device
-    costs = stage_costs(model, pp * cfg.num_virtual, cfg.layers) if cfg.costs is None else cfg.costs
-    if cfg.sync_batchnorm:  # NOTE: first, so every later step sees the synced layers
+    s = survey(model, pp * cfg.num_virtual, tied=cfg.tied, layers=cfg.layers, costs=cfg.costs,
+               loss_given=cfg.loss_fn is not None)  # NOTE: first, the untouched model
+    if cfg.sync_batchnorm:  # NOTE: before TP, so every later step sees the synced layers
         convert_sync_batchnorm(model, mesh.group("dp"))
     if tp > 1:  # NOTE: TP first: it must see whole layers
-        apply_tp(model, mesh, plan, sequence_parallel=cfg.sequence_parallel, tied=tied)
+        apply_tp(model, mesh, plan, sequence_parallel=cfg.sequence_parallel, tied=s.tied)
     # NOTE: after TP (the loss follows what the plan did to the output layer), before
     # the stage split (the output layer is found in the whole model)
-    loss_fn = cfg.loss_fn or default_loss(model, mesh.group("tp") if tp > 1 else None, arg)
+    loss_fn = cfg.loss_fn or default_loss(model, mesh.group("tp") if tp > 1 else None,
+                                          s.target_arg)
     chunks, owner = split_stages(model, mesh, num_virtual=cfg.num_virtual, layers=cfg.layers,
-                                 costs=costs, recompute=cfg.recompute,
-                                 example=cfg.example_microbatch(), target_arg=arg)
+                                 costs=s.costs, recompute=cfg.recompute,
+                                 example=cfg.example_microbatch(), target_arg=s.target_arg)
     info = [param_info(c) for c in chunks]  # before ZeRO stage 3 removes the parameters
-    tw = tie_stages(chunks, mesh, owner, tied)
+    tw = tie_stages(chunks, mesh, owner, s.tied)
     chunks = [apply_data_parallel(c, mesh.group("dp"), **_dp_keywords(cfg, tw, c)) for c in chunks]
     if cfg.zero:  # NOTE: tied copies sum their shard gradients; the loss is scaled
         tw.use_zero(chunks)
-        loss_fn = _scaled_loss(loss_fn, chunks, cast=cfg.loss_fn is None and arg is None)
+        loss_fn = _scaled_loss(loss_fn, chunks, cast=cfg.loss_fn is None and s.target_arg is None)
     pipe = Pipeline(chunks, actions[stage], stage, pp, cfg.microbatches, loss_fn,
                     group=mesh.group("pp"), ranks=mesh.peers("pp"), track_memory=cfg.track_memory,
-                    tied=tw if tw.sets else None, device=device, target_arg=arg)
-    aliases = {n: names[0] for names in tied for n in names[1:]}
-    return ParallelModel(chunks, pipe, mesh, full, owner, info, tied=tw, aliases=aliases,
+                    tied=tw if tw.sets else None, device=s.device, target_arg=s.target_arg)
+    return ParallelModel(chunks, pipe, mesh, s.shapes, owner, info, tied=tw, aliases=s.aliases,
                          optimizer=_build_optimizer(chunks, cfg))
 
 

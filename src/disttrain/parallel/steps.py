@@ -3,6 +3,8 @@
 As torchtitan's `apply_tp` / `apply_ac` / `apply_fsdp` and its separate pipeline split,
 a user can call any of them alone on a model of their own:
 
+- `survey(model, parts, ...)`: what the later steps read from the whole model (shapes,
+  tied names, the targets argument, stage costs), taken before any step changes it;
 - `disttrain.parallel.tensor.apply_tp(model, mesh, plan)`: TP shards, in place;
 - `apply_recompute(model, layers)` (recompute.py): activation recomputation, in place;
 - `split_stages(model, mesh, ...)`: this rank's pipeline chunks and who owns each layer;
@@ -10,8 +12,9 @@ a user can call any of them alone on a model of their own:
 - `apply_data_parallel(module, group, zero=...)`: DataParallel or a ZeRO stage;
 - `disttrain.parallel.pipeline.Pipeline(chunks, actions, ...)`: runs a schedule.
 
-NOTE: the order `parallelize` applies them in is fixed: TP must see whole layers, the
-stage split cuts the sharded model by layer, DP/ZeRO must see one stage's final shards.
+NOTE: the order `parallelize` applies them in is fixed: the survey reads the untouched
+model, TP must see whole layers, the stage split cuts the sharded model by layer, DP/ZeRO
+must see one stage's final shards.
 
 Who talks to whom: `split_stages` talks to no one; `tie_stages` creates each tied set's
 stage group and broadcasts from its first stage; `apply_data_parallel` broadcasts the
@@ -22,11 +25,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from disttrain.mesh import Mesh
 from disttrain.parallel.data_parallel import DataParallel
+from disttrain.parallel.model_loss import target_arg
 from disttrain.parallel.parallel_model import stage_of
 from disttrain.parallel.pipeline.recompute_traced import recompute_regions
 from disttrain.parallel.pipeline.split import layer_costs, layer_names, partition, split_model
@@ -34,9 +39,49 @@ from disttrain.parallel.pipeline.tied import TiedWeights, build_tied
 from disttrain.parallel.pipeline.trace import repeated_blocks, trace_stages
 from disttrain.parallel.recompute import apply_recompute, recompute_names
 from disttrain.parallel.sync_batchnorm import SyncBatchNorm
+from disttrain.parallel.tensor.tied import tied_names
 from disttrain.parallel.zero import Zero
 
-__all__ = ["Stages", "apply_data_parallel", "split_stages", "stage_costs", "tie_stages"]
+__all__ = ["Stages", "Survey", "apply_data_parallel", "split_stages", "stage_costs", "survey",
+           "tie_stages"]
+
+
+class Survey(NamedTuple):
+    """What the steps need from the whole model, read before any of them changes it (TP
+    shards layers, the split keeps one stage's, ZeRO stage 3 removes parameters)."""
+
+    shapes: dict[str, tuple[torch.Size, torch.dtype]]
+    """Full-model parameter name -> (shape, dtype) (ParallelModel gathers into these)."""
+    tied: list[list[str]]
+    """Sets of names sharing one weight (`tied_names`): apply_tp and tie_stages take it."""
+    target_arg: str | None
+    """The forward argument that takes the targets (the model computes its own loss), or
+    None (also when the caller gives its own loss function)."""
+    device: torch.device
+    """Where the model's parameters are (the pipeline's buffers go there)."""
+    costs: list[float] | None
+    """Per-layer costs the stage split balances by (`stage_costs`, of whole layers)."""
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Each tied name after the first -> the first (a checkpoint keeps one copy)."""
+        return {n: names[0] for names in self.tied for n in names[1:]}
+
+
+def survey(model: nn.Module, parts: int = 1, *, tied: list[list[str]] | None = None,
+           layers: list[str] | None = None, costs: list[float] | None = None,
+           loss_given: bool = False) -> Survey:
+    """Read `model` before the steps change it. Does not block.
+
+    parts: pipeline virtual stages (pp * num_virtual); tied, layers: as `tied_names` and
+    `split_stages` take them; costs: given costs (else `stage_costs`); loss_given: the
+    caller brings its own loss function (then the model's own loss is not used).
+    """
+    shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+    # NOTE: a model that takes the targets computes its own loss, unless a loss is given
+    arg = None if loss_given else target_arg(model)
+    costs = stage_costs(model, parts, layers) if costs is None else costs
+    return Survey(shapes, tied_names(model, tied), arg, next(model.parameters()).device, costs)
 
 
 class Stages(NamedTuple):

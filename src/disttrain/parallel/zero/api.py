@@ -60,6 +60,9 @@ class Zero(nn.Module):
         reduce-scatter: "native" or "ring". Stage 3: "native" only.
     broadcast_buffers: re-broadcast buffers (BatchNorm running statistics) from group rank
         0 before each training forward, as DataParallel and DDP do (default True).
+    whole_modules: stage 3: module classes whose forward reads their submodules'
+        parameters directly; each such module is one unit gathered at its own forward
+        (nn.MultiheadAttention always is; units.py).
 
     Construction blocks (parameters and buffers are broadcast from group rank 0).
     `model.optimizer.step()` blocks until the step's collectives are done.
@@ -71,12 +74,12 @@ class Zero(nn.Module):
                  param_groups: groups.ParamGroups = None,
                  reduce_dtype: torch.dtype | None = None, overflow_group: Any = "group",
                  separate: Iterable[nn.Parameter] = (), algorithm: str = "native",
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True,
+                 whole_modules: Iterable[type[nn.Module]] = ()):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"Zero wraps an nn.Module, got {type(module).__name__}")
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        _check_stage(stage, whole_modules)
         _check_arguments(optimizer_factory, precision, loss_scaler)
         self.dtype = mixed.low_dtype(precision)
         _check_reduce_dtype(reduce_dtype, precision)
@@ -106,7 +109,8 @@ class Zero(nn.Module):
         self.param_shapes = {id(p): p.shape for p in params}
         own = {id(p) for p in separate}
         if stage == 3:
-            self.engine = ParamShards(module, group, self.comm_stats, group_of, reduce_dtype, own)
+            self.engine = ParamShards(module, group, self.comm_stats, group_of, reduce_dtype, own,
+                                      tuple(whole_modules))
         else:
             self.engine = FlatShards(params, stage, group, mb_to_bytes(bucket_mb), self.comm_stats,
                                      group_of, reduce_dtype, own, algorithm)
@@ -142,7 +146,11 @@ class Zero(nn.Module):
             broadcast_tensors(buffers, 0, self.group)  # NOTE: as DDP; blocks
         if self.dtype is not None:  # floating inputs follow the module (FSDP's cast_forward_inputs)
             args, kwargs = tree_map(self._cast, (args, kwargs))
-        return self.module(*args, **kwargs)
+        check = self.engine.read_check() if self.stage == 3 else None
+        if check is None:
+            return self.module(*args, **kwargs)
+        with check:  # the first forward at stage 3 (units.py)
+            return self.module(*args, **kwargs)
 
     def _cast(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
@@ -200,7 +208,7 @@ class Zero(nn.Module):
         return result
 
     def _load_stage3(self, state_dict, strict):
-        names = {key for key, _, _ in self.engine.names}
+        names = {key for key, *_ in self.engine.names}
         missing = sorted(names - set(state_dict))
         if strict and missing:
             raise KeyError(f"state dict lacks parameters {missing[:5]}; was it saved from "
@@ -211,6 +219,14 @@ class Zero(nn.Module):
             raise KeyError(f"unexpected keys in state dict: {result.unexpected_keys[:5]}")
         self.engine.load_full({k: v for k, v in state_dict.items() if k in names})
         return result
+
+
+def _check_stage(stage: int, whole_modules) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if whole_modules and stage != 3:
+        raise ValueError(f"whole_modules chooses stage 3's units; stage {stage} has none "
+                         "(drop it, or use stage=3)")
 
 
 def _check_arguments(optimizer_factory, precision: str, loss_scaler) -> None:

@@ -1,6 +1,9 @@
 """ZeRO stage 3: parameters sharded too, gathered per layer just in time.
 Follows ZeRO stage 3 (Rajbhandari et al. 2019, sec. 5.3) with FSDP's mechanics (Zhao et al. 2023).
 
+Which module's forward gathers which parameters: units.py (a module whose forward reads
+its submodules' parameters, as nn.MultiheadAttention, is gathered whole).
+
 Who talks to whom: api.Zero drives this; module hooks call back into `_pre_forward`,
 `_post_forward`, `_pre_backward_of` and `_on_full_grad_of`; those call comm.py.
 
@@ -14,10 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from disttrain.compiling import not_traced
 from disttrain.parallel.zero import comm
 from disttrain.parallel.zero.flat import Piece, Segment
 from disttrain.parallel.zero.mixed import accumulate_shard_grad
+from disttrain.parallel.zero.units import WHOLE, ReadCheck, owned_by_gatherer
 
 __all__ = ["ParamShards"]
 
@@ -67,30 +70,43 @@ class ParamShards:
 
     def __init__(self, module: nn.Module, group, stats: comm.CommStats,
                  group_of: dict[int, int] | None = None,
-                 reduce_dtype: torch.dtype | None = None, separate: set[int] = frozenset()):
+                 reduce_dtype: torch.dtype | None = None, separate: set[int] = frozenset(),
+                 whole: tuple[type[nn.Module], ...] = ()):
         self.group, self.stats = group, stats
         self.reduce_dtype, self._separate = reduce_dtype, separate
         self._group_of = group_of or {}
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.units: list[_Unit] = []
-        self.binds: dict[nn.Module, list[tuple[str, _Unit, int]]] = {}
-        self.names: list[tuple[str, nn.Module, str]] = []  # (state_dict key, module, attr)
-        self._build(module)
+        # hooked module -> (module owning the attribute, attribute, unit, index in unit)
+        self.binds: dict[nn.Module, list[tuple[nn.Module, str, _Unit, int]]] = {}
+        self.names: list[tuple[str, nn.Module, str, _Unit, int]] = []  # state_dict key first
+        self.root = module
+        self._build(module, WHOLE + tuple(whole))
         self._fwd_order: list[_Unit] = []
         self._recording = True
+        self._reads_checked = False  # the first eager forward is (read_check)
         self._pending: list[tuple] = []
         self.live = self.peak = 0  # bytes of full buffers/grads this engine holds now, max
+        # NOTE: the forward hooks are never traced (gathers, storage resizes, hooks on
+        # outputs): under torch.compile Dynamo breaks the graph at each hooked module and
+        # runs the hooks eagerly, as FSDP2's (torch.distributed.fsdp wraps them in
+        # torch._dynamo.disable); the code between them compiles (zero.md has the counts).
+        # torch.compiler.disable imports Dynamo, which building the optimizer (Zero, next)
+        # does anyway; wrapping here, not in a frame of ours, keeps Dynamo from tracing a
+        # wrapper frame each time a hook runs.
+        pre, post = torch.compiler.disable(self._pre_forward), \
+            torch.compiler.disable(self._post_forward)
         self._handles = []
         for m in self.binds:
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post))
 
-    def _build(self, module: nn.Module) -> None:
+    def _build(self, module: nn.Module, whole: tuple[type[nn.Module], ...]) -> None:
+        owned = owned_by_gatherer(module, whole)
         seen: dict[int, tuple[_Unit, int]] = {}
-        for prefix, m in module.named_modules(remove_duplicate=False):
-            own = [(n, p) for n, p in m._parameters.items() if p is not None and p.requires_grad]
-            new = [p for _, p in own if id(p) not in seen]
-            by_group: dict[int, list[nn.Parameter]] = {}
+        for g, entries in owned.items():
+            new = list({id(p): p for *_, p in entries if id(p) not in seen}.values())
+            by_group: dict[tuple, list[nn.Parameter]] = {}
             for p in new:  # NOTE: one unit per optimizer group: groups never share a shard
                 key = (self._group_of.get(id(p), 0), id(p) if id(p) in self._separate else 0)
                 by_group.setdefault(key, []).append(p)
@@ -100,19 +116,27 @@ class ParamShards:
                 self.units.append(unit)
                 for i, p in enumerate(members):
                     seen[id(p)] = (unit, i)
-            for n, p in own:
+            for owner, key, n, p in entries:
                 unit, i = seen[id(p)]
-                self.binds.setdefault(m, []).append((n, unit, i))
-                self.names.append((f"{prefix}.{n}" if prefix else n, m, n))
-        for m, binds in self.binds.items():
-            for n, u, i in binds:
-                if n in m._parameters:
-                    del m._parameters[n]  # NOTE: now a plain attribute, rebound each forward
-                setattr(m, n, u.views[i])
+                self.binds.setdefault(g, []).append((owner, n, unit, i))
+                self.names.append((key, owner, n, unit, i))
+        for binds in self.binds.values():
+            for owner, n, u, i in binds:
+                if n in owner._parameters:
+                    del owner._parameters[n]  # NOTE: now a plain attribute, rebound each forward
+                setattr(owner, n, u.views[i])
         for u in self.units:
             u.full.register_post_accumulate_grad_hook(self._on_full_grad_of(u))
         if self.reduce_dtype == (self.units[0].shard.dtype if self.units else None):
             self.reduce_dtype = None
+
+    def read_check(self) -> ReadCheck | None:
+        """A mode to enter around the first forward (None after it, and under compile):
+        refuses a read of a parameter outside its unit's forward (units.py)."""
+        if self._reads_checked or torch.compiler.is_compiling():
+            return None
+        self._reads_checked = True
+        return ReadCheck(self.root, self.names, self.rank)
 
     def shard_parameters(self) -> list[nn.Parameter]:
         return [u.shard for u in self.units]
@@ -180,12 +204,15 @@ class ParamShards:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
+    def _units_of(self, m: nn.Module) -> list[_Unit]:
+        return list({id(u): u for _, _, u, _ in self.binds[m]}.values())
+
     def _bind(self, m: nn.Module) -> None:
-        for u in {id(u): u for _, u, _ in self.binds[m]}.values():
+        for u in self._units_of(m):
             self._gather(u, wait=True)
             u.make_views()
-        for n, u, i in self.binds[m]:
-            setattr(m, n, u.views[i])
+        for owner, n, u, i in self.binds[m]:
+            setattr(owner, n, u.views[i])
 
     def _neighbour(self, u: _Unit, step: int) -> _Unit | None:
         order = self._fwd_order
@@ -196,13 +223,8 @@ class ParamShards:
 
     # ---- hooks -------------------------------------------------------------------
 
-    # NOTE: the forward hooks are never traced (gathers, storage resizes, hooks on
-    # outputs): under torch.compile Dynamo runs each one eagerly, a graph break at each
-    # bound module, as FSDP2's hooks (torch's skip_fsdp_hooks, the default); the code
-    # between them compiles.
-    @not_traced
     def _pre_forward(self, m: nn.Module, args) -> None:
-        units = [u for _, u, _ in self.binds[m]]
+        units = self._units_of(m)
         self._bind(m)
         if self._recording:
             self._fwd_order += [u for u in units if u not in self._fwd_order]
@@ -210,9 +232,8 @@ class ParamShards:
         if nxt is not None:
             self._gather(nxt, wait=False)  # prefetch: overlaps this module's forward
 
-    @not_traced
     def _post_forward(self, m: nn.Module, args, output):
-        units = list({id(u): u for _, u, _ in self.binds[m]}.values())
+        units = self._units_of(m)
         for u in units:
             self._free(u)
         if torch.is_grad_enabled():
@@ -295,16 +316,14 @@ class ParamShards:
             flat = torch.empty(u.numel, dtype=u.shard.dtype, device=u.shard.device)
             comm.all_gather(flat, u.shard.detach(), self.group, self.stats)
             flats[id(u)] = flat.split(u.numels + [u.pad])
-        for key, m, n in self.names:
-            u, i = next((u, i) for nn_, u, i in self.binds[m] if nn_ == n)
+        for key, _, _, u, i in self.names:
             out[key] = flats[id(u)][i].view(u.shapes[i]).clone()
         return out
 
     @torch.no_grad()
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy this rank's chunk of each parameter in `tensors` into the shards."""
-        for key, m, n in self.names:
-            u, i = next((u, i) for nn_, u, i in self.binds[m] if nn_ == n)
+        for key, _, _, u, i in self.names:
             off = sum(u.numels[:i])
             lo, hi = self.rank * u.shard.numel(), (self.rank + 1) * u.shard.numel()
             src = tensors[key].reshape(-1)
