@@ -71,7 +71,9 @@ SCHEMA: dict[str, Op] = {
                            "shm_fd": Field("int", -1, 2**31 - 1, required=False, default=-1),
                            "shm_bytes": Field("int", 0, 1 << 40, required=False, default=0)}),
     "push": Op("server", {"worker": WORKER, "clock": Field("int"), "version": KNOWN,
-                          "sparse": FLAG, "ack": FLAG, "shm": SHM}, tensors=(1, MAX)),
+                          "sparse": FLAG, "ack": FLAG, "shm": SHM,
+                          # a pull riding on a push's last frame: its `have` (worker.fuse)
+                          "pull": Field("int", -1, required=False)}, tensors=(1, MAX)),
     "pull": Op("server", {"worker": WORKER, "have": KNOWN}),
     "beat": Op("server", {"worker": WORKER}),
     "done": Op("server", {"worker": WORKER}),

@@ -146,11 +146,10 @@ class Server:
             return
         if msg.op == "hello":
             self._hello(session, msg)
-        elif msg.op == "push":
-            if self._push(w, msg, session) and msg.meta["ack"]:
-                self.ep.send(session, Message("ack"))
-        elif msg.op == "pull":
-            self.parked[w] = msg.meta["have"]
+        elif msg.op == "push" and self._push(w, msg, session) and msg.meta["ack"]:
+            self.ep.send(session, Message("ack"))
+        if msg.op == "pull" or "pull" in msg.meta:  # NOTE: after the push it rode on (worker.fuse)
+            self.parked[w] = msg.meta["pull" if msg.op == "push" else "have"]
             self._execute(self.policy.pull(w))
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
