@@ -202,25 +202,32 @@ def test_reordered_and_duplicated_chunks_are_rejected(path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("path", PATHS)
 def test_a_pull_riding_on_a_push_is_answered_after_it_and_its_replay_changes_nothing(path):
-    job = Job(path=path, policy=Sync())
-    worker = job.link(0)
-    hello(worker, "Sync()")
-    fused = push(0, 1.0)
-    fused.meta["pull"] = -1
-    captured = [bytes(p) for p in worker.send(fused)]
-    got = [reply(worker) for _ in range(2)]
-    assert [m.op for m in got] == ["ack", "params"]  # as a push frame, then a pull frame
-    assert got[1].meta["version"] == 1 and torch.equal(torch.cat(got[1].tensors),
-                                                        torch.full((8,), -1.0))
-    worker.release()
-    worker.sock.send_multipart(captured)  # same connection
+    job = Job(workers=(0, 1), path=path, policy=Sync())
+    links = [job.link(0), job.link(1)]
+    for link in links:
+        hello(link, "Sync()")
+    fused = [push(0, 1.0, w) for w in (0, 1)]
+    for m in fused:
+        m.meta["pull"] = -1
+    captured = [bytes(p) for p in links[0].send(fused[0])]
+    got = reply(links[0])  # the round waits for worker 1: the pull is parked, the ack is not
+    assert got.op == "ack" and reply(links[0], 0.3) is None
+    links[1].send(fused[1])  # closes the round: both pulls are answered
+    for link in links:
+        got = reply(link)
+        assert got.op == "params" and got.meta["version"] == 1
+        assert torch.equal(torch.cat(got.tensors), torch.full((8,), -1.0))
+        link.release()
+    assert got.meta["ack"] == 1  # worker 1's push was acked by the params answering it
+    assert reply(links[1], 0.3) is None  # and by nothing else
+    links[0].sock.send_multipart(captured)  # same connection
     job.rejected("replayed or reordered", 1)
-    job.socket().send_multipart(captured)  # a new connection
+    attacker = job.socket()  # a new connection
+    attacker.send_multipart(captured)
     job.rejected("no session", 1)
-    assert reply(worker, 0.3) is None  # no second ack or params for the replays
-    assert torch.equal(params(worker), torch.full((8,), -1.0))  # still one update
-    stats = job.finish(worker)
-    assert stats["version"] == 1 and stats["applied"] == 1
+    assert reply(links[0], 0.3) is None  # no second ack or params for the replays
+    stats = job.finish(*links)
+    assert stats["version"] == 1 and stats["applied"] == 2
 
 
 def test_fuse_puts_a_pull_on_the_push_frame_right_before_it_to_the_same_server():

@@ -80,7 +80,8 @@ SCHEMA: dict[str, Op] = {
     # server -> worker
     "welcome": Op("worker", {"version": VERSION, "plain": FLAG, "mapped": FLAG}),
     "ack": Op("worker"),
-    "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1), "shm": SHM},
+    "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1), "shm": SHM,
+                            "ack": FLAG},  # 1: also the ack of the push a pull rode on
                  tensors=(0, MAX)),
     "cancel": Op("worker", {"version": VERSION}),
     "pong": Op("worker"),

@@ -41,9 +41,10 @@ def fuse(cmds: list) -> list:
     """Queued commands (server, message, handle or None, reply op) -> frames to send, in
     order, as (server, message, [(handle, reply op)]): a pull right behind a push's last
     frame to the same server rides on that frame (`meta.pull` = the pull's `have`; the
-    server acts on it as on the pull frame that would have followed). One frame less
-    each way, and no small frame queued behind a big one: over TCP ZeroMQ delivered
-    such a pull up to milliseconds after the push (docs/benchmarks.md). Never blocks."""
+    server acts on it as on the pull frame that would have followed, and when it answers
+    at once its first params frame carries the push's ack). Two frames less, and no
+    small frame queued behind a big one: over TCP ZeroMQ delivered such a pull up to
+    milliseconds after the push (docs/benchmarks.md). Never blocks."""
     out: list = []
     latest: dict[int, int] = {}  # server -> index in out of its latest frame
     for s, msg, handle, reply in cmds:
@@ -382,6 +383,8 @@ class Worker:
             self._fail(f"server {s} at {self.addresses[s]}{versions}: {msg.meta['message']}")
             return
         if msg.op == "params":
+            if msg.meta["ack"] and waiting["ack"]:  # NOTE: the push this pull rode on (fuse)
+                waiting["ack"].pop(0).finish_one()
             if not self._write_params(s, msg):
                 return
             self._version[s] = msg.meta["version"]
