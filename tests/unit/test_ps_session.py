@@ -23,6 +23,7 @@ from disttrain.ps.policy import Async, Sync
 from disttrain.ps.server import Server
 from disttrain.ps.session import PLAIN
 from disttrain.ps.transport import WorkerLink
+from disttrain.ps.worker import fuse
 
 KEY = bytes(range(32))
 KEYS = ["w#0", "w#1"]
@@ -196,6 +197,54 @@ def test_reordered_and_duplicated_chunks_are_rejected(path):
     assert reply(worker).op == "ack"
     assert torch.equal(params(worker), torch.full((8,), -1.0))
     assert job.finish(worker)["applied"] == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_pull_riding_on_a_push_is_answered_after_it_and_its_replay_changes_nothing(path):
+    job = Job(workers=(0, 1), path=path, policy=Sync())
+    links = [job.link(0), job.link(1)]
+    for link in links:
+        hello(link, "Sync()")
+    fused = [push(0, 1.0, w) for w in (0, 1)]
+    for m in fused:
+        m.meta["pull"] = -1
+    captured = [bytes(p) for p in links[0].send(fused[0])]
+    got = reply(links[0])  # the round waits for worker 1: the pull is parked, the ack is not
+    assert got.op == "ack" and reply(links[0], 0.3) is None
+    links[1].send(fused[1])  # closes the round: both pulls are answered
+    for link in links:
+        got = reply(link)
+        assert got.op == "params" and got.meta["version"] == 1
+        assert torch.equal(torch.cat(got.tensors), torch.full((8,), -1.0))
+        link.release()
+    assert got.meta["ack"] == 1  # worker 1's push was acked by the params answering it
+    assert reply(links[1], 0.3) is None  # and by nothing else
+    links[0].sock.send_multipart(captured)  # same connection
+    job.rejected("replayed or reordered", 1)
+    attacker = job.socket()  # a new connection
+    attacker.send_multipart(captured)
+    job.rejected("no session", 1)
+    assert reply(links[0], 0.3) is None  # no second ack or params for the replays
+    stats = job.finish(*links)
+    assert stats["version"] == 1 and stats["applied"] == 2
+
+
+def test_fuse_puts_a_pull_on_the_push_frame_right_before_it_to_the_same_server():
+    def push_frame(ack):
+        return Message("push", {"clock": 0, "version": 3, "ack": ack})
+
+    pull = Message("pull", {"have": 3})
+    cmds = [(0, push_frame(0), None, "ack"), (1, push_frame(1), "h1", "ack"),
+            (0, push_frame(1), "h0", "ack"), (1, Message("beat"), None, "pong"),
+            (0, pull, "p0", "params"), (1, Message("pull", {"have": 3}), "p1", "params")]
+    out = fuse(cmds)
+    assert [(s, m.op, r) for s, m, r in out] == [
+        (0, "push", []), (1, "push", [("h1", "ack")]),
+        (0, "push", [("h0", "ack"), ("p0", "params")]),  # the other server's frame between
+        (1, "beat", []), (1, "pull", [("p1", "params")])]  # a beat between: sent as it is
+    assert out[2][1].meta["pull"] == 3 and "pull" not in out[1][1].meta
+    assert fuse([(0, push_frame(0), None, "ack"), (0, pull, "p", "params")])[1][1] is pull
 
 
 @pytest.mark.timeout(60)

@@ -83,14 +83,17 @@ SCHEMA: dict[str, Op] = {
                            "shm_fd": Field("int", -1, 2**31 - 1, required=False, default=-1),
                            "shm_bytes": Field("int", 0, 1 << 40, required=False, default=0)}),
     "push": Op("server", {"worker": WORKER, "clock": Field("int"), "version": KNOWN,
-                          "sparse": FLAG, "ack": FLAG, "shm": SHM}, tensors=(1, MAX)),
+                          "sparse": FLAG, "ack": FLAG, "shm": SHM,
+                          # a pull riding on a push's last frame: its `have` (worker.fuse)
+                          "pull": Field("int", -1, required=False)}, tensors=(1, MAX)),
     "pull": Op("server", {"worker": WORKER, "have": KNOWN}),
     "beat": Op("server", {"worker": WORKER}),
     "done": Op("server", {"worker": WORKER}),
     # server -> worker
     "welcome": Op("worker", {"version": VERSION, "plain": FLAG, "mapped": FLAG}),
     "ack": Op("worker"),
-    "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1), "shm": SHM},
+    "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1), "shm": SHM,
+                            "ack": FLAG},  # 1: also the ack of the push a pull rode on
                  tensors=(0, MAX)),
     "cancel": Op("worker", {"version": VERSION}),
     "pong": Op("worker"),

@@ -27,19 +27,13 @@ import zmq
 from disttrain.ps import snapshot as snap
 from disttrain.ps.compress import densify
 from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, group_keys
+from disttrain.ps.keys import encrypt_setting, mac_setting, shm_setting
 from disttrain.ps.policy import Decision, Policy
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.schema import check_keys
 from disttrain.ps.session import Session
 from disttrain.ps.staleness import StaleStep
-from disttrain.ps.transport import (
-    ServerEndpoint,
-    bind,
-    encrypt_setting,
-    mac_setting,
-    remove_folder,
-    shm_setting,
-)
+from disttrain.ps.transport import ServerEndpoint, bind, remove_folder
 from disttrain.trace import events as trace_events
 
 __all__ = ["Server", "PSError"]
@@ -95,6 +89,7 @@ class Server:
         self.partial: dict[int, PartialPush] = {}  # worker -> the push still arriving
         self.complete: dict[int, dict[str, torch.Tensor]] = {}  # push id -> grads
         self.parked: dict[int, int] = {}  # worker -> version it already has
+        self.acks: dict[int, int] = {}  # worker -> 1: its push's ack is owed (_handle)
         self.finished: set[int] = set()
         self.partial_dropped = 0
         self._pid = 0
@@ -146,12 +141,6 @@ class Server:
             return
         if msg.op == "hello":
             self._hello(session, msg)
-        elif msg.op == "push":
-            if self._push(w, msg, session) and msg.meta["ack"]:
-                self.ep.send(session, Message("ack"))
-        elif msg.op == "pull":
-            self.parked[w] = msg.meta["have"]
-            self._execute(self.policy.pull(w))
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
         elif msg.op == "done":
@@ -163,6 +152,13 @@ class Server:
             stats = self.stats()
             staleness = [[k, v] for k, v in stats.pop("staleness").items()]
             self.ep.send(session, Message("bye", {"stats": stats, "staleness": staleness}))
+        elif msg.op == "push" and self._push(w, msg, session) and msg.meta["ack"]:
+            self.acks[w] = 1  # NOTE: params answering a pull that rode on it carry it
+        if msg.op == "pull" or "pull" in msg.meta:  # NOTE: after the push it rode on (worker.fuse)
+            self.parked[w] = msg.meta["pull" if msg.op == "push" else "have"]
+            self._execute(self.policy.pull(w))
+        if self.acks.pop(w, 0):  # no params went at once: the ack on its own
+            self.ep.send(session, Message("ack"))
 
     def _hello(self, session: Session, msg: Message) -> None:
         want = {"keys": self.keys, "policy": repr(self.policy)}
@@ -248,11 +244,12 @@ class Server:
 
     def _send_params(self, w: int, have: int) -> None:
         """Answer worker w's pull: the shard as a stream of chunk messages, the last one
-        marked; an unchanged shard costs one empty message. Does not block."""
-        version, session = self.policy.version, self.ep.active[w]
+        marked, the first one carrying the ack of w's push if it is owed (`acks`); an
+        unchanged shard costs one empty message. Does not block."""
+        version, session, ack = self.policy.version, self.ep.active[w], self.acks.pop(w, 0)
         groups = self._groups if have != version and self._groups else [[]]
         for i, keys in enumerate(groups):
-            meta = {"version": version, "last": int(i == len(groups) - 1)}
+            meta = {"version": version, "last": int(i == len(groups) - 1), "ack": ack * (i == 0)}
             tensors = [self.params[k].detach() for k in keys]
             tracker = self.ep.send(session, Message("params", meta, keys, tensors), track=True)
             if tracker is not None:  # NOTE: sent without a copy: see _apply

@@ -37,6 +37,28 @@ from disttrain.trace import events as trace_events
 __all__ = ["Worker", "Handle", "Cancelled"]
 
 
+def fuse(cmds: list) -> list:
+    """Queued commands (server, message, handle or None, reply op) -> frames to send, in
+    order, as (server, message, [(handle, reply op)]): a pull right behind a push's last
+    frame to the same server rides on that frame (`meta.pull` = the pull's `have`; the
+    server acts on it as on the pull frame that would have followed, and when it answers
+    at once its first params frame carries the push's ack). Two frames less, and no
+    small frame queued behind a big one: over TCP ZeroMQ delivered such a pull up to
+    milliseconds after the push (docs/benchmarks.md). Never blocks."""
+    out: list = []
+    latest: dict[int, int] = {}  # server -> index in out of its latest frame
+    for s, msg, handle, reply in cmds:
+        prev = out[latest[s]] if s in latest else None
+        if (msg.op == "pull" and prev is not None and prev[1].op == "push"
+                and prev[1].meta.get("ack") and "pull" not in prev[1].meta):
+            prev[1].meta["pull"] = msg.meta["have"]
+            prev[2].append((handle, reply))
+            continue
+        latest[s] = len(out)
+        out.append((s, msg, [] if handle is None else [(handle, reply)]))
+    return out
+
+
 class Worker:
     """One worker's connection to all servers; built by `disttrain.ps.connect`."""
 
@@ -314,17 +336,20 @@ class Worker:
         if self._wake_in in events:
             while self._wake_in.poll(0):
                 self._wake_in.recv()
-        while True:
+        cmds, stop = [], False
+        while not stop:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd is None:
-                return False
-            s, msg, handle, reply = cmd
+            stop = cmd is None
+            cmds += [] if stop else [cmd]
+        for s, msg, replies in fuse(cmds):
             eps[s].send(msg)
-            if handle is not None:
+            for handle, reply in replies:
                 waiting[s][reply].append(handle)
+        if stop:
+            return False
         for s, ep in enumerate(eps):
             while ep.sock in events and ep.sock.poll(0):
                 try:
@@ -365,6 +390,8 @@ class Worker:
             self._fail(f"server {s} at {self.addresses[s]}{versions}: {msg.meta['message']}")
             return
         if msg.op == "params":
+            if msg.meta["ack"] and waiting["ack"]:  # NOTE: the push this pull rode on (fuse)
+                waiting["ack"].pop(0).finish_one()
             if not self._write_params(s, msg):
                 return
             self._version[s] = msg.meta["version"]
