@@ -107,10 +107,18 @@ class Policy:
         return Decision(release=self._releasable())
 
     def leave(self, worker: int) -> Decision:
-        """Worker finished its work cleanly and will push no more."""
+        """Worker finished its work cleanly and will push no more. Its pushes already in
+        the round stay there: the round still waits for the other live workers."""
         self.live.discard(worker)
         self.parked.discard(worker)
-        return self._maybe_close()
+        out = self._maybe_close()
+        if not self.live and self.buffer:
+            # NOTE: only per-batch policies get here (their rounds need k minibatches);
+            # the last worker left, so fewer than k can never become k: counted dropped
+            out.drop = [pid for pid, _, _ in self.buffer]
+            self.dropped += len(self.buffer)
+            self.buffer = []
+        return out
 
     def lost(self, worker: int) -> Decision:
         """Worker stopped answering (killed, crashed, partitioned)."""
@@ -128,6 +136,11 @@ class Policy:
     def _need(self) -> int:
         """Gradients that close a round."""
         raise NotImplementedError
+
+    def _round_workers(self) -> int:
+        """Workers the round counts: the live ones and those that left (done or lost)
+        after pushing into it, whose gradients it holds."""
+        return len(self.live | {w for _, w, _ in self.buffer})
 
     def _may_start(self, worker: int) -> bool:
         """May `worker` get parameters now (for its next computation)?"""
@@ -198,18 +211,20 @@ class _KPolicy(Policy):
                              f"{len(workers)}; use k <= {len(workers)} (or more --workers)")
 
     def _need(self) -> int:
-        # NOTE: once workers are lost or done, a round closes with those still live.
-        return max(1, min(self.k, len(self.live))) if not self.per_batch else self.k
+        # NOTE: once workers are lost or done, a round closes with those still live plus
+        # those whose push it already holds (never early: their pushes are in flight)
+        return max(1, min(self.k, self._round_workers())) if not self.per_batch else self.k
 
 
 class Sync(Policy):
-    """Fully synchronous (BSP): apply once every live worker pushed; a lost worker is an error."""
+    """Fully synchronous (BSP): apply once every live worker pushed; a lost worker is an error.
+    A worker that leaves after pushing into a round is applied with the others' pushes."""
 
     cancels = True
     tolerates_loss = False
 
     def _need(self) -> int:
-        return max(1, len(self.live))
+        return max(1, self._round_workers())
 
 
 class KSync(_KPolicy):
