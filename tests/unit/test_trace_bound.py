@@ -79,3 +79,11 @@ def test_report_names_the_bound_in_its_diagnosis_and_table(tmp_path):
     assert "bound by (model ms)" in html and "latency (" in html
     _, plain = report.write_report(str(tmp_path))  # without the model: as before
     assert not any("-bound" in x for x in plain)
+
+
+def test_each_message_size_gets_its_own_row_and_verdict():
+    meta = _meta()
+    events = _events(4) + _events(1e7)  # a loss all-reduce and a gradient bucket
+    rows = commstats.collectives(events, meta)
+    verdicts, _ = bound.judge(rows, meta)
+    assert [(r["bytes"], v["bound"]) for r, v in zip(rows, verdicts)] == [(4, "latency"), (1e7, "bandwidth")]
