@@ -19,13 +19,15 @@ from disttrain.checkpoint.cli import add_checkpoint_parser
 from disttrain.cluster.cli import add_cluster_parser
 from disttrain.launch.cli import add_run_parser, run_cluster_command
 from disttrain.plan import add_plan_parser
+from disttrain.plan import bound as plan_bound
 from disttrain.ps.cli import add_ps_parser
 from disttrain.trace.report import add_report_parser
 
 __all__ = ["main", "build_parser"]
 
 COMMANDS = (add_run_parser, add_plan_parser, add_checkpoint_parser,
-            functools.partial(add_cluster_parser, run=run_cluster_command), add_report_parser,
+            functools.partial(add_cluster_parser, run=run_cluster_command),
+            functools.partial(add_report_parser, bound=plan_bound),
             add_ps_parser)
 
 

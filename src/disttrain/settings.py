@@ -57,6 +57,7 @@ CPU_LOCAL_GBPS = "DISTTRAIN_CPU_LOCAL_GBPS"
 SHARED_CPU = "DISTTRAIN_SHARED_CPU"
 CLUSTER = "DISTTRAIN_CLUSTER"
 CLUSTER_NODE = "DISTTRAIN_CLUSTER_NODE"
+CLUSTER_CPUS = "DISTTRAIN_CLUSTER_CPUS"
 CLUSTER_REPORTS = "DISTTRAIN_CLUSTER_REPORTS"
 CLUSTER_DIR = "DISTTRAIN_CLUSTER_DIR"
 CLUSTER_NO_CAPS = "DISTTRAIN_CLUSTER_NO_CAPS"
@@ -113,6 +114,7 @@ COUNT = Parser(_whole, "a whole number >= 0", "2")
 FLAG = Parser(lambda raw: _one_of("0", "1")(raw) == "1", "0 or 1", "1")
 MAC = Parser(lambda raw: _one_of("auto", "always")(raw) == "always", "'auto' or 'always'", "always")
 GBPS = Parser(_number(0.0, strict=True, finite=False), "a rate in Gbit/s > 0 (inf: no limit)", "10")
+CORES = Parser(_number(0.0, strict=True), "a number of cores > 0", "0.5")
 MICROS = Parser(_number(0.0, strict=False), "microseconds >= 0", "50")
 SIGNAL = Parser(_signal_name, "a signal name (unset it: disttrain run sets it)", "SIGUSR2")
 TEXT = Parser(str, "text", "x")
@@ -186,6 +188,8 @@ class Settings:
     """The emulated cluster's name, for the script."""
     cluster_node: int | None = _var(CLUSTER_NODE, COUNT, None, RUN_CLUSTER)
     """This node's index in the emulated cluster (the trace's node lanes)."""
+    cluster_cpus: float | None = _var(CLUSTER_CPUS, CORES, None, RUN_CLUSTER)
+    """The emulated node's CPU quota in cores (`cluster up --cpus-per-node`), for the trace."""
     cluster_reports: str | None = _var(CLUSTER_REPORTS, TEXT, None, RUN_CLUSTER)
     """The report folder every node's `disttrain run` shares."""
     cluster_dir: str = _var(CLUSTER_DIR, TEXT, "/run/disttrain/clusters")

@@ -37,6 +37,7 @@ DEFAULT_TEXT = {
     "DISTTRAIN_ALPHA_US": None, "DISTTRAIN_LOCAL_GBPS": None, "DISTTRAIN_LOCAL_ALPHA_US": None,
     "DISTTRAIN_STEP_US": "0", "DISTTRAIN_CPU_GBPS": "inf", "DISTTRAIN_CPU_LOCAL_GBPS": "inf",
     "DISTTRAIN_SHARED_CPU": "0", "DISTTRAIN_CLUSTER": None, "DISTTRAIN_CLUSTER_NODE": None,
+    "DISTTRAIN_CLUSTER_CPUS": None,
     "DISTTRAIN_CLUSTER_REPORTS": None, "DISTTRAIN_CLUSTER_DIR": "/run/disttrain/clusters",
     "DISTTRAIN_CLUSTER_NO_CAPS": "0",
 }
@@ -46,7 +47,7 @@ BAD = {
     settings.SECONDS: ["0", "-1", "nan", "inf"], settings.GRACE: ["-0.5", "inf"],
     settings.COUNT: ["-1", "1.5"], settings.FLAG: ["2", "yes", "true"],
     settings.MAC: ["never", "ALWAYS"], settings.GBPS: ["0", "-10", "nan"],
-    settings.MICROS: ["-1", "inf"], settings.SIGNAL: ["SIGNOPE", "12"],
+    settings.MICROS: ["-1", "inf"], settings.CORES: ["0", "-1", "inf"], settings.SIGNAL: ["SIGNOPE", "12"],
 }
 
 

@@ -158,13 +158,16 @@ def predict_collective(op: str, nbytes: float, world: int, local: int, links: Li
                for s in collective_steps(op, nbytes, world, local))
 
 
-def collective_bound(op: str, nbytes: float, world: int, local: int,
-                     links: Links) -> tuple[str, float, dict[str, float]]:
+def collective_bound(op: str, nbytes: float, world: int, local: int, links: Links,
+                     algorithm: str = "ring") -> tuple[str, float, dict[str, float]]:
     """What bounds one `op` in this model: ("latency" | "bandwidth" | "cpu", predicted
-    seconds, seconds per part). Per step only the slower of link and CPU pool counts."""
+    seconds, seconds per part). Per step only the slower of link and CPU pool counts. An
+    all-reduce runs `algorithm`'s steps (`steps`); the other collectives the ring's."""
     total = {"latency": 0.0, "bandwidth": 0.0, "cpu": 0.0}
     nodes = max(world // local, 1)
-    for st in collective_steps(op, nbytes, world, local):
+    plan = (steps(algorithm, nbytes, world, local) if op == "all-reduce"
+            else collective_steps(op, nbytes, world, local))
+    for st in plan:
         p = links.parts(st, nodes)
         total["latency"] += p["latency"]
         slower = "cpu" if p["cpu"] > p["bandwidth"] else "bandwidth"

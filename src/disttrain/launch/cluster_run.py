@@ -69,6 +69,8 @@ def node_env(c: spec.Cluster, node: int, environ: dict[str, str], secret: str,
            settings.LINK_GBPS: environ.get(settings.LINK_GBPS) or repr(gbps),
            # NOTE: every node's ranks run on this one machine's cores: one CPU pool (model.py)
            settings.SHARED_CPU: environ.get(settings.SHARED_CPU) or "1"}
+    if c.cpus_per_node:  # NOTE: the trace records the quota: the report's CPU pool
+        env[settings.CLUSTER_CPUS] = repr(c.cpus_per_node)
     if "OMP_NUM_THREADS" not in environ:
         # NOTE: the node's share of the cores (its quota, or the machine split over the
         # nodes), not the machine: each node's `disttrain run` would otherwise give every

@@ -174,8 +174,13 @@ def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
 
 
 def _optimizer(m: GPTSpec, lay: Layout, dev: Device) -> float:
-    """Adam over this device's shard: read p, g, m, v, master (16 B), write 14 B per param."""
-    return 30 * _stage_params(m, lay) / (lay.dp if lay.zero else 1) / dev.memory_Bps
+    """Adam over this device's shard: read p, g, m, v, master (16 B), write 14 B per param;
+    or a traced run's measured optimizer step scaled by parameters (`--calibrate`)."""
+    params = _stage_params(m, lay) / (lay.dp if lay.zero else 1)
+    p = dev.profile
+    if p is not None and p.optimizer_s is not None:
+        return p.optimizer_s * params / p.optimizer_params * p.share
+    return 30 * params / dev.memory_Bps
 
 
 def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -> dict:

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from disttrain.parallel.pipeline.schedules import SCHEDULES
+from disttrain.plan.calibrate import calibrate, calibrated_device
 from disttrain.plan.cost import Estimate, Layout, estimate, lower_bound, memory
 from disttrain.plan.devices import DEVICES, Device, device
 from disttrain.plan.gpt import GPTSpec, parse_gpt
@@ -134,6 +135,9 @@ def add_layout_parser(sub) -> None:
                                    "the --profile's model)")
     p.add_argument("--profile", metavar="FILE",
                    help="layer seconds measured by `disttrain plan profile` in place of FLOPs")
+    p.add_argument("--calibrate", metavar="DIR",
+                   help="a traced run's measured compute and all-reduce times (`disttrain run "
+                        "--trace DIR` of this model) in place of FLOPs and devices.json's link")
     p.add_argument("--devices", type=int, required=True, help="number of devices N")
     p.add_argument("--device", required=True, help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--nodes-of", type=int, default=8, help="devices per node (default 8)")
@@ -157,6 +161,12 @@ def _check(args: argparse.Namespace) -> tuple[GPTSpec, Device, Pins]:
             raise ValueError(f"--profile {args.profile} was measured on this machine's CPU; "
                              f"plan it with --device cpu-here (not {dev.key})")
         dev = replace(dev, profile=load_profile(args.profile, m))
+    if args.calibrate:
+        if args.profile or not dev.shared_machine:
+            raise ValueError(f"--calibrate {args.calibrate} measured a run on this machine: plan it "
+                             f"with --device cpu-here and without --profile (not {dev.key})")
+        args.calibration = calibrate(args.calibrate, m)
+        dev = calibrated_device(dev, m, args.calibration)
     for name in ("devices", "nodes_of", "global_batch", "micro_batch", "top", "tp", "pp"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -199,6 +209,8 @@ def _plan_layout(args: argparse.Namespace) -> int:
     print(table(m, dev, args.devices, batch, result, args.tokens))
     if args.explain:
         print(explain(m, dev, args.devices, batch, result))
+        if args.calibrate:
+            print("\n".join(args.calibration.lines()))
     return 0
 
 

@@ -46,6 +46,11 @@ class LayerProfile:
     """CPUs of the machine it ran on."""
     share: float = 1.0
     """How many times slower a layer runs when ranks share the machine."""
+    optimizer_s: float | None = None
+    """Measured optimizer step at `optimizer_params` parameters per device (`--calibrate`)."""
+    optimizer_params: float = 0.0
+    calibrated: bool = False
+    """True when the seconds come from a traced run (`--calibrate DIR`), not `plan profile`."""
 
     def shared(self, n: int) -> LayerProfile:
         """As one of `n` ranks on this machine sees it: slower once n x threads > cpus."""

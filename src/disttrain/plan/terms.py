@@ -56,6 +56,13 @@ def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
     recompute = " + recompute 1" if lay.recompute else ""
     if p is not None:
         total = count * (per["f"] + per["b"] + (per["f"] if lay.recompute else 0.0))
+        if p.calibrated:
+            return [Term("layer compute (traced)", total,
+                         f"{count} layer passes x (fwd {per['f'] * 1e3:.4g} + bwd {per['b'] * 1e3:.4g}"
+                         f"{recompute and ' + fwd again'} ms): the traced micro-batch's forward / "
+                         f"backward at batch {p.batch}, the blocks' FLOP share, x b/{p.batch}/t"
+                         f"{f' x {p.share:.3g} (ranks over the traced {p.cpus})' if p.share > 1 else ''}",
+                         f"measured: {p.path}/trace.json (--calibrate)")]
         return [Term("layer compute (profiled)", total,
                      f"{count} layer passes x (fwd {per['f'] * 1e3:.4g} + bwd {per['b'] * 1e3:.4g}"
                      f"{recompute and ' + fwd again'} ms): the profiled {p.block}'s median "
@@ -90,7 +97,8 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
              f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
                            else "3 x 2bshV/t FLOP + fp32 logits"),
-             dev.profile.path if dev.profile else NARAYANAN),
+             (f"measured: {dev.profile.path}" + ("/trace.json (--calibrate)" if dev.profile.calibrated
+                                                  else "")) if dev.profile else NARAYANAN),
     ]
     if lay.tp > 1:
         where = "intra" if per["tp_local"] == lay.tp else "inter"
@@ -123,6 +131,13 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         out.append(Term("ZeRO parameter all-gather", dp["gather"],
                         f"all-gather of {dp['grads'] / 1e6:.4g} MB bf16 parameters after the step",
                         "zero.md (Stages 0-2)"))
-    out.append(Term("optimizer step", opt, "30 B/param of Adam's shard at memory bandwidth",
-                    dev.sources.get("hbm", "")))
+    p = dev.profile
+    if p is not None and p.optimizer_s is not None:
+        out.append(Term("optimizer step (traced)", opt,
+                        f"the traced optimizer.step {p.optimizer_s * 1e3:.4g} ms at "
+                        f"{p.optimizer_params:.4g} params, scaled by this shard's params",
+                        f"measured: {p.path}/trace.json (--calibrate)"))
+    else:
+        out.append(Term("optimizer step", opt, "30 B/param of Adam's shard at memory bandwidth",
+                        dev.sources.get("hbm", "")))
     return out

@@ -65,7 +65,8 @@ def _crosses(other: dict) -> Callable[[str], bool | None]:
 
 
 def collectives(events: list[dict], other: dict | None = None) -> list[dict]:
-    """Per collective kind: calls, bytes per call, median time issue -> completion, the
+    """Per collective kind and message size (a median over mixed sizes would price none of
+    them): calls, bytes per call, median time issue -> completion, the
     achieved rate (tensor bytes / median time), the bus bandwidth (`bus_factor`) and, when
     the trace knows the cluster's link (`other`: trace.json's otherData), its share of it
     (None for groups inside one node, which do not use the link)."""
@@ -75,9 +76,10 @@ def collectives(events: list[dict], other: dict | None = None) -> list[dict]:
     for e in events:
         a = e.get("args", {})
         if e.get("ph") == "X" and e.get("cat") == "comm" and "bytes" in a:
-            by_op[(e["name"], crosses(a.get("group", "")))].append((e["dur"], a["bytes"], a.get("ranks", 0)))
+            by_op[(e["name"], crosses(a.get("group", "")), a["bytes"])].append(
+                (e["dur"], a["bytes"], a.get("ranks", 0)))
     out = []
-    for (op, cross), calls in sorted(by_op.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    for (op, cross, _), calls in sorted(by_op.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
         dur = statistics.median(d for d, _, _ in calls)
         nbytes = statistics.median(b for _, b, _ in calls)
         n = max(x for _, _, x in calls)

@@ -157,7 +157,7 @@ def merge(directory: str) -> dict:
         max_error = max(max_error, float(clock.get("error_us", 0.0)))
         procs.append({"pid": pid, "rank": rank, "role": header.get("role", "worker"),
                       "attempt": attempt, "host": header.get("host"), "clock": clock,
-                      **{k: header[k] for k in ("node", "link_gbps") if k in header}})
+                      **{k: header[k] for k in ("node", "link_gbps", "cost") if k in header}})
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                        "args": {"name": _process_name(header)}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,

@@ -44,7 +44,7 @@ from disttrain.trace.metrics import StepMetrics
 from disttrain.trace.rows import COMM_TID, MAIN_TID, thread_meta
 
 __all__ = ["Recorder", "cluster_meta", "now_us", "perf_us", "parse_steps", "MAIN_TID", "COMM_TID",
-           "EPOCH_S", "WALL0_US", "LINE_EVENTS"]
+           "EPOCH_S", "WALL0_US", "LINE_EVENTS", "cost_meta"]
 
 LINE_EVENTS = 512
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False, default=repr)
@@ -92,6 +92,33 @@ def cluster_meta(environ=os.environ) -> dict:
             pass
     if s.link_gbps is not None:
         out["link_gbps"] = s.link_gbps
+    out["cost"] = cost_meta(s, environ)
+    return out
+
+
+def cost_meta(s: settings.Settings, environ=os.environ) -> dict:
+    """The communication cost model's inputs this process knows (comm/cost.py's Links, read
+    by `disttrain report` to say what bound each collective): ranks per node
+    (LOCAL_WORLD_SIZE), this machine's CPUs, the emulated node's CPU quota (`run --cluster`
+    exports DISTTRAIN_CLUSTER_CPUS when the cluster has --cpus-per-node) and every
+    DISTTRAIN_* model number that is set; what is absent the report fills with named defaults."""
+    out: dict = {"cpus": os.cpu_count() or 1}
+    try:
+        if environ.get("LOCAL_WORLD_SIZE"):
+            out["local_ranks"] = int(environ["LOCAL_WORLD_SIZE"])
+    except ValueError:
+        pass
+    if s.cluster_cpus is not None:
+        out["node_cpus"] = s.cluster_cpus
+    for key in ("alpha_us", "local_gbps", "local_alpha_us"):
+        if getattr(s, key) is not None:
+            out[key] = getattr(s, key)
+    for key, env in (("step_us", settings.STEP_US), ("cpu_gbps", settings.CPU_GBPS),
+                     ("cpu_local_gbps", settings.CPU_LOCAL_GBPS)):
+        if environ.get(env):  # NOTE: these have numeric defaults; only a set one is recorded
+            out[key] = getattr(s, key)
+    if environ.get(settings.SHARED_CPU):
+        out["shared_cpu"] = s.shared_cpu
     return out
 
 

@@ -147,20 +147,34 @@ def _table(rows, nodes) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _comm_table(events, other) -> str:
+def bound_lines(run, bound) -> tuple[list[str], str]:
+    """(one diagnosis line per modelled collective, the note on the cost inputs) from
+    `bound` (see `write_report`); ([], "") without it."""
+    if bound is None:
+        return [], ""
+    rows = analysis.collectives(run["events"], run["other"])
+    verdicts, note = bound.judge(rows, run["other"])
+    return [bound.sentence(r, v) for r, v in zip(rows, verdicts) if v is not None], note
+
+
+def _comm_table(events, other, bound=None) -> str:
     rows = analysis.collectives(events, other)
     if not rows:
         return ""
     link = other.get("link_gbps")
+    verdicts, note = bound.judge(rows, other) if bound is not None else ([None] * len(rows), "")
     heads = ["collective", "ranks", "calls", "bytes per call", "median ms", "achieved MB/s",
-             "bus Gbit/s"] + ([f"of the {link:g} Gbit/s link"] if link else [])
+             "bus Gbit/s"] + ([f"of the {link:g} Gbit/s link"] if link else []) + \
+        (["bound by (model ms)"] if bound is not None else [])
     body = []
-    for r in rows:
+    for r, v in zip(rows, verdicts):
         cells = [r["op"], str(r["n"]), str(r["calls"]), f"{r['bytes']:,.0f}",
                  f"{r['median_us'] / 1e3:.3f}", f"{r['mb_per_s']:,.1f}", f"{r['bus_gbps']:.3f}"]
         if link:
             cells.append("one node" if r["crosses_nodes"] is False else
                          f"{100 * r['link_share']:.0f}%" if r["link_share"] is not None else "-")
+        if bound is not None:
+            cells.append(f"{v['bound']} ({v['predicted_us'] / 1e3:.2f})" if v else "-")
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in heads)
     note = ("<p>Bus bandwidth: what each rank moved over its link per second (nccl-tests' "
@@ -169,6 +183,8 @@ def _comm_table(events, other) -> str:
             "waiting for the last rank to join."
             + (" Compared with the link rate `disttrain run --cluster` gave the ranks "
                "(DISTTRAIN_LINK_GBPS); groups inside one node do not use the link." if link else "")
+            + (" Bound by: the part of comm/cost.py's model (latency, link bandwidth or CPU "
+               f"pool) that dominates the collective; {html.escape(note)}." if bound is not None else "")
             + "</p>")
     return ("<h2>Collectives (issue to completion, every rank)</h2>"
             f"<table><tr>{head}</tr>{''.join(body)}</table>{note}")
@@ -196,10 +212,15 @@ window.addEventListener("load", function () {{
 """
 
 
-def write_report(directory: str, out: str | None = None) -> tuple[str, list[str]]:
-    """Write the HTML page (default DIR/report.html) and DIR/report/*.png; return (path, diagnosis)."""
+def write_report(directory: str, out: str | None = None, bound=None) -> tuple[str, list[str]]:
+    """Write the HTML page (default DIR/report.html) and DIR/report/*.png; return (path, diagnosis).
+
+    `bound`: a module with `judge(rows, otherData) -> (verdicts, note)` and `sentence(row,
+    verdict)` (disttrain/plan/bound.py, which cli.py hands in: trace cannot import comm's
+    cost model), which adds what bound each collective to the diagnosis and the table."""
     run = analysis.load(directory)
-    diagnosis = analysis.diagnose(run)
+    lines, note = bound_lines(run, bound)
+    diagnosis = analysis.diagnose(run) + lines + ([note] if lines else [])
     png_dir = os.path.join(directory, "report")
     os.makedirs(png_dir, exist_ok=True)
     charts = []
@@ -215,7 +236,7 @@ def write_report(directory: str, out: str | None = None) -> tuple[str, list[str]
                       f'src="{uri}">')
     page = PAGE.format(title=html.escape(os.path.abspath(directory)),
                        diagnosis="".join(f"<li>{html.escape(d)}</li>" for d in diagnosis),
-                       table=_table(analysis.summarize(run), analysis.nodes(run)), comm=_comm_table(run["events"], run["other"]),
+                       table=_table(analysis.summarize(run), analysis.nodes(run)), comm=_comm_table(run["events"], run["other"], bound),
                        charts="\n".join(charts))
     path = out or os.path.join(directory, "report.html")
     with open(path, "w", encoding="utf-8") as fp:
@@ -223,19 +244,19 @@ def write_report(directory: str, out: str | None = None) -> tuple[str, list[str]
     return path, diagnosis
 
 
-def add_report_parser(subparsers) -> None:
+def add_report_parser(subparsers, bound=None) -> None:
     p = subparsers.add_parser(
         "report", help="explain a traced job: diagnosis, per-rank breakdown, charts (HTML + PNG)",
         description="Read DIR/trace.json and DIR/metrics.jsonl (from `disttrain run --trace DIR`) "
                     "and write DIR/report.html (self-contained) and DIR/report/*.png.")
     p.add_argument("dir", help="the folder given to --trace")
     p.add_argument("--out", help="HTML file to write (default DIR/report.html)")
-    p.set_defaults(handler=_run)
+    p.set_defaults(handler=_run, bound=bound)
 
 
 def _run(args) -> int:
     try:
-        path, diagnosis = write_report(args.dir, args.out)
+        path, diagnosis = write_report(args.dir, args.out, args.bound)
     except (FileNotFoundError, ValueError) as err:
         print(f"disttrain report: error: {err}", file=sys.stderr)
         return 2
