@@ -31,6 +31,7 @@ from disttrain import runtime, settings
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.policy import Policy, Sync
+from disttrain.ps.replica import Replicas, check_replicas
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
@@ -69,7 +70,8 @@ def _job(model: torch.nn.Module, call: str, role: str, chunk_bytes: int):
 def serve(model: torch.nn.Module, policy: Policy | None = None,
           optimizer: Callable | None = None, *, timeout: float | None = None,
           host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-          snapshot: str | None = None, snapshot_every: int = 0, name: str = "ps") -> dict:
+          snapshot: str | None = None, snapshot_every: int = 0, name: str = "ps",
+          replicas: int = 1) -> dict:
     """Serve this server rank's shard until every worker is done or lost; return its stats.
 
     Blocks for the whole job. Call it on server ranks only (`disttrain.role() == "server"`;
@@ -93,9 +95,14 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         updates, so a killed server restarted by `disttrain run --max-restarts N` loses
         at most snapshot_every - 1 updates (0: only at the end).
     name: the job's name in the store (several PS jobs in one process group differ here).
+    replicas: copies of each key range (default 1: none). With r > 1 each key also lives
+        on the next r-1 servers of the ring, updates are chain-replicated to them, and
+        a push is acknowledged (a pull answered) once every copy has it (replica.py);
+        the same on every rank, at most the number of servers, not with `snapshot`.
     """
     workers, plan = _job(model, "serve", "server", chunk_bytes)
     policy = policy if policy is not None else Sync()
+    check_replicas(replicas, len(plan), policy, len(workers), snapshot)
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
     timeout = timeout if timeout is not None else settings.current().ps_timeout
     index = runtime.rank() - len(workers)
@@ -111,8 +118,14 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         report = server.keep_snapshots(path, snapshot_every)
         if report:
             print(report, flush=True)
-    dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
-                                                   server.address)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"disttrain/{name}/addr{index}", server.address)
+    if replicas > 1:
+        server.chain = Replicas(index, len(workers), plan, replicas,
+                                dict(model.named_parameters()), optimizer, policy, server.ep,
+                                job_secret(), timeout=timeout, chunk_bytes=chunk_bytes)
+        server.chain.connect({j: store.get(f"disttrain/{name}/addr{j}").decode()
+                              for j in range(len(plan)) if j != index})
     keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
     stats = server.serve()
     if path:
@@ -123,7 +136,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
 def attach(model: torch.nn.Module, policy: Policy | None = None, *,
            timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
            overlap: bool = True, compression: str | TopK | None = None,
-           name: str = "ps") -> Worker:
+           name: str = "ps", replicas: int = 1) -> Worker:
     """Connect this worker rank to every server; return its `Worker`.
 
     Blocks until every server has published its address and said welcome. Call it on
@@ -142,16 +155,20 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
         the rest kept as a residual added to the next gradient (Deep Gradient
         Compression, Lin et al. 2018; compress.py). Servers accept either kind of push.
     name: the job's name in the store, as given to `serve`.
+    replicas: as given to `serve` (a server refuses a worker whose value differs). With
+        r > 1 a push's `wait()` returns once its update is on every copy: under Sync,
+        KSync and KBatchSync when its round is applied (replica.py).
     """
     compression = parse_compression(compression)
-    _, plan = _job(model, "attach", "worker", chunk_bytes)
+    workers, plan = _job(model, "attach", "worker", chunk_bytes)
     policy = policy if policy is not None else Sync()
+    check_replicas(replicas, len(plan), policy, len(workers))
     timeout = timeout if timeout is not None else settings.current().ps_timeout
     store = dist.distributed_c10d._get_default_store()
     addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(len(plan))]
     return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),
                   timeout=timeout, overlap=overlap, compression=compression,
-                  chunk_bytes=chunk_bytes)
+                  chunk_bytes=chunk_bytes, replicas=replicas)
 
 
 _SERVE = frozenset(inspect.signature(serve).parameters) - {"model"}
@@ -218,7 +235,23 @@ def _stats_line(stats: dict) -> str:
             + (f", momentum {stats['momentum']:g} stepped as {stats['applied_momentum']:.3f} "
                "(corrected for asynchrony)" if stats.get("momentum_rule") == "corrected" else "")
             + (f", restored version {stats['restored_version']} (lost updates "
-               f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else ""))
+               f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else "")
+            + _replicas(stats))
+
+
+def _replicas(stats: dict) -> str:
+    """", replicas 2: head of 3 keys (0.01 MB), tail of 2 keys (...), sent ..."; "" if r = 1."""
+    if stats.get("replicas", 1) == 1:
+        return ""
+    roles: dict[str, list[int]] = {role: [0, 0] for role in ("head", "middle", "tail")}
+    for r in stats["ranges"]:
+        roles[r["role"]][0] += r["keys"]
+        roles[r["role"]][1] += r["bytes"]
+    held = ", ".join(f"{role} of {n} keys ({b / 1e6:.2f} MB)" for role, (n, b) in roles.items()
+                     if n)
+    return (f", replicas {stats['replicas']}: {held} in {len(stats['ranges'])} chains, "
+            f"replication sent {stats['replicate_bytes'] / 1e6:.3f} MB in "
+            f"{stats['replicate_frames']} frames")
 
 
 def _reasons(stats: dict) -> str:

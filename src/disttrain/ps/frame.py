@@ -22,12 +22,12 @@ import torch
 __all__ = ["Message", "FrameError", "Limits", "DEFAULT_LIMITS", "OPS", "PROTOCOL", "pack",
            "unpack", "read_header", "build", "header_sizes", "check_sizes", "group_keys"]
 
-PROTOCOL = 4
+PROTOCOL = 5
 """The wire protocol version a hello carries; a peer of another one is refused, naming
 both (docs/design/parameter-server.md, "Header schema and protocol version"). Bump it
 whenever what a frame means changes: ops, meta fields (schema.py), envelope, keys."""
 OPS = ("hello", "welcome", "push", "ack", "pull", "params", "cancel", "beat", "done",
-       "bye", "error", "pong")
+       "bye", "error", "pong", "replicate", "commit")
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int8, torch.uint8)}

@@ -111,6 +111,23 @@ class HashRing:
         i = bisect.bisect(self._points, _hash64(key)) % len(self._points)
         return self._owners[i]
 
+    # ---- replica chains (replicas=r, replica.py) -----------------------------------
+    def chain(self, key: str, r: int) -> list[str]:
+        """The owner of `key` followed by the next r-1 distinct servers clockwise: the
+        servers that hold `key` when it is replicated r times (head first, tail last)."""
+        if not 1 <= r <= len(self._servers):
+            raise ValueError(f"replicas={r} needs 1 <= r <= servers, and the ring has "
+                             f"{len(self._servers)} servers; use --servers {max(r, 1)} or more, "
+                             f"or replicas <= {len(self._servers)}")
+        out: list[str] = []
+        i = bisect.bisect(self._points, _hash64(key))
+        while len(out) < r:
+            s = self._owners[i % len(self._points)]
+            if s not in out:
+                out.append(s)
+            i += 1
+        return out
+
     def assign(self, keys: list[str]) -> dict[str, list[str]]:
         """server -> its keys (in the given order); every server appears, maybe empty."""
         out: dict[str, list[str]] = {s: [] for s in self._servers}

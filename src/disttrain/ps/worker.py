@@ -45,7 +45,7 @@ class Worker:
                  timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
                  compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encrypt: bool | None = None, always_mac: bool | None = None,
-                 shm: bool | None = None):
+                 shm: bool | None = None, replicas: int = 1):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
         self.chunk_bytes = chunk_bytes
         self._encrypt = encrypt_setting() if encrypt is None else encrypt
@@ -89,7 +89,8 @@ class Worker:
         hello = Handle(self._raise_if_failed, "hello")
         for s in range(len(addresses)):
             self._send(s, Message("hello", {"keys": [c.key for c in plan[s]],
-                                            "policy": policy_repr}), hello, "welcome")
+                                            "policy": policy_repr, "replicas": replicas}),
+                       hello, "welcome")
         try:
             hello.seal().wait()
         except PSError:  # NOTE: no Worker is returned: its thread must not outlive this
