@@ -167,6 +167,8 @@ _WRONG = {
     | st.lists(st.integers(0, 9) | st.none() | st.binary(max_size=2), min_size=1, max_size=3),
     "map": st.none() | st.integers(0, 9) | st.lists(st.integers(0, 9), max_size=2)
     | st.dictionaries(st.binary(min_size=1, max_size=2), st.integers(), min_size=1, max_size=2),
+    "float": st.none() | st.booleans() | st.integers(0, 1) | st.text(max_size=4)
+    | st.just(float("nan")) | st.just(float("inf")),
     "pairs": st.none() | st.text(max_size=3) | st.lists(
         st.lists(st.integers(0, 9), min_size=3, max_size=3) | st.text(max_size=2), min_size=1,
         max_size=2),
@@ -176,11 +178,14 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "push": {"clock": 0, "version": 0, "sparse": 0, "ack": 1}, "pull": {"have": -1},
     "beat": {}, "done": {}, "welcome": {"version": 0}, "ack": {},
     "params": {"version": 1, "last": 1}, "cancel": {"version": 1}, "pong": {},
-    "bye": {"stats": {}, "staleness": []}, "error": {"message": "x"}}
+    "bye": {"stats": {}, "staleness": []}, "error": {"message": "x"},
+    "replicate": {"origin": 0, "version": 1, "lr": 1.0, "final": 0}, "commit": {"frame": 1}}
 
 
 def _wrong(f):
     bad = _WRONG[f.kind]
+    if f.kind == "float":
+        bad |= st.floats(max_value=f.lo - 1e-9) | st.floats(min_value=f.hi + 1e-9)
     if f.kind == "int":
         bad |= st.integers(-(2**63), f.lo - 1)
         if f.hi < 2**64 - 1:

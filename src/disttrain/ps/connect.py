@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, settings
+from disttrain.ps.chain import check_replicas
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.policy import Policy, Sync
-from disttrain.ps.replica import Replicas, check_replicas
+from disttrain.ps.replica import Replicas
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, plan_keys
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret

@@ -28,53 +28,16 @@ from collections import Counter, defaultdict
 import torch
 import zmq
 
+from disttrain.ps.chain import Layout, role
 from disttrain.ps.frame import DEFAULT_LIMITS, Message, group_keys
 from disttrain.ps.policy import Policy
-from disttrain.ps.ring import HashRing
 from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
 from disttrain.ps.shm import ring_bytes
 from disttrain.ps.staleness import StaleStep
 from disttrain.ps.transport import WorkerLink, encrypt_setting, mac_setting, shm_setting
 
-__all__ = ["Replicas", "chains", "check_replicas"]
-
-ROLES = ("head", "middle", "tail")
-
-
-def check_replicas(replicas: int, servers: int, policy: Policy, workers: int,
-                   snapshot: str | None = None) -> None:
-    """Raise ValueError, naming the fix, for a replication this job cannot do."""
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas:
-        raise ValueError(f"replicas={replicas!r} must be an integer >= 1 (1: no copies)")
-    if replicas > servers:
-        raise ValueError(f"replicas={replicas} needs at least {replicas} servers, the job has "
-                         f"{servers}: launch with --servers {replicas} or pass replicas <= "
-                         f"{servers}")
-    if replicas > 1 and snapshot:
-        raise ValueError(f"replicas={replicas} with snapshot={snapshot!r}: a restored head "
-                         "would differ from its replicas; use one or the other")
-    k = getattr(policy, "k", 1)
-    if replicas > 1 and policy.per_batch and k > workers:
-        raise ValueError(f"{policy!r} with replicas={replicas}: a push is acknowledged once its "
-                         f"round is on every replica, and a round needs {k} pushes from "
-                         f"{workers} workers; use k <= {workers}")
-
-
-def chains(plan: list[list], replicas: int, vnodes: int = 128) -> dict[str, list[int]]:
-    """key -> the server indices holding it, head first (HashRing.chain over the plan's
-    ring); raises if a chain's head is not the key's owner in `plan`."""
-    ring = HashRing([f"server{i}" for i in range(len(plan))], vnodes=vnodes)
-    out = {}
-    for owner, chunks in enumerate(plan):
-        for c in chunks:
-            out[c.key] = [int(s.removeprefix("server")) for s in ring.chain(c.key, replicas)]
-            if out[c.key][0] != owner:
-                raise RuntimeError(f"key {c.key!r}: the plan puts it on server {owner}, the "
-                                   f"ring's chain starts at server {out[c.key][0]}")
-    return out
-
-
+__all__ = ["Replicas"]
 class Replicas:
     """The replication side of server `index`: its copies of other heads' keys (values and
     optimizer state), its links to its successors and what waits for their commits."""
@@ -84,34 +47,20 @@ class Replicas:
                  chunk_bytes: int = 4 << 20, vnodes: int = 128):
         self.index, self.r, self.base, self.ep = index, replicas, workers, ep
         self.policy_repr, self.timeout, self.chunk_bytes = repr(policy), timeout, chunk_bytes
-        self._secret, self.chains = secret, chains(plan, replicas, vnodes)
-        self.hop: dict[str, int | None] = {}  # key held here -> next server of its chain
-        self.origin_hops: dict[int, set[int]] = defaultdict(set)  # head -> my next servers
-        self.paths: dict[tuple, set[int]] = defaultdict(set)  # (head, previous) -> next
-        self.expect: dict[int, dict] = defaultdict(dict)  # predecessor id -> its keys' shapes
-        self.ranges: dict[tuple, list] = defaultdict(list)  # chain -> its chunks
-        params, self.nbytes = {}, {}
-        for c in (c for chunks in plan for c in chunks):
-            chain = self.chains[c.key]
-            if index not in chain:
-                continue
-            at = chain.index(index)
-            self.nbytes[c.key] = c.numel * init[c.name].element_size()
-            self.ranges[tuple(chain)].append(c)
-            self.hop[c.key] = chain[at + 1] if at + 1 < len(chain) else None
-            if self.hop[c.key] is not None:  # NOTE: markers follow the chains they came on
-                self.origin_hops[chain[0]].add(self.hop[c.key])
-                self.paths[(chain[0], chain[at - 1] if at else None)].add(self.hop[c.key])
-            if at > 0:
-                params[c.key] = torch.nn.Parameter(
-                    init[c.name].detach().reshape(-1)[c.start:c.stop].clone())
-                self.expect[workers + chain[at - 1]][c.key] = (c.numel, params[c.key].dtype)
+        self._secret = secret
+        lay = Layout(index, plan, replicas, vnodes)
+        self.chains, self.hop, self.paths = lay.chains, lay.hop, lay.paths
+        self.origin_hops, self.ranges, self.feeds = lay.origin_hops, lay.ranges, lay.feeds
+        self.expect = {workers + j: {c.key: (c.numel, init[c.name].dtype) for c in cs}
+                       for j, cs in lay.copies.items()}  # predecessor id -> its keys' shapes
+        self.nbytes = {c.key: c.numel * init[c.name].element_size()
+                       for cs in lay.ranges.values() for c in cs}
+        params = {c.key: torch.nn.Parameter(init[c.name].detach().reshape(-1)[c.start:c.stop]
+                                            .clone()) for cs in lay.copies.values() for c in cs}
         self.params = params  # the copies: keys whose head is another server
         self.optimizer = optimizer(list(params.values())) if params else None
         self.stepper = StaleStep(self.optimizer, policy.rule)
         self.origins = {self.chains[k][0] for k in params}  # heads whose keys are copied here
-        self.feeds = {(self.chains[k][0], p - workers) for p, ks in self.expect.items()
-                      for k in ks}  # (head, previous server) of every chain that ends here
         self.version = dict.fromkeys(self.origins, 0)  # each copied range's head version
         self.finals: set[tuple] = set()  # feeds whose head said it sends nothing more
         ep.workers |= set(self.expect)  # NOTE: predecessors say hello as workers W + index
@@ -254,6 +203,11 @@ class Replicas:
             self._replicate(session, msg)
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
+        else:
+            self.ep.rejected["not a worker"] += 1
+            self.ep.send(session, Message("error", {"message": (
+                f"server {self.index} refused a {msg.op} frame from server {peer - self.base}'s "
+                "replica link: it sends hello, replicate and beat")}))
 
     def _replicate(self, session, msg: Message) -> None:
         """Take the same step as the head did on these copies, forward it, commit it back
@@ -347,9 +301,8 @@ class Replicas:
     # ---- report ---------------------------------------------------------------------
     def stats(self) -> dict:
         """Role per key range (its chain), replication traffic, the copies' versions."""
-        ranges = [{"chain": list(ch), "role": ROLES[0 if ch[0] == self.index else
-                                                   2 if ch[-1] == self.index else 1],
-                   "keys": len(cs), "bytes": sum(self.nbytes[c.key] for c in cs)}
+        ranges = [{"chain": list(ch), "role": role(ch, self.index), "keys": len(cs),
+                   "bytes": sum(self.nbytes[c.key] for c in cs)}
                   for ch, cs in sorted(self.ranges.items())]
         sent = [dict(link.sent_bytes) for link in self.links.values()]
         frames = [dict(link.sent_frames) for link in self.links.values()]

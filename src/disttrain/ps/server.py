@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -174,6 +175,11 @@ class Server:
             self._execute(self.policy.pull(w))
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
+        elif msg.op == "replicate":  # NOTE: only a predecessor's link sends these (replica.py)
+            self.ep.rejected["not a replica link"] += 1
+            self.ep.send(session, Message("error", {"message": (
+                f"server {self.index} refused a replicate frame from worker {w}: not a replica "
+                "link (replicate frames come from the previous server of a replica chain)")}))
         elif msg.op == "done":
             self.partial.pop(w, None)
             if w not in self.finished:
@@ -192,8 +198,8 @@ class Server:
             self.ep.send(session, Message("error", {"message": (
                 f"server {self.index} holds keys {self.keys[:4]}... under {want['policy']}, "
                 f"worker {session.worker} expects {str(got['keys'])[:80]} under "
-                f"{got['policy']}, replicas {got['replicas']} (here {want['replicas']}): build "
-                "the same model, policy and replicas on every rank")}))
+                f"{got['policy']}, replicas={got['replicas']} (here {want['replicas']}): build "
+                "the same model and policy on every rank (and pass the same replicas)")}))
             return
         self.ep.send(session, Message("welcome", {"version": self.policy.version}))
 
@@ -255,10 +261,12 @@ class Server:
         for w in d.cancel:
             if w in self.ep.active:
                 self.ep.send(self.ep.active[w], Message("cancel", {"version": self.policy.version}))
-        for w in d.release:
-            if w in self.parked:  # NOTE: with replicas, once all it applied is committed
-                answer = lambda w=w, have=self.parked.pop(w): self._send_params(w, have)  # noqa: E731
-                self.chain.when_committed(answer) if self.chain else answer()
+        for w in [w for w in d.release if w in self.parked]:
+            answer = partial(self._send_params, w, self.parked.pop(w))
+            if self.chain is None:
+                answer()
+            else:  # NOTE: a pull sees only what every copy has
+                self.chain.when_committed(answer)
 
     def _ack_later(self, sessions: list[Session]) -> None:
         """Ack these push frames once all this head applied is on every copy (replicas)."""

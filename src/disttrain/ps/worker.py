@@ -353,6 +353,9 @@ class Worker:
             self._floor[s] = max(self._floor[s], msg.meta["version"])
             self._cancel_event.set()
             return
+        if msg.op == "commit":  # NOTE: only a server's replica link receives these
+            self._fail(f"server {s} at {self.addresses[s]} sent a commit frame to a worker")
+            return
         if msg.op == "error":
             p = msg.meta.get("protocol", PROTOCOL)
             versions = f" speaks wire protocol {p}, this worker {PROTOCOL}" if p != PROTOCOL else ""
