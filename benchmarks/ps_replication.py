@@ -1,7 +1,7 @@
 """Push+pull with replicated key ranges: replicas = 1, 2, 3 on one host and on an emulated cluster.
 
     python benchmarks/ps_replication.py [--sizes 4M,64M] [--replicas 1,2,3] [--reps 5]
-        [--policy async|sync]
+        [--policy async|sync] [--chunk 4M]
     python benchmarks/ps_replication.py --link 1gbit [--sizes 4M,64M] [--reps 5]   # needs root
 
 One worker, three servers (so every r of 1..3 has the same processes), one float32
@@ -40,16 +40,17 @@ def _iters(nbytes: int) -> int:
     return max(5, min(200, (256 << 20) // max(nbytes, 1) // 4))
 
 
-def _bench(numel: int, r: int, tag: str, policy: str) -> float | None:
+def _bench(numel: int, r: int, tag: str, policy: str, chunk: int) -> float | None:
     """Seconds per push+pull on the worker (None on a server, which serves and returns)."""
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(numel))
     pol = ps.Sync() if policy == "sync" else ps.Async()
     if disttrain.role() == "server":
         ps.serve(model, pol, lambda p: torch.optim.SGD(p, lr=0.01), timeout=120, name=tag,
-                 replicas=r)
+                 replicas=r, chunk_bytes=chunk)
         return None
-    conn = ps.attach(model, pol, timeout=120, name=tag, overlap=False, replicas=r)
+    conn = ps.attach(model, pol, timeout=120, name=tag, overlap=False, replicas=r,
+                     chunk_bytes=chunk)
     model.w.grad = torch.randn(numel)
     n = _iters(numel * 4)
     for i in range(n + 2):
@@ -63,18 +64,18 @@ def _bench(numel: int, r: int, tag: str, policy: str) -> float | None:
     return dt
 
 
-def block(sizes: list[int], order: list[int], rep: int, policy: str) -> dict:
+def block(sizes: list[int], order: list[int], rep: int, policy: str, chunk: int) -> dict:
     """Every size at every r of `order`, in this set of processes: {size: {r: seconds}}."""
     out: dict = {}
     for nbytes in sizes:
         for r in order:
-            dt = _bench(nbytes // 4, r, f"r{r}-{nbytes}-{rep}", policy)
+            dt = _bench(nbytes // 4, r, f"r{r}-{nbytes}-{rep}", policy, chunk)
             out.setdefault(str(nbytes), {})[str(r)] = dt
             torch.distributed.barrier()
     return out
 
 
-def _one_host(sizes, replicas, reps, policy) -> list[dict]:
+def _one_host(sizes, replicas, reps, policy, chunk) -> list[dict]:
     from disttrain.testing import spawn
 
     env = {"DISTTRAIN_SERVERS": str(SERVERS), "DISTTRAIN_SECRET": secrets.token_hex(32),
@@ -82,12 +83,12 @@ def _one_host(sizes, replicas, reps, policy) -> list[dict]:
     runs = []
     for rep in range(reps):  # NOTE: a fresh set of processes per repetition, r rotated
         order = replicas[rep % len(replicas):] + replicas[:rep % len(replicas)]
-        runs.append(spawn(block, WORKERS + SERVERS, sizes, order, rep, policy, env=env,
+        runs.append(spawn(block, WORKERS + SERVERS, sizes, order, rep, policy, chunk, env=env,
                           timeout=1800)[0])
     return runs
 
 
-def _cluster(sizes, replicas, reps, policy, link) -> list[dict]:
+def _cluster(sizes, replicas, reps, policy, chunk, link) -> list[dict]:
     from disttrain.cluster import net, spec
     from disttrain.launch.cluster_run import run_in_cluster
 
@@ -100,7 +101,7 @@ def _cluster(sizes, replicas, reps, policy, link) -> list[dict]:
             order = replicas[rep % len(replicas):] + replicas[:rep % len(replicas)]
             out = tempfile.mktemp(suffix=".json")
             code = run_in_cluster(name, os.path.abspath(__file__), [
-                "--inner", json.dumps([sizes, order, rep, policy, out])],
+                "--inner", json.dumps([sizes, order, rep, policy, chunk, out])],
                 workers=WORKERS, servers=SERVERS, run_args=["--timeout", "120"])
             if code:
                 raise RuntimeError(f"cluster job exited {code}")
@@ -114,10 +115,10 @@ def _cluster(sizes, replicas, reps, policy, link) -> list[dict]:
 
 def _inner(args: str) -> None:
     """One rank inside the cluster: every r of `order` at every size; rank 0 writes."""
-    sizes, order, rep, policy, out = json.loads(args)
+    sizes, order, rep, policy, chunk, out = json.loads(args)
     torch.set_num_threads(1)
     disttrain.init()
-    got = block(sizes, order, rep, policy)
+    got = block(sizes, order, rep, policy, chunk)
     if disttrain.rank() == 0:
         with open(out, "w") as f:
             json.dump(got, f)
@@ -137,6 +138,10 @@ def report(runs: list[dict], sizes: list[int], replicas: list[int], where: str) 
               + " | " + " | ".join(f"{med[r] / med[replicas[0]]:.2f}" for r in replicas[1:]) + " |")
 
 
+def _size(text: str) -> int:
+    return int(float(text[:-1]) * (1 << 20)) if text.upper().endswith("M") else int(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,21 +149,22 @@ def main() -> None:
     p.add_argument("--replicas", default="1,2,3")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--policy", default="async", choices=("async", "sync"))
+    p.add_argument("--chunk", default="4M", help="chunk_bytes (keys and stream chunks)")
     p.add_argument("--link", help="run on an emulated cluster with links of this rate (root)")
     p.add_argument("--json", help="write every repetition's times here")
     p.add_argument("--inner", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.inner:
         return _inner(a.inner)
-    sizes = [int(float(s[:-1]) * (1 << 20)) if s.upper().endswith("M") else int(s)
-             for s in a.sizes.split(",")]
+    sizes = [_size(s) for s in a.sizes.split(",")]
     replicas = [int(r) for r in a.replicas.split(",")]
     load0 = os.getloadavg()[0]
-    runs = (_cluster(sizes, replicas, a.reps, a.policy, a.link) if a.link
-            else _one_host(sizes, replicas, a.reps, a.policy))
+    chunk = _size(a.chunk)
+    runs = (_cluster(sizes, replicas, a.reps, a.policy, chunk, a.link) if a.link
+            else _one_host(sizes, replicas, a.reps, a.policy, chunk))
     where = (f"emulated cluster, {a.link} switch, 1 worker + 3 servers on 4 nodes" if a.link
              else "one host, 1 worker + 3 servers")
-    print(f"{' '.join(sys.argv)}\n{a.policy}; load average {load0:.1f} before, "
+    print(f"{' '.join(sys.argv)}\n{a.policy}, chunk_bytes {chunk >> 20} MB; load average {load0:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     report(runs, sizes, replicas, where)
     if a.json:

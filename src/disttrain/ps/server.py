@@ -261,6 +261,9 @@ class Server:
         for w in d.cancel:
             if w in self.ep.active:
                 self.ep.send(self.ep.active[w], Message("cancel", {"version": self.policy.version}))
+        if self.chain and self.policy.per_batch and len(self.policy.live) < getattr(self.policy, "k", 1):
+            for pid, _, _ in self.policy.buffer:  # NOTE: a round no waiting worker can fill:
+                self._ack_later(self.acks.pop(pid, []))  # ack on receipt, as with replicas=1
         for w in [w for w in d.release if w in self.parked]:
             answer = partial(self._send_params, w, self.parked.pop(w))
             if self.chain is None:
