@@ -146,3 +146,87 @@ def test_a_live_copy_steps_as_the_head_and_refuses_bad_replicate_frames():
     assert not job.thread.is_alive(), "the copy ends once its head said final"
     assert job.stats["replica_versions"] == {str(job.head): 4}
     assert [r["role"] for r in job.stats["ranges"]] == ["tail"]
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_steps_with_the_lr_factor_and_momentum_the_head_used():
+    job = Tail()
+    ref = torch.nn.Parameter(job.init["w"].clone())
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for g, lr, m in ((torch.randn(64), 0.5, None), (torch.randn(64), 0.25, 0.4)):
+        meta = {"lr": lr} if m is None else {"lr": lr, "momentum": m}
+        assert job.replicate(meta, tensors=[g]).op == "commit"
+        ref.grad = g
+        ref_opt.param_groups[0].update(lr=0.1 * lr, momentum=0.9 if m is None else 0.9 - m)
+        ref_opt.step()
+    value, buf = job.copy()
+    assert torch.equal(value, ref.detach()) and torch.equal(buf, ref_opt.state[ref]["momentum_buffer"])
+    group = job.server.chain.optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"]) == (0.1, 0.9)  # the user's values restored
+
+
+class Head:
+    """A live head of the one key "w" (Sync, one worker) whose next server is a stand-in
+    that holds its commits back: a real ServerEndpoint on a ROUTER, driven by the test."""
+
+    def __init__(self):
+        from disttrain.ps.transport import ServerEndpoint, bind
+
+        torch.manual_seed(0)
+        self.init = {"w": torch.randn(64)}
+        plan = plan_keys([("w", 64, 4)], 2)
+        self.index = next(i for i in range(2) if plan[i])
+        self.next = 1 - self.index
+        self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        addr, self.folder = bind(sock, "127.0.0.1")
+        self.succ = ServerEndpoint(sock, KEY, self.next, [1 + self.index])
+        opt = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+        self.server = Server(self.index, plan[self.index], self.init, Sync(), opt, [0], KEY)
+        self.server.chain = Replicas(self.index, 1, plan, 2, self.init, opt, Sync(),
+                                     self.server.ep, KEY, timeout=30)
+        self.server.chain.connect({self.next: addr})
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+        wsock = self.ctx.socket(zmq.DEALER)
+        wsock.connect(self.server.address)
+        self.worker = WorkerLink(wsock, KEY, 0, self.index)
+        self.worker.send(Message("hello", {"keys": ["w"], "policy": "Sync()", "replicas": 2}))
+        hello = self.frame()
+        assert hello[1].op == "hello" and hello[1].meta["keys"] == ["w"]
+        self.succ.send(hello[0], Message("welcome", {"version": 0}))
+        assert Tail.read(self.worker).op == "welcome"
+
+    def frame(self, wait: float = 10.0):
+        """The next (session, message) the stand-in receives, beats skipped; None if none."""
+        end = time.monotonic() + wait
+        while self.succ.sock.poll(max(1, int((end - time.monotonic()) * 1000))):
+            got = self.succ.recv()
+            if got is not None and got[1].op != "beat":
+                return got
+        return None
+
+
+@pytest.mark.timeout(60)
+def test_a_push_is_acknowledged_and_a_pull_answered_only_once_the_copy_committed():
+    job = Head()
+    g = torch.randn(64)
+    job.worker.send(Message("push", {"clock": 0, "version": 0, "ack": 1}, ["w"], [g]))
+    job.worker.send(Message("pull", {"have": 0}))
+    session, rep = job.frame()
+    assert rep.op == "replicate" and rep.keys == ["w"] and torch.equal(rep.tensors[0], g)
+    assert rep.meta["origin"] == job.index and rep.meta["version"] == 1
+    assert not job.worker.sock.poll(500), "acked or answered before the copy committed"
+    job.succ.send(session, Message("commit", {"frame": 1}))
+    ack = Tail.read(job.worker)
+    params = Tail.read(job.worker)
+    assert (ack.op, params.op) == ("ack", "params") and params.meta["version"] == 1
+    assert torch.equal(params.tensors[0], torch.add(job.init["w"], g, alpha=-0.1))
+    job.worker.send(Message("done", {}))
+    assert Tail.read(job.worker).op == "bye"
+    session, final = job.frame()
+    assert final.meta["final"] == 1 and final.keys == []
+    assert job.thread.is_alive(), "the head left before its final was committed"
+    job.succ.send(session, Message("commit", {"frame": 2}))
+    job.thread.join(10)
+    assert not job.thread.is_alive()
