@@ -21,7 +21,7 @@ from disttrain.ps.frame import Message
 from disttrain.ps.policy import Sync
 from disttrain.ps.replica import Replicas
 from disttrain.ps.ring import HashRing, plan_keys
-from disttrain.ps.server import Server
+from disttrain.ps.server import PSError, Server
 from disttrain.ps.transport import WorkerLink
 
 KEY = bytes(range(32))
@@ -169,7 +169,7 @@ class Head:
     """A live head of the one key "w" (Sync, one worker) whose next server is a stand-in
     that holds its commits back: a real ServerEndpoint on a ROUTER, driven by the test."""
 
-    def __init__(self):
+    def __init__(self, timeout: float = 30):
         from disttrain.ps.transport import ServerEndpoint, bind
 
         torch.manual_seed(0)
@@ -184,9 +184,10 @@ class Head:
         opt = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
         self.server = Server(self.index, plan[self.index], self.init, Sync(), opt, [0], KEY)
         self.server.chain = Replicas(self.index, 1, plan, 2, self.init, opt, Sync(),
-                                     self.server.ep, KEY, timeout=30)
+                                     self.server.ep, KEY, timeout=timeout)
         self.server.chain.connect({self.next: addr})
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.error = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
         wsock = self.ctx.socket(zmq.DEALER)
         wsock.connect(self.server.address)
@@ -196,6 +197,12 @@ class Head:
         assert hello[1].op == "hello" and hello[1].meta["keys"] == ["w"]
         self.succ.send(hello[0], Message("welcome", {"version": 0}))
         assert Tail.read(self.worker).op == "welcome"
+
+    def _serve(self):
+        try:
+            self.server.serve()
+        except PSError as e:
+            self.error = e
 
     def frame(self, wait: float = 10.0):
         """The next (session, message) the stand-in receives, beats skipped; None if none."""
@@ -230,3 +237,16 @@ def test_a_push_is_acknowledged_and_a_pull_answered_only_once_the_copy_committed
     job.succ.send(session, Message("commit", {"frame": 2}))
     job.thread.join(10)
     assert not job.thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_copy_stops_its_head_naming_it_and_the_worker_hears_why():
+    job = Head(timeout=2)
+    job.worker.send(Message("push", {"clock": 0, "version": 0, "ack": 1}, ["w"],
+                            [torch.randn(64)]))
+    assert job.frame()[1].op == "replicate"  # and the stand-in never commits it
+    job.thread.join(15)
+    assert not job.thread.is_alive()
+    err = Tail.read(job.worker)
+    assert err.op == "error" and f"replica server {job.next} at ipc://" in err.meta["message"]
+    assert "1 replicate frames uncommitted" in err.meta["message"] == str(job.error)

@@ -136,6 +136,11 @@ class Server:
                     self.chain.tick()
             trace_events.ps_server_stats(self.stats())
             return self.stats()
+        except PSError as e:  # NOTE: a replica's fault (replica.py): every peer hears why
+            if self.chain is not None:
+                for s in self.ep.active.values():
+                    self.ep.send(s, Message("error", {"message": str(e)}))
+            raise
         finally:
             self.close()
 
