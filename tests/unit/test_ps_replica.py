@@ -101,6 +101,20 @@ class Tail:
         buf = self.server.chain.optimizer.state.get(p, {}).get("momentum_buffer")
         return p.detach().clone(), None if buf is None else buf.clone()
 
+    def close(self) -> None:
+        for link in (self.pred, self.worker):
+            link.close()
+        self.ctx.term()
+
+    def finish(self, version: int = 4) -> None:
+        """The worker says done, the head its final: the server ends (blocks until it does)."""
+        self.worker.send(Message("done", {}))
+        assert self.read(self.worker).op == "bye"
+        assert self.replicate({"final": 1, "version": version}, keys=[], tensors=[]).op == "commit"
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the copy ends once its head said final"
+        self.close()
+
     def replicate(self, meta: dict, keys=("w",), tensors=None, link=None) -> Message:
         tensors = [torch.ones(64)] if tensors is None else tensors
         base = {"origin": self.head, "version": 1, "lr": 1.0, "final": 0}
@@ -139,11 +153,7 @@ def test_a_live_copy_steps_as_the_head_and_refuses_bad_replicate_frames():
     assert job.server.ep.rejected["not a replica link"] == 1
     assert job.server.ep.rejected["not a worker"] == 1
     assert job.server.ep.rejected["schema:replicate.lr"] == 3
-    job.worker.send(Message("done", {}))
-    assert job.read(job.worker).op == "bye"
-    assert job.replicate({"final": 1, "version": 4}, keys=[], tensors=[]).meta == {"frame": 2}
-    job.thread.join(10)
-    assert not job.thread.is_alive(), "the copy ends once its head said final"
+    job.finish(version=4)
     assert job.stats["replica_versions"] == {str(job.head): 4}
     assert [r["role"] for r in job.stats["ranges"]] == ["tail"]
 
@@ -163,6 +173,7 @@ def test_a_copy_steps_with_the_lr_factor_and_momentum_the_head_used():
     assert torch.equal(value, ref.detach()) and torch.equal(buf, ref_opt.state[ref]["momentum_buffer"])
     group = job.server.chain.optimizer.param_groups[0]
     assert (group["lr"], group["momentum"]) == (0.1, 0.9)  # the user's values restored
+    job.finish()
 
 
 class Head:
@@ -197,6 +208,14 @@ class Head:
         assert hello[1].op == "hello" and hello[1].meta["keys"] == ["w"]
         self.succ.send(hello[0], Message("welcome", {"version": 0}))
         assert Tail.read(self.worker).op == "welcome"
+
+    def close(self) -> None:
+        from disttrain.ps.transport import remove_folder
+
+        self.worker.close()
+        self.succ.close()
+        self.ctx.term()
+        remove_folder(self.folder)
 
     def _serve(self):
         try:
@@ -237,6 +256,7 @@ def test_a_push_is_acknowledged_and_a_pull_answered_only_once_the_copy_committed
     job.succ.send(session, Message("commit", {"frame": 2}))
     job.thread.join(10)
     assert not job.thread.is_alive()
+    job.close()
 
 
 @pytest.mark.timeout(60)
@@ -250,3 +270,4 @@ def test_a_silent_copy_stops_its_head_naming_it_and_the_worker_hears_why():
     err = Tail.read(job.worker)
     assert err.op == "error" and f"replica server {job.next} at ipc://" in err.meta["message"]
     assert "1 replicate frames uncommitted" in err.meta["message"] == str(job.error)
+    job.close()
