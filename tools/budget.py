@@ -25,6 +25,10 @@ EXCEPTIONS: dict[str, str] = {
     "map) both the compute thread's API and the communication thread use; splitting the "
     "two halves apart is its own change, left until the wire settles (issue 21 items 1 "
     "and 5 both change this file)",
+    "ps/server.py": "the server loop and the decisions it carries out; replication (issue 23 "
+    "item 1) hooks into that loop's own steps (links polled with the socket, acks and pull "
+    "answers deferred until committed, updates forwarded per stepped batch), about 30 lines; "
+    "the replication itself is ps/replica.py and ps/chain.py",
 }
 
 

@@ -167,6 +167,8 @@ _WRONG = {
     | st.lists(st.integers(0, 9) | st.none() | st.binary(max_size=2), min_size=1, max_size=3),
     "map": st.none() | st.integers(0, 9) | st.lists(st.integers(0, 9), max_size=2)
     | st.dictionaries(st.binary(min_size=1, max_size=2), st.integers(), min_size=1, max_size=2),
+    "float": st.none() | st.booleans() | st.integers(0, 1) | st.text(max_size=4)
+    | st.just(float("nan")) | st.just(float("inf")),
     "pairs": st.none() | st.text(max_size=3) | st.lists(
         st.lists(st.integers(0, 9), min_size=3, max_size=3) | st.text(max_size=2), min_size=1,
         max_size=2),
@@ -196,11 +198,14 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "ring": {"version": 1, "expected": 1, "complete": 1, "stale": 0, "servers": _RING},
     "state": {"version": 1, "expected": 1, "events": ["e"], "rejected": {}, "shard": [
         dict(_SHARD[0], server=0)], "servers": [dict(_RING[0], fingerprint="f", keys=1, bytes=16,
-                                                     version=3, pushes=9, rate=1.5, silent=0)]}}
+                                                     version=3, pushes=9, rate=1.5, silent=0)]},
+    "replicate": {"origin": 0, "version": 1, "lr": 1.0, "final": 0}, "commit": {"frame": 1}}
 
 
 def _wrong(f):
     bad = _WRONG[f.kind]
+    if f.kind == "float":
+        bad |= st.floats(max_value=f.lo - 1e-9) | st.floats(min_value=f.hi + 1e-9)
     if f.kind == "int":
         bad |= st.integers(-(2**63), f.lo - 1)
         if f.hi < 2**64 - 1:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, settings
+from disttrain.ps.chain import check_replicas
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.manager_link import (
@@ -42,6 +43,7 @@ from disttrain.ps.manager_link import (
 )
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Policy, Sync
+from disttrain.ps.replica import Replicas
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
@@ -81,7 +83,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
           optimizer: Callable | None = None, *, timeout: float | None = None,
           host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
           snapshot: str | None = None, snapshot_every: int = 0, name: str = "ps",
-          manager: str | None = None) -> dict:
+          manager: str | None = None, replicas: int = 1) -> dict:
     """Serve this server rank's shard until every worker is done or lost; return its stats.
 
     Blocks for the whole job. Call it on server ranks only (`disttrain.role() == "server"`;
@@ -109,9 +111,14 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         heartbeats. Default: DISTTRAIN_PS_MANAGER (`disttrain run --servers` sets it) for
         the group named "ps", none for other names; "" for none. Without one, the
         address goes to the store, where workers read it.
+    replicas: copies of each key range (default 1: none). With r > 1 each key also lives
+        on the next r-1 servers of the ring, updates are chain-replicated to them, and
+        a push is acknowledged (a pull answered) once every copy has it (replica.py);
+        the same on every rank, at most the number of servers, not with `snapshot`.
     """
     workers, plan = _job(model, "serve", "server", chunk_bytes)
     policy = policy if policy is not None else Sync()
+    check_replicas(replicas, len(plan), policy, len(workers), snapshot)
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
     timeout = timeout if timeout is not None else settings.current().ps_timeout
     index = runtime.rank() - len(workers)
@@ -132,7 +139,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
         try:
             beat = register_server(
                 group, index, len(plan), server.address,
-                _fingerprint(model, policy, chunk_bytes), _shard(model, plan, index),
+                _fingerprint(model, policy, chunk_bytes), _shard(model, plan, index, replicas),
                 timeout=timeout, attempt=_attempt(),
                 read=lambda: (server.policy.version, server.ep.recv_frames.get("push", 0)))
         except ManagerError:
@@ -141,6 +148,12 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
     else:
         dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
                                                        server.address)
+    if replicas > 1:
+        server.chain = Replicas(index, len(workers), plan, replicas,
+                                dict(model.named_parameters()), optimizer, policy, server.ep,
+                                job_secret(), timeout=timeout, chunk_bytes=chunk_bytes)
+        addresses = _addresses(group, name, len(plan))
+        server.chain.connect({j: addresses[j] for j in range(len(plan)) if j != index})
     keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
     try:
         stats = server.serve()
@@ -158,7 +171,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
 def attach(model: torch.nn.Module, policy: Policy | None = None, *,
            timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
            overlap: bool = True, compression: str | TopK | None = None,
-           name: str = "ps", manager: str | None = None) -> Worker:
+           name: str = "ps", manager: str | None = None, replicas: int = 1) -> Worker:
     """Connect this worker rank to every server; return its `Worker`.
 
     Blocks until every server has published its address and said welcome. Call it on
@@ -179,21 +192,19 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
     name: the job's name in the store, as given to `serve`.
     manager: the server manager's address, as given to `serve`: the servers' addresses
         come from its ring (waiting until every server registered) instead of the store.
+    replicas: as given to `serve` (a server refuses a worker whose value differs). With
+        r > 1 a push's `wait()` returns once its update is on every copy: under Sync,
+        KSync and KBatchSync when its round is applied (replica.py).
     """
     compression = parse_compression(compression)
-    _, plan = _job(model, "attach", "worker", chunk_bytes)
+    workers, plan = _job(model, "attach", "worker", chunk_bytes)
     policy = policy if policy is not None else Sync()
+    check_replicas(replicas, len(plan), policy, len(workers))
     timeout = timeout if timeout is not None else settings.current().ps_timeout
-    group = _manager(manager, name)
-    if group:
-        _, addresses = lookup_addresses(group, runtime.rank(), len(plan), _SERVERS_WAIT,
-                                        _attempt())
-    else:
-        store = dist.distributed_c10d._get_default_store()
-        addresses = [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(len(plan))]
+    addresses = _addresses(_manager(manager, name), name, len(plan))
     return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),
                   timeout=timeout, overlap=overlap, compression=compression,
-                  chunk_bytes=chunk_bytes)
+                  chunk_bytes=chunk_bytes, replicas=replicas)
 
 
 def _manager(manager: str | None, name: str) -> str | None:
@@ -201,6 +212,15 @@ def _manager(manager: str | None, name: str) -> str | None:
     if manager is not None:
         return manager or None
     return settings.current().ps_manager if name == "ps" else None
+
+
+def _addresses(group: str | None, name: str, servers: int) -> list[str]:
+    """Every server's address: from the manager's ring (waiting until every server of this
+    launch attempt registered) or, without a manager, from the job's store."""
+    if group:
+        return lookup_addresses(group, runtime.rank(), servers, _SERVERS_WAIT, _attempt())[1]
+    store = dist.distributed_c10d._get_default_store()
+    return [store.get(f"disttrain/{name}/addr{i}").decode() for i in range(servers)]
 
 
 def _attempt() -> int:
@@ -214,14 +234,15 @@ def _fingerprint(model: torch.nn.Module, policy: Policy, chunk_bytes: int) -> st
                        repr(policy), chunk_bytes)
 
 
-def _shard(model: torch.nn.Module, plan, index: int) -> list[tuple[str, int, list[int]]]:
+def _shard(model: torch.nn.Module, plan, index: int,
+           replicas: int) -> list[tuple[str, int, list[int]]]:
     """(key, bytes, replica chain) of each key server `index` holds; the chain from the
-    plan's `chain(key, r)` where it has one (server names "serverN" or indices), else the
-    owner alone (replicas=1)."""
+    plan's `chain(key, r)` (placement.Plan), else the owner alone."""
     sizes = {n: p.element_size() for n, p in model.named_parameters()}
     chain = getattr(plan, "chain", None)
     return [(c.key, c.numel * sizes[c.name],
-             [int(str(s).removeprefix("server")) for s in chain(c.key, 1)] if chain else [index])
+             [int(str(s).removeprefix("server")) for s in chain(c.key, replicas)]
+             if chain else [index])
             for c in plan[index]]
 
 
@@ -294,7 +315,23 @@ def _stats_line(stats: dict) -> str:
             + (f", momentum {stats['momentum']:g} stepped as {stats['applied_momentum']:.3f} "
                "(corrected for asynchrony)" if stats.get("momentum_rule") == "corrected" else "")
             + (f", restored version {stats['restored_version']} (lost updates "
-               f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else ""))
+               f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else "")
+            + _replicas(stats))
+
+
+def _replicas(stats: dict) -> str:
+    """", replicas 2: head of 3 keys (0.01 MB), tail of 2 keys (...), sent ..."; "" if r = 1."""
+    if stats.get("replicas", 1) == 1:
+        return ""
+    roles: dict[str, list[int]] = {role: [0, 0] for role in ("head", "middle", "tail")}
+    for r in stats["ranges"]:
+        roles[r["role"]][0] += r["keys"]
+        roles[r["role"]][1] += r["bytes"]
+    held = ", ".join(f"{role} of {n} keys ({b / 1e6:.2f} MB)" for role, (n, b) in roles.items()
+                     if n)
+    return (f", replicas {stats['replicas']}: {held} in {len(stats['ranges'])} chains, "
+            f"replication sent {stats['replicate_bytes'] / 1e6:.3f} MB in "
+            f"{stats['replicate_frames']} frames")
 
 
 def _reasons(stats: dict) -> str:

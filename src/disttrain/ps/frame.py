@@ -28,6 +28,8 @@ both (docs/design/parameter-server.md, "Header schema and protocol version"). Bu
 whenever what a frame means changes: ops, meta fields (schema.py), envelope, keys."""
 OPS = ("hello", "welcome", "push", "ack", "pull", "params", "cancel", "beat", "done",
        "bye", "error", "pong",
+       # between servers of a replica chain (replica.py)
+       "replicate", "commit",
        # the server manager's (manager.py): requests to it, its two answers
        "register", "report", "lookup", "join", "leave", "status", "ring", "state")
 DTYPES = {str(d).removeprefix("torch."): d for d in (

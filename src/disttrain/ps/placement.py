@@ -177,12 +177,21 @@ def place(params: list[tuple[str, int, int]], servers: Sequence[str], *,
     return Placement(chunks, {name: size for name, _, size in params}, servers, vnodes=vnodes)
 
 
+class Plan(list):
+    """Each server's keys (index 0..S-1: a list of lists of Chunks, as `Placement.plan`)
+    that also answers `chain(key, r)`, the placement's replica chain of a key."""
+
+    def __init__(self, placement: Placement):
+        super().__init__(placement.plan())
+        self.chain = placement.chain
+
+
 def plan_keys(params: list[tuple[str, int, int]], servers: int, *,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES, vnodes: int = 256) -> list[list[Chunk]]:
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES, vnodes: int = 256) -> Plan:
     """Keys of each server (index 0..S-1, named server0..) for parameters given as
     (name, numel, element size). Every process computes the same plan from the same
     model, so no one sends it."""
     if servers < 1:
         raise ValueError(f"need at least one server, got {servers}; launch with --servers S")
-    return place(params, [f"server{i}" for i in range(servers)], chunk_bytes=chunk_bytes,
-                 vnodes=vnodes).plan()
+    return Plan(place(params, [f"server{i}" for i in range(servers)], chunk_bytes=chunk_bytes,
+                      vnodes=vnodes))

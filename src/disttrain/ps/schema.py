@@ -33,13 +33,14 @@ class Field:
     """One meta entry of an op's header."""
 
     kind: str
-    """"int" (a msgpack integer, never a bool), "num" (an int or a finite float), "str",
-    "strs" (a list of str), "ints" (a list of int), "pairs" (a list of [int, int]), "map"
-    (str keys, any plain values) or "rows" (a list of maps, each checked against `row`)."""
+    """"int" (a msgpack integer, never a bool), "float" (a msgpack float, finite), "num"
+    (an int or a finite float), "str", "strs" (a list of str), "ints" (a list of int),
+    "pairs" (a list of [int, int]), "map" (str keys, any plain values) or "rows" (a list
+    of maps, each checked against `row`)."""
     lo: int = 0
-    """smallest value allowed (kind "int")."""
+    """smallest value allowed (kinds "int" and "float")."""
     hi: int = MAX
-    """largest value allowed (kind "int")."""
+    """largest value allowed (kinds "int" and "float")."""
     required: bool = True
     """False: the field may be absent; `check` then fills in `default` (if not None)."""
     default: int | None = None
@@ -81,7 +82,9 @@ SCHEMA: dict[str, Op] = {
                            "policy": Field("str"), "plain": FLAG,
                            # the worker's shared-memory file (shm.py): descriptor, ring bytes
                            "shm_fd": Field("int", -1, 2**31 - 1, required=False, default=-1),
-                           "shm_bytes": Field("int", 0, 1 << 40, required=False, default=0)}),
+                           "shm_bytes": Field("int", 0, 1 << 40, required=False, default=0),
+                           # copies of each key range (replica.py); the same on every rank
+                           "replicas": Field("int", 1, 2**31 - 1, required=False, default=1)}),
     "push": Op("server", {"worker": WORKER, "clock": Field("int"), "version": KNOWN,
                           "sparse": FLAG, "ack": FLAG, "shm": SHM,
                           # a pull riding on a push's last frame: its `have` (worker.fuse)
@@ -89,7 +92,14 @@ SCHEMA: dict[str, Op] = {
     "pull": Op("server", {"worker": WORKER, "have": KNOWN}),
     "beat": Op("server", {"worker": WORKER}),
     "done": Op("server", {"worker": WORKER}),
-    # server -> worker
+    # server -> its successor in a replica chain (replica.py): one applied update of keys
+    # whose head is `origin`, stepped with lr x `lr` and momentum lowered by `momentum`
+    # (absent: the optimizer's own); no tensors and `final`: origin sends nothing more
+    "replicate": Op("server", {"worker": WORKER, "origin": Field("int", 0, 2**31 - 1),
+                               "version": VERSION, "lr": Field("float", 0, 1),
+                               "momentum": Field("float", 0, 1, required=False),
+                               "final": FLAG, "shm": SHM}, tensors=(0, MAX)),
+    # server -> worker, and a successor -> its predecessor's link
     "welcome": Op("worker", {"version": VERSION, "plain": FLAG, "mapped": FLAG}),
     "ack": Op("worker"),
     "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1), "shm": SHM,
@@ -97,6 +107,8 @@ SCHEMA: dict[str, Op] = {
                  tensors=(0, MAX)),
     "cancel": Op("worker", {"version": VERSION}),
     "pong": Op("worker"),
+    # replicate frame number `frame` (1, 2, ...) of this session is on every later replica
+    "commit": Op("worker", {"frame": Field("int", 1)}),
     "bye": Op("worker", {"stats": Field("map"), "staleness": Field("pairs")}),
     "error": Op("worker", {"message": Field("str"),
                            "protocol": Field("int", required=False)}),
@@ -229,7 +241,7 @@ def check_shm(op: str, meta: dict, sizes: list[int], expected: tuple[int, int] |
             raise SchemaError(op, "shm", "names a segment position, but the frame is not "
                                          "marked as carrying its tensors in the segment")
         return
-    if op not in ("push", "params"):
+    if op not in ("push", "params", "replicate"):
         raise SchemaError(op, "shm", f"a {op} frame never carries tensors in the segment")
     if len(sizes) > max_tensors or expected[1] > ring_bytes:
         raise SchemaError(op, "shm", f"{len(sizes)} tensors of {expected[1]} bytes do not fit "
@@ -240,6 +252,10 @@ def check_shm(op: str, meta: dict, sizes: list[int], expected: tuple[int, int] |
 
 
 def _problem(f: Field, v) -> str | None:
+    if f.kind == "float":
+        if not isinstance(v, float) or not f.lo <= v <= f.hi:  # NOTE: NaN fails both
+            return f"must be a float in [{f.lo}, {f.hi}], got {_show(v)}"
+        return None
     if f.kind == "int":
         if not _is_int(v):
             return f"must be an integer, got {_show(v)}"

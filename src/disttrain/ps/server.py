@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -101,6 +102,9 @@ class Server:
         self.job = snap.job_id(secret)
         self._side: snap.SideFile | None = None
         self.sparse_pushes = 0
+        self.chain = None  # replica.Replicas with replicas > 1 (connect.serve sets it)
+        self.acks: dict[int, list[Session]] = {}  # push id -> its frames' acks (replicas)
+        self.held: dict[int, list[Session]] = {}  # worker -> acks of the push still arriving
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -111,22 +115,42 @@ class Server:
         """
         self.last_seen = dict.fromkeys(self.workers, time.monotonic())
         poller = zmq.Poller()
-        poller.register(self.ep.sock, zmq.POLLIN)
+        for sock in [self.ep.sock, *(self.chain.sockets() if self.chain else [])]:
+            poller.register(sock, zmq.POLLIN)
         try:
-            while len(self.finished) < len(self.workers):
+            while not self._ended():
                 if poller.poll(timeout=100):
                     while self.ep.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         got = self.ep.recv()
                         if got is not None:
                             self._handle(*got)
+                    if self.chain:
+                        self.chain.receive()
                 self._check_liveness()
+                if self.chain:
+                    self.chain.tick()
             trace_events.ps_server_stats(self.stats())
             return self.stats()
+        except PSError as e:  # NOTE: a replica's fault (replica.py): every peer hears why
+            if self.chain is not None:
+                for s in self.ep.active.values():
+                    self.ep.send(s, Message("error", {"message": str(e)}))
+            raise
         finally:
             self.close()
 
+    def _ended(self) -> bool:
+        """Every worker is done or lost and, with replicas, every copy is committed."""
+        if len(self.finished) < len(self.workers):
+            return False
+        if self.chain is not None:
+            self.chain.end(self.policy.version)
+        return self.chain is None or self.chain.drained()
+
     def close(self) -> None:
         """Close the socket and files (does not block beyond the socket's linger)."""
+        if self.chain is not None:
+            self.chain.close()
         if not self.ep.sock.closed:
             self.ep.close()
             self._ctx.term()
@@ -136,6 +160,8 @@ class Server:
 
     def _handle(self, session: Session, msg: Message) -> None:
         w = session.worker
+        if self.chain is not None and self.chain.is_peer(w):
+            return self.chain.handle(session, msg)
         self.last_seen[w] = time.monotonic()
         if w in self.finished and msg.op != "done":
             return
@@ -143,6 +169,11 @@ class Server:
             self._hello(session, msg)
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
+        elif msg.op == "replicate":  # NOTE: only a predecessor's link sends these (replica.py)
+            self.ep.rejected["not a replica link"] += 1
+            self.ep.send(session, Message("error", {"message": (
+                f"server {self.index} refused a replicate frame from worker {w}: not a replica "
+                "link (replicate frames come from the previous server of a replica chain)")}))
         elif msg.op == "done":
             self.partial.pop(w, None)
             if w not in self.finished:
@@ -152,7 +183,8 @@ class Server:
             stats = self.stats()
             staleness = [[k, v] for k, v in stats.pop("staleness").items()]
             self.ep.send(session, Message("bye", {"stats": stats, "staleness": staleness}))
-        elif msg.op == "push" and self._push(w, msg, session) and msg.meta["ack"]:
+        elif (msg.op == "push" and self._push(w, msg, session) and msg.meta["ack"]
+              and self.chain is None):  # with copies, replica.py acks once they committed
             self.acks[w] = 1  # NOTE: params answering a pull that rode on it carry it
         if msg.op == "pull" or "pull" in msg.meta:  # NOTE: after the push it rode on (worker.fuse)
             self.parked[w] = msg.meta["pull" if msg.op == "push" else "have"]
@@ -161,13 +193,15 @@ class Server:
             self.ep.send(session, Message("ack"))
 
     def _hello(self, session: Session, msg: Message) -> None:
-        want = {"keys": self.keys, "policy": repr(self.policy)}
-        got = {"keys": msg.meta["keys"], "policy": msg.meta["policy"]}
+        want = {"keys": self.keys, "policy": repr(self.policy),
+                "replicas": self.chain.r if self.chain else 1}
+        got = {k: msg.meta[k] for k in want}
         if got != want:
             self.ep.send(session, Message("error", {"message": (
                 f"server {self.index} holds keys {self.keys[:4]}... under {want['policy']}, "
                 f"worker {session.worker} expects {str(got['keys'])[:80]} under "
-                f"{got['policy']}: build the same model and policy on every rank")}))
+                f"{got['policy']}, replicas={got['replicas']} (here {want['replicas']}): build "
+                "the same model and policy on every rank (and pass the same replicas)")}))
             return
         self.ep.send(session, Message("welcome", {"version": self.policy.version}))
 
@@ -192,7 +226,10 @@ class Server:
         if have is None or have.clock != clock:
             if have is not None:  # NOTE: a newer clock means the old attempt was abandoned
                 self.partial_dropped += 1
+                self._ack_later(self.held.pop(w, []))
             have = self.partial[w] = PartialPush(clock, version, {})
+        if self.chain is not None and msg.meta["ack"] and session is not None:
+            self.held.setdefault(w, []).append(session)  # NOTE: acked once applied everywhere
         grads = {k: g for k, g in grads.items() if k not in have.grads}
         if self.policy.applies_alone():  # NOTE: step each chunk as soon as it is complete
             self._apply([grads], [self.policy.version - have.version])
@@ -202,6 +239,7 @@ class Server:
             del self.partial[w]
             pid, self._pid = self._pid, self._pid + 1
             trace_events.ps_received(self.index, pid, w, clock)
+            self.acks[pid] = self.held.pop(w, [])
             self.complete[pid] = {k: g for k, g in have.grads.items() if g is not None}
             self._execute(self.policy.push(pid, w, have.version))
         return True
@@ -217,14 +255,28 @@ class Server:
                 self._apply([self.complete.pop(p) for p in d.apply], d.staleness)
                 trace_events.ps_applied(self.index, d.apply, self.policy.version)
             self._after_update()
-        for p in d.drop:
+            if self.chain is not None:
+                self.chain.mark(self.policy.version)
+        for p in [*d.apply, *d.drop]:
             self.complete.pop(p, None)
+            self._ack_later(self.acks.pop(p, []))
         for w in d.cancel:
             if w in self.ep.active:
                 self.ep.send(self.ep.active[w], Message("cancel", {"version": self.policy.version}))
-        for w in d.release:
-            if w in self.parked:
-                self._send_params(w, self.parked.pop(w))
+        if self.chain and self.policy.per_batch and len(self.policy.live) < getattr(self.policy, "k", 1):
+            for pid, _, _ in self.policy.buffer:  # NOTE: a round no waiting worker can fill:
+                self._ack_later(self.acks.pop(pid, []))  # ack on receipt, as with replicas=1
+        for w in [w for w in d.release if w in self.parked]:
+            answer = partial(self._send_params, w, self.parked.pop(w))
+            if self.chain is None:
+                answer()
+            else:  # NOTE: a pull sees only what every copy has
+                self.chain.when_committed(answer)
+
+    def _ack_later(self, sessions: list[Session]) -> None:
+        """Ack these push frames once all this head applied is on every copy (replicas)."""
+        for s in sessions:
+            self.chain.when_committed(lambda s=s: self.ep.send(s, Message("ack")))
 
     def _apply(self, grads: list[dict[str, torch.Tensor]], staleness: list[int]) -> None:
         """Average `grads` (dicts over the same keys, of these staleness values) and step
@@ -233,14 +285,20 @@ class Server:
         grads = [g for g in grads if g]
         if self.optimizer is None or not grads:
             return
-        for k in grads[0]:
-            p = self.params[k]
-            # NOTE: copy on write: a zero-copy params frame may still read this memory
-            if any(not t.done for t in self._sending.pop(k, [])):
-                p.data = p.data.clone()
-            # Async with an unscaled gradient: the received buffer itself, no copy
-            p.grad = self.stepper.combine([g[k] for g in grads], staleness, p.dtype)
-        self.stepper.step(staleness, self.policy.mean_staleness)
+        keys = list(grads[0])
+        sizes = [self.params[k].numel() * self.params[k].element_size() for k in keys]
+        for batch in self.chain.batches(keys, sizes) if self.chain else [keys]:
+            for k in batch:
+                p = self.params[k]
+                # NOTE: copy on write: a zero-copy params frame may still read this memory
+                if any(not t.done for t in self._sending.pop(k, [])):
+                    p.data = p.data.clone()
+                # Async with an unscaled gradient: the received buffer itself, no copy
+                p.grad = self.stepper.combine([g[k] for g in grads], staleness, p.dtype)
+            update = {k: self.params[k].grad for k in batch}
+            hyper = self.stepper.step(staleness, self.policy.mean_staleness)
+            if self.chain is not None:  # NOTE: batch by batch: the copy overlaps the next
+                self.chain.forward(self.index, update, self.policy.version, hyper)
 
     def _send_params(self, w: int, have: int) -> None:
         """Answer worker w's pull: the shard as a stream of chunk messages, the last one
@@ -279,6 +337,7 @@ class Server:
                    shm_params=self.ep.shm_frames.get("params", 0),
                    sparse_pushes=self.sparse_pushes)
         out.update(self.stepper.stats(out))
+        out.update(self.chain.stats() if self.chain else {})
         return out
 
     def keep_snapshots(self, path: str, every: int = 0) -> str | None:
@@ -318,12 +377,7 @@ class Server:
         The file's metadata holds the version, applied-gradient count, server index and
         job id, written atomically with the tensors (snapshot.save_atomic).
         """
-        tensors = {f"param/{k}": p.detach() for k, p in self.params.items()}
-        if self.optimizer is not None:
-            for k, p in self.params.items():
-                for name, v in self.optimizer.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        tensors[f"state/{name}/{k}"] = v.detach().reshape(v.shape)
+        tensors = snap.shard_tensors(self.params, self.optimizer)
         snap.save_atomic(path, tensors, {
             "version": str(self.policy.version), "applied": str(self.policy.applied),
             "server": str(self.index), "job": self.job})
@@ -331,17 +385,7 @@ class Server:
     def restore(self, path: str) -> dict[str, str]:
         """Load a shard saved by `snapshot`, return its metadata; errors name any key
         that does not match."""
-        loaded, meta = snap.load(path)
-        missing = [k for k in self.keys if f"param/{k}" not in loaded]
-        if missing:
-            raise ValueError(f"snapshot {path} lacks keys {missing[:5]}: it was saved for "
-                             "another model or server count")
-        with torch.no_grad():
-            for k, p in self.params.items():
-                p.copy_(loaded[f"param/{k}"])
-                for name in ("exp_avg", "exp_avg_sq", "momentum_buffer", "step"):
-                    if f"state/{name}/{k}" in loaded and self.optimizer is not None:
-                        self.optimizer.state[p][name] = loaded[f"state/{name}/{k}"].clone()
+        meta = snap.load_shard(path, self.params, self.optimizer)
         self.policy.version = int(meta.get("version", 0))
         return meta
 

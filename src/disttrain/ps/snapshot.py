@@ -25,7 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["job_id", "SideFile", "read_side", "save_atomic", "load", "restart_report"]
+__all__ = ["job_id", "SideFile", "read_side", "save_atomic", "load", "restart_report",
+           "shard_tensors", "load_shard"]
 
 FORMAT = "disttrain-ps-1"
 _SIDE = re.compile(rb"disttrain-ps job=([0-9a-f]{16}) version= *(\d{1,20})\n?")
@@ -131,3 +132,31 @@ def restart_report(path: str, job: str, side: tuple[str | None, int] | None,
                 "behind the snapshot" + origin, None)
     return (report + f"{reached - version} updates since that snapshot were lost (the server "
             f"had reached version {reached})" + origin, reached - version)
+
+
+def shard_tensors(params: dict, optimizer) -> dict[str, torch.Tensor]:
+    """A shard's tensors as a snapshot names them: "param/<key>", "state/<name>/<key>"."""
+    tensors = {f"param/{k}": p.detach() for k, p in params.items()}
+    if optimizer is not None:
+        for k, p in params.items():
+            for name, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"state/{name}/{k}"] = v.detach().reshape(v.shape)
+    return tensors
+
+
+def load_shard(path: str, params: dict, optimizer) -> dict[str, str]:
+    """Copy the snapshot at `path` into `params` and the optimizer's state; returns its
+    metadata. Raises ValueError naming the keys it lacks."""
+    loaded, meta = load(path)
+    missing = [k for k in params if f"param/{k}" not in loaded]
+    if missing:
+        raise ValueError(f"snapshot {path} lacks keys {missing[:5]}: it was saved for "
+                         "another model or server count")
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(loaded[f"param/{k}"])
+            for name in ("exp_avg", "exp_avg_sq", "momentum_buffer", "step"):
+                if f"state/{name}/{k}" in loaded and optimizer is not None:
+                    optimizer.state[p][name] = loaded[f"state/{name}/{k}"].clone()
+    return meta

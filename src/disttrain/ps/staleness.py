@@ -113,14 +113,21 @@ class StaleStep:
             total.add_(g.to(dtype), alpha=s)
         return total.div_(len(grads))
 
-    def step(self, staleness: list[int], measured: Callable[[], float]) -> None:
+    def step(self, staleness: list[int], measured: Callable[[], float]) -> tuple:
         """optimizer.step() for gradients of these staleness values, with the lr and
         momentum the rule asks for (restored afterwards); then zero_grad. `measured()`
-        gives the mean staleness so far (asked only by momentum="corrected")."""
+        gives the mean staleness so far (asked only by momentum="corrected"). Returns
+        (lr factor, implicit momentum or None): what `replay` needs to take the same step."""
         lr_factor = 1.0
         if not self.scale_grads:
             lr_factor = sum(self.rule.scale(s) for s in staleness) / len(staleness)
         implicit = implicit_momentum(measured()) if self.rule.momentum == "corrected" else None
+        self.replay(lr_factor, implicit)
+        return lr_factor, implicit
+
+    def replay(self, lr_factor: float, implicit: float | None) -> None:
+        """optimizer.step() with lr x `lr_factor` and momentum lowered by `implicit` (None:
+        as built), then zero_grad: a replica's copy of a step `step` took (replica.py)."""
         with _hyper(self.optimizer, lr_factor, implicit):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -67,7 +67,7 @@ class Worker:
                  timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
                  compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encrypt: bool | None = None, always_mac: bool | None = None,
-                 shm: bool | None = None):
+                 shm: bool | None = None, replicas: int = 1):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
         self.chunk_bytes = chunk_bytes
         self._encrypt = encrypt_setting() if encrypt is None else encrypt
@@ -111,7 +111,8 @@ class Worker:
         hello = Handle(self._raise_if_failed, "hello")
         for s in range(len(addresses)):
             self._send(s, Message("hello", {"keys": [c.key for c in plan[s]],
-                                            "policy": policy_repr}), hello, "welcome")
+                                            "policy": policy_repr, "replicas": replicas}),
+                       hello, "welcome")
         try:
             hello.seal().wait()
         except PSError:  # NOTE: no Worker is returned: its thread must not outlive this
@@ -383,6 +384,9 @@ class Worker:
         if msg.op == "cancel":
             self._floor[s] = max(self._floor[s], msg.meta["version"])
             self._cancel_event.set()
+            return
+        if msg.op == "commit":  # NOTE: only a server's replica link receives these
+            self._fail(f"server {s} at {self.addresses[s]} sent a commit frame to a worker")
             return
         if msg.op == "error":
             p = msg.meta.get("protocol", PROTOCOL)
