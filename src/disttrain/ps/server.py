@@ -103,7 +103,7 @@ class Server:
         self._side: snap.SideFile | None = None
         self.sparse_pushes = 0
         self.chain = None  # replica.Replicas with replicas > 1 (connect.serve sets it)
-        self.acks: dict[int, list[Session]] = {}  # push id -> its frames' acks (replicas)
+        self.push_acks: dict[int, list[Session]] = {}  # push id -> its frames' acks (replicas)
         self.held: dict[int, list[Session]] = {}  # worker -> acks of the push still arriving
 
     # ---- main loop ------------------------------------------------------------------
@@ -239,7 +239,7 @@ class Server:
             del self.partial[w]
             pid, self._pid = self._pid, self._pid + 1
             trace_events.ps_received(self.index, pid, w, clock)
-            self.acks[pid] = self.held.pop(w, [])
+            self.push_acks[pid] = self.held.pop(w, [])
             self.complete[pid] = {k: g for k, g in have.grads.items() if g is not None}
             self._execute(self.policy.push(pid, w, have.version))
         return True
@@ -259,13 +259,13 @@ class Server:
                 self.chain.mark(self.policy.version)
         for p in [*d.apply, *d.drop]:
             self.complete.pop(p, None)
-            self._ack_later(self.acks.pop(p, []))
+            self._ack_later(self.push_acks.pop(p, []))
         for w in d.cancel:
             if w in self.ep.active:
                 self.ep.send(self.ep.active[w], Message("cancel", {"version": self.policy.version}))
         if self.chain and self.policy.per_batch and len(self.policy.live) < getattr(self.policy, "k", 1):
             for pid, _, _ in self.policy.buffer:  # NOTE: a round no waiting worker can fill:
-                self._ack_later(self.acks.pop(pid, []))  # ack on receipt, as with replicas=1
+                self._ack_later(self.push_acks.pop(pid, []))  # ack on receipt, as with replicas=1
         for w in [w for w in d.release if w in self.parked]:
             answer = partial(self._send_params, w, self.parked.pop(w))
             if self.chain is None:
