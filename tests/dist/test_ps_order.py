@@ -87,7 +87,9 @@ def _reference(workers):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("workers,servers", [(3, 2), (4, 1)])
+# NOTE: (4, 1) is slow-marked for suite time: (3, 2) already has three arrival orders of a
+# round and odd cut points on two servers; (4, 1) runs with DISTTRAIN_SLOW=1.
+@pytest.mark.parametrize("workers,servers", [(3, 2), pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_sync_is_bitwise_equal_whatever_the_arrival_order(workers, servers):
     env = {"DISTTRAIN_SERVERS": str(servers), "DISTTRAIN_SECRET": SECRET}
     out = spawn(two_orders, workers + servers, workers, env=env, timeout=80)

@@ -97,6 +97,9 @@ def _close(a, b, what, atol=2e-6):
     torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
 
 
+# NOTE: slow-marked for suite time: resharding at other worlds stays in the fast tier
+# (test_checkpoint_reshard); this tied + ZeRO round trip runs with DISTTRAIN_SLOW=1.
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_tied_zero_checkpoint_loads_at_pp1_and_back_at_pp2_zero(tmp_path):
     tied = spawn(save_and_resume, 4, str(tmp_path), timeout=50)
