@@ -22,11 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from disttrain.ps.placement import plan_keys
 from tests.e2e.test_launcher import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "ps_status_job.py"
-KEYS = ["0.weight", "0.bias", "2.weight", "2.bias"]
+# the keys of ps_status_job.py's model on 2 servers, as every rank computes them (placement.py:
+# tensors cut into ranges, so the status lists e.g. 0.weight#3)
+KEYS = [c.key for keys in plan_keys([("0.weight", 512, 4), ("0.bias", 32, 4), ("2.weight", 128, 4),
+                                     ("2.bias", 4, 4)], 2) for c in keys]
 
 
 def _status(addr: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
