@@ -25,6 +25,7 @@ from disttrain.plan.devices import DEVICES, Device, device
 from disttrain.plan.gpt import GPTSpec, parse_gpt
 from disttrain.plan.layout_text import explain, table
 from disttrain.plan.profiled import load_profile, profile_model
+from disttrain.plan.recommend import recommend_layout
 
 __all__ = ["Pins", "Plan", "candidates", "plan_layouts", "add_layout_parser"]
 
@@ -207,11 +208,22 @@ def _plan_layout(args: argparse.Namespace) -> int:
         print(f"disttrain plan layout: error: {err}", file=sys.stderr)
         return 2
     print(table(m, dev, args.devices, batch, result, args.tokens))
+    print(recommend_layout(m, dev, args.devices, args.nodes_of, result,
+                           _data_parallel(m, dev, args, batch, pins)))
     if args.explain:
         print(explain(m, dev, args.devices, batch, result))
         if args.calibrate:
             print("\n".join(args.calibration.lines()))
     return 0
+
+
+def _data_parallel(m: GPTSpec, dev: Device, args: argparse.Namespace, batch: int,
+                   pins: Pins) -> Estimate | None:
+    """The fastest pure data-parallel layout (pp = tp = 1) that fits, unless pins rule it out."""
+    if pins.tp not in (None, 1) or pins.pp not in (None, 1):
+        return None
+    flat = plan_layouts(m, dev, args.devices, args.nodes_of, batch, replace(pins, tp=1, pp=1), 1)
+    return flat.ranked[0] if flat.ranked else None
 
 
 def _nothing_fits(args: argparse.Namespace, dev: Device, batch: int, result: Plan) -> str:
