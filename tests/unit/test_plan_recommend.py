@@ -71,3 +71,15 @@ def test_cli_prints_the_recommendation_under_the_table(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("recommendation: model states 1.99 GB fit one a100-80gb device")
+
+
+@pytest.mark.timeout(20)
+def test_a_pinned_pipeline_is_won_on_the_bubble():
+    m = parse_gpt("gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200")
+    h100 = device("h100")
+    plan = plan_layouts(m, h100, 16, 8, 64, Pins(pp=2), top=3)
+    text = recommend_layout(m, h100, 16, 8, plan)
+    assert "fit one h100 device: data parallel would do for memory" in text  # winner: pp 2
+    assert "pp 2 x dp 8 (ZeRO-3, micro-batch 1, interleaved, m=8)" in text
+    assert "it beats pp 2 x dp 8 (ZeRO-3, micro-batch 1, 1f1b, m=8)" in text
+    assert text.endswith(" on bubble: +0.01092 s.")

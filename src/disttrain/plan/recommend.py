@@ -62,6 +62,8 @@ def _states(m: GPTSpec, dev: Device, n: int, nodes_of: int, win: Estimate | None
     full = model_state_bytes(m.params, 1, 0).total
     head = f"model states {_gb(full)}"
     if full <= usable:
+        if win is not None and (win.layout.pp, win.layout.tp) != (1, 1):
+            return f"{head} fit one {dev.key} device: data parallel would do for memory"
         return f"{head} fit one {dev.key} device: data parallel{_zero1(m, dev, nodes_of, win)}"
     ways = []
     z3 = next((k for k in range(2, n + 1) if model_state_bytes(m.params, k, 3).total <= usable), None)
@@ -110,8 +112,9 @@ def _why(win: Estimate, rival: Estimate, what: str) -> str:
                 f"per device, the same step time)")
     kind, gap = max(gaps.items(), key=lambda kv: kv[1])
     _, term = max((v, k[1]) for k, v in terms.items() if k[0] == kind)
+    most = "" if kind == "bubble" else f", most of it {term}"
     return (f"{what} ({rival.step:.4g} s, {rival.step - win.step:+.4g} s) on {kind}: "
-            f"{gap:+.4g} s, most of it {term}")
+            f"{gap:+.4g} s{most}")
 
 
 def recommend_layout(m: GPTSpec, dev: Device, n: int, nodes_of: int, result,
