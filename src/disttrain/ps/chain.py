@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from disttrain.ps.placement import Plan
 from disttrain.ps.policy import Policy
-from disttrain.ps.ring import HashRing
 
 __all__ = ["chains", "check_replicas", "Layout", "role", "ROLES"]
 
@@ -42,17 +42,13 @@ def role(chain, index: int) -> str:
     return ROLES[0 if chain[0] == index else 2 if chain[-1] == index else 1]
 
 
-def chains(plan: list[list], replicas: int, vnodes: int = 128) -> dict[str, list[int]]:
-    """key -> the server indices holding it, head first: the plan's own `chain(key, r)`
-    (placement.Plan), else HashRing.chain over a ring of the plan's servers; raises if a
-    chain's head is not the key's owner in `plan`."""
-    chain = getattr(plan, "chain", None)
-    if chain is None:
-        chain = HashRing([f"server{i}" for i in range(len(plan))], vnodes=vnodes).chain
+def chains(plan: Plan, replicas: int) -> dict[str, list[int]]:
+    """key -> the server indices holding it, head first (the plan's `chain(key, r)`);
+    raises if a chain's head is not the key's owner in `plan`."""
     out = {}
     for owner, chunks in enumerate(plan):
         for c in chunks:
-            out[c.key] = [int(s.removeprefix("server")) for s in chain(c.key, replicas)]
+            out[c.key] = [int(s.removeprefix("server")) for s in plan.chain(c.key, replicas)]
             if out[c.key][0] != owner:
                 raise RuntimeError(f"key {c.key!r}: the plan puts it on server {owner}, the "
                                    f"ring's chain starts at server {out[c.key][0]}")
@@ -62,10 +58,10 @@ def chains(plan: list[list], replicas: int, vnodes: int = 128) -> dict[str, list
 
 
 class Layout:
-    """Server `index`'s place in every chain of a plan (list of each server's Chunks)."""
+    """Server `index`'s place in every chain of a plan (each server's Chunks)."""
 
-    def __init__(self, index: int, plan: list[list], replicas: int, vnodes: int = 128):
-        self.chains = chains(plan, replicas, vnodes)
+    def __init__(self, index: int, plan: Plan, replicas: int):
+        self.chains = chains(plan, replicas)
         self.hop: dict[str, int | None] = {}
         """key held here (head or copy) -> the next server of its chain (None: the tail)."""
         self.origin_hops: dict[int, set[int]] = defaultdict(set)

@@ -1,6 +1,6 @@
 """Replicated key ranges: chain replication of each server's updates, after aggregation.
 
-With `replicas=r` every key lives on the r servers `HashRing.chain(key, r)` names: its
+With `replicas=r` every key lives on the r servers the placement's `chain(key, r)` names: its
 owner, the head (workers push to it and pull from it), then the next r-1 distinct
 servers of the ring, the last of them the tail. Chain replication (van Renesse &
 Schneider 2004): the head applies an update and sends the *update* (the round's
@@ -30,6 +30,7 @@ import zmq
 
 from disttrain.ps.chain import Layout, role
 from disttrain.ps.frame import DEFAULT_LIMITS, Message, group_keys
+from disttrain.ps.placement import Plan
 from disttrain.ps.policy import Policy
 from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
@@ -42,13 +43,13 @@ class Replicas:
     """The replication side of server `index`: its copies of other heads' keys (values and
     optimizer state), its links to its successors and what waits for their commits."""
 
-    def __init__(self, index: int, workers: int, plan: list[list], replicas: int, init: dict,
+    def __init__(self, index: int, workers: int, plan: Plan, replicas: int, init: dict,
                  optimizer, policy: Policy, ep, secret: bytes, *, timeout: float = 10.0,
-                 chunk_bytes: int = 4 << 20, vnodes: int = 128):
+                 chunk_bytes: int = 4 << 20):
         self.index, self.r, self.base, self.ep = index, replicas, workers, ep
         self.policy_repr, self.timeout, self.chunk_bytes = repr(policy), timeout, chunk_bytes
         self._secret = secret
-        lay = Layout(index, plan, replicas, vnodes)
+        lay = Layout(index, plan, replicas)
         self.chains, self.hop, self.paths = lay.chains, lay.hop, lay.paths
         self.origin_hops, self.ranges, self.feeds = lay.origin_hops, lay.ranges, lay.feeds
         self.expect = {workers + j: {c.key: (c.numel, init[c.name].dtype) for c in cs}
