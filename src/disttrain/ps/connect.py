@@ -41,7 +41,7 @@ from disttrain.ps.manager_link import (
     lookup_addresses,
     register_server,
 )
-from disttrain.ps.placement import plan_keys
+from disttrain.ps.placement import Plan, plan_keys
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.replica import Replicas
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
@@ -234,15 +234,12 @@ def _fingerprint(model: torch.nn.Module, policy: Policy, chunk_bytes: int) -> st
                        repr(policy), chunk_bytes)
 
 
-def _shard(model: torch.nn.Module, plan, index: int,
+def _shard(model: torch.nn.Module, plan: Plan, index: int,
            replicas: int) -> list[tuple[str, int, list[int]]]:
-    """(key, bytes, replica chain) of each key server `index` holds; the chain from the
-    plan's `chain(key, r)` (placement.Plan), else the owner alone."""
+    """(key, bytes, replica chain) of each key server `index` holds."""
     sizes = {n: p.element_size() for n, p in model.named_parameters()}
-    chain = getattr(plan, "chain", None)
     return [(c.key, c.numel * sizes[c.name],
-             [int(str(s).removeprefix("server")) for s in chain(c.key, replicas)]
-             if chain else [index])
+             [int(s.removeprefix("server")) for s in plan.chain(c.key, replicas)])
             for c in plan[index]]
 
 
