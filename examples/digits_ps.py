@@ -5,6 +5,7 @@
         --straggler exp:mean=0.05
     disttrain run --workers 4 --servers 1 examples/digits_ps.py --mode ssp --staleness 2
     disttrain run --workers 2 --servers 1 examples/digits_ps.py --topk 0.01
+    disttrain run --workers 2 --servers 3 examples/digits_ps.py --replicas 2
 
 One script, both roles (as ps-lite's one binary): on a server rank `ps.connect` serves
 its shard until the workers are done, prints its report (staleness histogram, dropped
@@ -19,6 +20,8 @@ values) and keeps the rest for its next push (top-k with error feedback); every 
 prints the bytes it pushed per step. In the asynchronous modes the servers divide the
 learning rate of a gradient by its staleness (--step, --momentum-rule choose another rule,
 e.g. `--step constant` for the plain one, which the servers' report warns about).
+With --replicas R every key range lives on R servers and a push is acknowledged once
+every copy applied it (chain replication); each server's report names its roles.
 Worker 0 ends with `final test accuracy: 0.9xxx`.
 """
 
@@ -68,6 +71,10 @@ parser.add_argument("--log-json", default=None,
                     help="worker 0 appends {time, step, version, train_loss} lines here "
                          "(benchmarks)")
 parser.add_argument("--eval-every", type=int, default=5, help="steps between --log-json points")
+# replicated key ranges (docs/design/parameter-server.md, "Replication")
+parser.add_argument("--replicas", type=int, default=1,
+                    help="copies of each key range, on the owner and the next servers of the "
+                         "ring (chain replication; at most --servers); default 1: none")
 args = parser.parse_args()
 
 # -----------------------------------------------------------------------------
@@ -92,7 +99,8 @@ model = nn.Sequential(
 )
 conn = ps.connect(model, policy,
                   optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
-                  compression=ps.TopK(args.topk) if args.topk is not None else None)
+                  compression=ps.TopK(args.topk) if args.topk is not None else None,
+                  replicas=args.replicas)
 rank = disttrain.rank()  # only workers get here: 0..workers-1
 
 # -----------------------------------------------------------------------------
