@@ -199,7 +199,8 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "state": {"version": 1, "expected": 1, "events": ["e"], "rejected": {}, "shard": [
         dict(_SHARD[0], server=0)], "servers": [dict(_RING[0], fingerprint="f", keys=1, bytes=16,
                                                      version=3, pushes=9, rate=1.5, silent=0)]},
-    "replicate": {"origin": 0, "version": 1, "lr": 1.0, "final": 0}, "commit": {"frame": 1}}
+    "replicate": {"origin": 0, "version": 1, "lr": 1.0, "final": 0}, "commit": {"frame": 1},
+    "transfer": {"origin": 0, "version": 1, "part": 0, "parts": 1, "fields": []}}
 
 
 def _wrong(f):
@@ -222,7 +223,7 @@ def bad_frames(draw, side: str):
     spec, meta = SCHEMA[op], dict(_VALID[op])
     if "worker" in spec.meta:
         meta["worker"] = who
-    n = 1 if op == "push" else 0
+    n = 1 if op in ("push", "transfer") else 0
     if spec.to != side:
         return who, op, meta, n, f"schema:{op}"
     fields = list(spec.meta)
@@ -418,7 +419,7 @@ def test_every_message_the_code_sends_fits_the_schema():
     """A valid frame of every op passes (the live twin run checks what the code sends)."""
     assert set(_VALID) == set(SCHEMA) == set(OPS)
     for op, meta in _VALID.items():
-        n = 1 if op == "push" else 0
+        n = 1 if op in ("push", "transfer") else 0
         check(Message(op, dict(meta, worker=0) if "worker" in SCHEMA[op].meta else dict(meta),
                       ["w#0"] * n, [torch.ones(4)] * n), SCHEMA[op].to)
     _twin()

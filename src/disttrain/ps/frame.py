@@ -30,6 +30,8 @@ OPS = ("hello", "welcome", "push", "ack", "pull", "params", "cancel", "beat", "d
        "bye", "error", "pong",
        # between servers of a replica chain (replica.py)
        "replicate", "commit",
+       # chain extension (transfer.py): a key range's state to its new tail
+       "transfer",
        # the server manager's (manager.py): requests to it, its two answers
        "register", "report", "lookup", "join", "leave", "status", "ring", "state")
 DTYPES = {str(d).removeprefix("torch."): d for d in (

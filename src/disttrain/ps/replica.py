@@ -75,6 +75,7 @@ class Replicas:
         self._heard: dict[int, float] = {}
         self._seen = dict.fromkeys(self.expect, time.monotonic())
         self._next_beat, self.final_sent = 0.0, False
+        self.intake = None  # transfer.Intake.handle while this server takes keys' state
 
     # ---- links ----------------------------------------------------------------------
     def connect(self, addresses: dict[int, str]) -> None:
@@ -83,18 +84,31 @@ class Replicas:
         self.addresses = addresses
         for j in sorted({h for h in self.hop.values() if h is not None}):
             keys = [k for k, h in self.hop.items() if h == j]
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, DEFAULT_LIMITS.max_frame_bytes)
-            sock.connect(addresses[j])
-            nbytes = sum(self.nbytes[k] for k in keys)
-            link = WorkerLink(sock, self._secret, self.base + self.index, j, DEFAULT_LIMITS,
-                              encrypt_setting(), mac_setting(),
-                              ring_bytes(nbytes, len(keys), self.chunk_bytes)
-                              if shm_setting() else 0)
-            self.links[j], self._heard[j] = link, time.monotonic()
-            link.send(Message("hello", {"keys": keys, "policy": self.policy_repr,
-                                        "replicas": self.r}))
+            self.open_link(j, addresses[j], keys, sum(self.nbytes[k] for k in keys))
+
+    def open_link(self, j: int, address: str, keys: list[str], nbytes: int) -> WorkerLink:
+        """Open the link to server j at `address` for `keys` (`nbytes` per frame at most,
+        for its shared-memory ring) and say hello; does not block."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, DEFAULT_LIMITS.max_frame_bytes)
+        sock.connect(address)
+        link = WorkerLink(sock, self._secret, self.base + self.index, j, DEFAULT_LIMITS,
+                          encrypt_setting(), mac_setting(),
+                          ring_bytes(nbytes, max(1, len(keys)), self.chunk_bytes)
+                          if shm_setting() else 0)
+        self.links[j], self._heard[j] = link, time.monotonic()
+        self.addresses = {**getattr(self, "addresses", {}), j: address}
+        link.send(Message("hello", {"keys": keys, "policy": self.policy_repr,
+                                    "replicas": self.r}))
+        return link
+
+    def admit(self, peer: int) -> None:
+        """Take hellos and frames from link id `peer` (a server W + i) holding no keys yet:
+        a new predecessor (transfer.py); its keys are added to `expect` as they arrive."""
+        self.expect.setdefault(peer, {})
+        self.ep.workers.add(peer)
+        self._seen.setdefault(peer, time.monotonic())
 
     def sockets(self) -> list:
         """The link sockets, for the server's poller."""
@@ -105,6 +119,11 @@ class Replicas:
         for link in self.links.values():
             link.close()
         self._ctx.term()
+
+    def send(self, j: int, msg: Message) -> None:
+        """Send `msg` to server j as the link's next numbered frame (queued until the
+        welcome); never blocks. Its commit comes back like a replicate frame's."""
+        self._send(j, msg)
 
     def _send(self, j: int, msg: Message) -> None:
         self.sent[j] += 1
@@ -204,6 +223,8 @@ class Replicas:
             self._replicate(session, msg)
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
+        elif msg.op == "transfer" and self.intake is not None:  # chain extension, transfer.py
+            self.intake(session, msg)
         else:
             self.ep.rejected["not a worker"] += 1
             self.ep.send(session, Message("error", {"message": (

@@ -99,6 +99,13 @@ SCHEMA: dict[str, Op] = {
                                "version": VERSION, "lr": Field("float", 0, 1),
                                "momentum": Field("float", 0, 1, required=False),
                                "final": FLAG, "shm": SHM}, tensors=(0, MAX)),
+    # the tail of a chain -> its new tail (transfer.py): part `part` of `parts` of the
+    # state of keys headed by `origin`, cut at its `version`; per key its value, then one
+    # tensor per optimizer field in `fields` (named key|field)
+    "transfer": Op("server", {"worker": WORKER, "origin": Field("int", 0, 2**31 - 1),
+                              "version": VERSION, "part": Field("int", 0, 1 << 20),
+                              "parts": Field("int", 1, 1 << 20), "fields": Field("strs"),
+                              "shm": SHM}, tensors=(1, MAX)),
     # server -> worker, and a successor -> its predecessor's link
     "welcome": Op("worker", {"version": VERSION, "plain": FLAG, "mapped": FLAG}),
     "ack": Op("worker"),

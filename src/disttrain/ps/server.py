@@ -105,6 +105,7 @@ class Server:
         self.chain = None  # replica.Replicas with replicas > 1 (connect.serve sets it)
         self.push_acks: dict[int, list[Session]] = {}  # push id -> its frames' acks (replicas)
         self.held: dict[int, list[Session]] = {}  # worker -> acks of the push still arriving
+        self.ticks: list[Callable[[], None]] = []  # run once per loop (transfer.Extension)
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -114,7 +115,7 @@ class Server:
         workers get the same message.
         """
         self.last_seen = dict.fromkeys(self.workers, time.monotonic())
-        poller = zmq.Poller()
+        poller = self.poller = zmq.Poller()  # NOTE: transfer.py registers links it opens
         for sock in [self.ep.sock, *(self.chain.sockets() if self.chain else [])]:
             poller.register(sock, zmq.POLLIN)
         try:
@@ -129,6 +130,8 @@ class Server:
                 self._check_liveness()
                 if self.chain:
                     self.chain.tick()
+                for tick in self.ticks:
+                    tick()
             trace_events.ps_server_stats(self.stats())
             return self.stats()
         except PSError as e:  # NOTE: a replica's fault (replica.py): every peer hears why
@@ -169,11 +172,11 @@ class Server:
             self._hello(session, msg)
         elif msg.op == "beat":
             self.ep.send(session, Message("pong", {}))
-        elif msg.op == "replicate":  # NOTE: only a predecessor's link sends these (replica.py)
+        elif msg.op in ("replicate", "transfer"):  # NOTE: only a predecessor's link sends these
             self.ep.rejected["not a replica link"] += 1
             self.ep.send(session, Message("error", {"message": (
-                f"server {self.index} refused a replicate frame from worker {w}: not a replica "
-                "link (replicate frames come from the previous server of a replica chain)")}))
+                f"server {self.index} refused a {msg.op} frame from worker {w}: not a replica "
+                f"link ({msg.op} frames come from the previous server of a replica chain)")}))
         elif msg.op == "done":
             self.partial.pop(w, None)
             if w not in self.finished:
