@@ -7,6 +7,10 @@ the head is the head's, each transfer moved exactly the keys asked for, and the 
 parameters are those of single-process SGD. Two jobs: Sync with SGD momentum at
 replicas=2 (T is a copy, chain [X, T] becomes [X, T, Y]) and Async with Adam at
 replicas=1 (T is the head itself, chain [X] becomes [X, Y]).
+
+NOTE: slow (about 45 s on two loaded cores: two jobs of five processes); the fast tier
+covers the new tail's side with tests/unit/test_ps_transfer.py (a live server installs a
+transfer bitwise, steps the new copy as the head, refuses bad frames).
 """
 
 import secrets
@@ -127,6 +131,7 @@ def results():
     return spawn(run_all, W + S, env=ENV, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,r", JOBS)
 def test_the_new_tail_is_the_heads_copy_bitwise_after_more_steps(results, mode, r):
@@ -149,6 +154,7 @@ def test_the_new_tail_is_the_heads_copy_bitwise_after_more_steps(results, mode, 
     assert any(c[0] == 0 and c[-1] == new and tail in c for c in chains), chains
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sync_with_an_extension_trains_as_single_process_sgd(results):
     model = _model()
