@@ -1,7 +1,7 @@
 """A live server taking a key range's state as its new tail (ps/transfer.py `accept`).
 
 The server runs on a thread; a hand-made link plays the range's tail on the real
-authenticated wire. Good `transfer` frames, part by part, install the values and the
+authenticated wire, its tensors through a shared-memory segment. Good `transfer` frames, part by part, install the values and the
 optimizer state (bitwise what was sent) and the head's version; a following `replicate`
 frame then steps the new copy exactly as the head's SGD-momentum step. Frames out of
 order, of keys not being moved, of another dtype, with more than a chunk of values, a
@@ -50,16 +50,17 @@ class NewTail:
         self.ctx = zmq.Context()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
-        self.tail = self._link(1 + self.x)
+        self.tail = self._link(1 + self.x, shm=True)
         self.worker = self._link(0, [c.key for c in plan[self.y]])
 
     def _serve(self):
         self.stats = self.server.serve()
 
-    def _link(self, who: int, keys=()) -> WorkerLink:
+    def _link(self, who: int, keys=(), shm: bool = False) -> WorkerLink:
         sock = self.ctx.socket(zmq.DEALER)
         sock.connect(self.server.address)
-        link = WorkerLink(sock, KEY, who, self.y)
+        link = WorkerLink(sock, KEY, who, self.y, shm_bytes=1 << 16 if shm else 0)
+        link.shm_from = 0  # NOTE: the tail's frames through shared memory, as on one host
         link.send(Message("hello", {"keys": list(keys), "policy": "Sync()", "replicas": 1}))
         assert self.read(link).op == "welcome"
         return link

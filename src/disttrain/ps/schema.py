@@ -248,7 +248,7 @@ def check_shm(op: str, meta: dict, sizes: list[int], expected: tuple[int, int] |
             raise SchemaError(op, "shm", "names a segment position, but the frame is not "
                                          "marked as carrying its tensors in the segment")
         return
-    if op not in ("push", "params", "replicate"):
+    if op not in ("push", "params", "replicate", "transfer"):
         raise SchemaError(op, "shm", f"a {op} frame never carries tensors in the segment")
     if len(sizes) > max_tensors or expected[1] > ring_bytes:
         raise SchemaError(op, "shm", f"{len(sizes)} tensors of {expected[1]} bytes do not fit "
