@@ -80,8 +80,19 @@ class Extension:
         return self.chain.version.get(self.origin, 0)
 
     def tick(self) -> None:
-        if self.stats is None and self._version() >= self.at_version:
+        if self.stats is not None or self._version() < self.at_version:
+            return
+        if self._ended():  # NOTE: Y would wait for a final marker already sent
+            self.stats = {"to": self.target, "keys": 0, "skipped": "the head's job ended"}
+        else:
             self.cut()
+
+    def _ended(self) -> bool:
+        """Has this server sent its last marker for the head's keys (the job ended)?"""
+        ch = self.chain
+        if self.origin == self.server.index:
+            return ch.final_sent
+        return any(o == self.origin for o, _ in ch.finals)
 
     def _holder(self, k: str):
         """(parameter, optimizer) holding key k here: the head's own or a copy."""
