@@ -34,6 +34,7 @@ from disttrain.ps.frame import Message, group_keys
 from disttrain.ps.placement import Plan
 from disttrain.ps.replica import Replicas
 from disttrain.ps.schema import SchemaError
+from disttrain.ps.server import PSError
 from disttrain.ps.staleness import StaleStep
 
 __all__ = ["extend", "accept", "Extension", "Intake", "SEP"]
@@ -107,7 +108,12 @@ class Extension:
         for k in self.keys:
             p, opt = self._holder(k)
             st = opt.state.get(p, {}) if opt is not None else {}
-            fields = sorted(n for n, v in st.items() if torch.is_tensor(v))
+            odd = [n for n, v in st.items() if not torch.is_tensor(v)]
+            if odd:  # NOTE: never moved without them: the copy would step differently
+                raise PSError(f"server {self.server.index}: cannot move {k!r} to server "
+                              f"{self.target}: its optimizer state {odd} is not tensors "
+                              f"({type(opt).__name__}); use an optimizer that keeps tensors")
+            fields = sorted(st)
             rows.append((k, fields, [p.detach().clone()] + [st[n].detach().clone()
                                                             for n in fields]))
         link = self.chain.links.get(self.target) or self._open(rows)
