@@ -16,8 +16,9 @@ Who talks to whom: a server's `Replicas` owns one DEALER link per successor
 (transport.WorkerLink: the sessions, sequence numbers, schema and shared memory of a
 worker's link), under worker id W + its server index; the successor's ROUTER greets it
 as it greets a worker and its server hands those frames here (`handle`). Frames:
-`replicate` (to the successor) and `commit` (back); schema.py. The design, costs and
-what each policy sends: docs/design/parameter-server.md, "Replication".
+`replicate` (to the successor) and `commit` (back); schema.py. A new tail's state comes
+as `transfer` frames on the same links (transfer.py, chain extension). The design, costs
+and what each policy sends: docs/design/parameter-server.md, "Replication".
 """
 
 from __future__ import annotations
