@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from disttrain.comm.cost import Links, collective_bound, predict_collective
+from disttrain.comm.cost import MODELLED, Links, collective_bound, predict, predict_collective
 from disttrain.parallel.pipeline.schedules import (
     SCHEDULE_TABLE,
     peak_in_flight,
@@ -45,6 +45,9 @@ __all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_b
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
 
+WIRE_BYTES = {"bf16": 2, "fp32": 4}
+"""Bytes per element on the wire, per `Layout.precision`."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -60,10 +63,24 @@ class Layout:
     """"1f1b", "gpipe", "interleaved" (2 chunks per stage), "zb-h1"; "-" when pp == 1."""
     recompute: bool
     sp: bool
+    precision: str = "bf16"
+    """Elements on the wire: "bf16" (mixed precision) or "fp32" (a plain fp32 job)."""
+    algorithm: str = "ring"
+    """The dp all-reduce (ZeRO 0): a comm/cost.py MODELLED one, or "native" (as the ring)."""
+
+    def __post_init__(self):
+        if self.precision not in WIRE_BYTES:
+            raise ValueError(f"precision {self.precision!r}: give one of {', '.join(WIRE_BYTES)}")
+        if self.algorithm not in ("native", *MODELLED):
+            raise ValueError(f"algorithm {self.algorithm!r}: give native or one of {', '.join(MODELLED)}")
 
     @property
     def virtual(self) -> int:
         return 2 if self.schedule == "interleaved" else 1
+
+    @property
+    def wire(self) -> int:
+        return WIRE_BYTES[self.precision]
 
 
 @dataclass
@@ -140,15 +157,16 @@ def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     c = layer_cost(m, lay.micro_batch, lay.tp, lay.sp)
     f, b, w = layer_seconds(c, dev)
     local = _group_local(lay.tp, 1, nodes_of)
-    ar = _collective("all-reduce", c.tp_bytes, lay.tp, local, dev.links(nics=local))
+    tp_bytes = c.tp_bytes * lay.wire / 2  # NOTE: LayerCost counts 2-byte activations
+    ar = _collective("all-reduce", tp_bytes, lay.tp, local, dev.links(nics=local))
     tp_f = 2 * ar  # 2 all-reduces (SP: 2 all-gathers + 2 reduce-scatters, the same bytes)
     tp_b = (3 if lay.sp else 2) * ar  # SP re-gathers the column inputs: 4 AG + 2 RS
     fwd = f + tp_f
     bwd = b + tp_b + (fwd if lay.recompute else 0.0)
-    bound = collective_bound("all-reduce", c.tp_bytes, lay.tp, local,
+    bound = collective_bound("all-reduce", tp_bytes, lay.tp, local,
                              dev.links(nics=local))[0] if lay.tp > 1 else ""
     return {"f": f, "b": b, "w": w, "ar": ar, "tp_f": tp_f, "tp_b": tp_b, "fwd": fwd, "bwd": bwd,
-            "cost": c, "tp_local": local, "tp_bound": bound}
+            "cost": c, "tp_local": local, "tp_bound": bound, "tp_bytes": tp_bytes}
 
 
 def _stage_params(m: GPTSpec, lay: Layout) -> float:
@@ -187,12 +205,12 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     """Seconds of each pipeline action kind, per layer chunk, plus the pieces for --explain."""
     b, s, h, t = lay.micro_batch, m.seq, m.hidden, lay.tp
     head_f, head_b = head_seconds(m, b, t, dev)
-    act = 2 * b * s * h / (t if lay.sp else 1)
+    act = lay.wire * b * s * h / (t if lay.sp else 1)
     remote = lay.dp * lay.tp >= nodes_of  # NOTE: pp is the outermost mesh axis
     p2p = _collective("p2p", act, 2, 1 if remote else 2, dev.links()) if lay.pp > 1 else 0.0
     z3_f = z3_b = z3_first = 0.0
     if lay.zero == 3:
-        unit = 2 * m.layer_params / t
+        unit = lay.wire * m.layer_params / t
         local = _group_local(lay.dp, t, nodes_of)
         ag = _collective("all-gather", unit, lay.dp, local, dev.links(nics=local))
         rs = _collective("reduce-scatter", unit, lay.dp, local, dev.links(nics=local))
@@ -200,7 +218,7 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     lc = m.layers // (lay.pp * lay.virtual)
     # NOTE: autograd accumulates each micro-batch's weight gradients into .grad (read it
     # and the new gradient, write it: 6 B/param in bf16) unless ZeRO-3 reduce-scatters them
-    acc = 0.0 if lay.zero == 3 else 6 * m.layer_params / t / dev.memory_Bps
+    acc = 0.0 if lay.zero == 3 else 3 * lay.wire * m.layer_params / t / dev.memory_Bps
     fwd = lc * (per["fwd"] + z3_f) + z3_first
     bwd = lc * (per["bwd"] + z3_b + acc) + z3_first
     w = lc * (per["w"] + acc)  # ZB-H1's W: the weight-gradient matmuls and their accumulation
@@ -254,7 +272,7 @@ def _simulated(name: str, p: int, mb: int, v: int, times: tuple) -> tuple[float,
 def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: float) -> dict:
     """Exposed seconds of the gradient reduction and ZeRO's parameter gather, per step."""
     params = _stage_params(m, lay)
-    grads = 2 * params  # bf16 gradients
+    grads = lay.wire * params  # bf16 (or fp32) gradients
     local = _group_local(lay.dp, lay.tp, nodes_of)
     links = dev.links(nics=local)
     out = {"grads": grads, "buckets": 0, "bucket": 0.0, "reduce": 0.0, "gather": 0.0, "bound": ""}
@@ -262,11 +280,13 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
         return out
     k = math.ceil(grads / BUCKET_BYTES)
     op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
-    c = _collective(op, grads / k, lay.dp, local, links)
+    algo = lay.algorithm if op == "all-reduce" and lay.algorithm != "native" else "ring"
+    c = (_collective(op, grads / k, lay.dp, local, links) if algo == "ring"
+         else predict(algo, grads / k, lay.dp, local, links))
     # NOTE: bucket i is ready at window * i / k and buckets go out one at a time, so the
     # last finishes at max(window / k + k c, window + c): the exposed part is that - window.
     out.update(buckets=k, bucket=c, reduce=max(window / k + k * c - window, c),
-               bound=collective_bound(op, grads / k, lay.dp, local, links)[0])
+               bound=collective_bound(op, grads / k, lay.dp, local, links, algo)[0])
     if lay.zero in (1, 2):
         out["gather"] = _collective("all-gather", grads, lay.dp, local, links)
     return out

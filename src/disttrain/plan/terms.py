@@ -34,7 +34,7 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
     t, n, mb = lay.tp, lay.dp, lay.microbatches
     layers = m.layers // lay.pp
     count = 2 + (3 if lay.sp else 2) + (2 if lay.recompute else 0)
-    s = per["cost"].tp_bytes
+    s = per["tp_bytes"]
     out = [Term("tp collectives", count * 2 * (t - 1) / t * s * layers * mb,
                 f"{count} all-reduces' worth x 2(t-1)/t x {s / 1e6:.4g} MB x {layers} layers x "
                 f"{mb} micro-batches")] if t > 1 else []
@@ -42,11 +42,12 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
         out.append(Term("pipeline sends", 2 * d["p2p_bytes"] * mb,
                         f"2 x {mb} x {d['p2p_bytes'] / 1e6:.4g} MB"))
     g = dp["grads"]
+    dtype = "bf16" if lay.wire == 2 else "fp32"
     what = {0: "all-reduce 2(n-1)/n", 1: "reduce-scatter + all-gather 2(n-1)/n",
             2: "reduce-scatter + all-gather 2(n-1)/n", 3: f"3(n-1)/n per micro-batch x {mb}"}
     if n > 1:
         out.append(Term("data parallel", {0: 2, 1: 2, 2: 2, 3: 3 * mb}[lay.zero] * g * (n - 1) / n,
-                        f"{what[lay.zero]} x {g / 1e6:.4g} MB of bf16 gradients, n = dp = {n}"))
+                        f"{what[lay.zero]} x {g / 1e6:.4g} MB of {dtype} gradients, n = dp = {n}"))
     return out
 
 
@@ -88,11 +89,10 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
     """The step's time terms (seconds), each with formula and source, for `--explain`."""
     mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
     passes = 4 if lay.recompute else 3
-    c = per["cost"]
     out = _compute_terms(lay, dev, per, mb * layers, passes) + [
         Term("gradient accumulation", mb * layers * d["acc"],
-             f"{mb} x {layers} layers x 6 B/param x {m.layer_params / lay.tp:.4g} params "
-             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into bf16 .grad)",
+             f"{mb} x {layers} layers x {3 * lay.wire} B/param x {m.layer_params / lay.tp:.4g} params "
+             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into {lay.precision} .grad)",
              dev.sources.get("hbm", "")),
         Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
              f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
@@ -105,8 +105,8 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         n = (per["tp_f"] + per["tp_b"] + (per["tp_f"] if lay.recompute else 0)) / per["ar"]
         out.append(Term("tp all-reduce" + (" (SP: all-gather/reduce-scatter)" if lay.sp else ""),
                         mb * layers * n * per["ar"],
-                        f"{mb} x {layers} layers x {n:g} x ring all-reduce of 2bsh = "
-                        f"{c.tp_bytes / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
+                        f"{mb} x {layers} layers x {n:g} x ring all-reduce of {lay.wire}bsh = "
+                        f"{per['tp_bytes'] / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
                         f"{per['tp_bound']}-bound)",
                         f"comm/cost.py ring; {dev.sources.get(where)}"))
     if lay.pp > 1:
@@ -123,13 +123,15 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
                         "the next layer; the first layer's gather exposed", "comm/cost.py ring"))
     if dp["buckets"]:
         op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
+        if lay.zero == 0 and lay.algorithm not in ("ring", "native"):
+            op += f" [{lay.algorithm}]"
         out.append(Term(f"dp {op} (exposed)", dp["reduce"],
                         f"{dp['buckets']} buckets of {dp['grads'] / dp['buckets'] / 1e6:.3g} MB, "
                         f"{dp['bucket'] * 1e3:.3g} ms each ({dp['bound']}-bound), ready over the last backward: "
                         f"max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
     if dp["gather"]:
         out.append(Term("ZeRO parameter all-gather", dp["gather"],
-                        f"all-gather of {dp['grads'] / 1e6:.4g} MB bf16 parameters after the step",
+                        f"all-gather of {dp['grads'] / 1e6:.4g} MB {lay.precision} parameters after the step",
                         "zero.md (Stages 0-2)"))
     p = dev.profile
     if p is not None and p.optimizer_s is not None:

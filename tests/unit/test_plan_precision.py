@@ -1,0 +1,64 @@
+"""The planner prices what a layout's collectives really move: fp32 or bf16 elements, and
+the data-parallel all-reduce by the algorithm the job runs (comm/cost.py's steps)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from disttrain.comm.cost import predict, predict_collective
+from disttrain.plan import cost
+from disttrain.plan.devices import device
+from disttrain.plan.gpt import parse_gpt
+
+GPT_1B = parse_gpt("gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200")
+A100 = device("a100-80gb")
+
+
+def _lay(**kw) -> cost.Layout:
+    base = dict(pp=2, dp=4, tp=2, zero=0, micro_batch=1, microbatches=4, schedule="1f1b",
+                recompute=False, sp=False)
+    return cost.Layout(**{**base, **kw})
+
+
+@pytest.mark.timeout(10)
+def test_fp32_moves_twice_the_bytes_of_bf16():
+    bf16, fp32 = _lay(), _lay(precision="fp32")
+    wire = {p: {t.name: t.value for t in cost.estimate(GPT_1B, lay, A100, 8).wire}
+            for p, lay in (("bf16", bf16), ("fp32", fp32))}
+    for name in ("tp collectives", "pipeline sends", "data parallel"):
+        assert wire["fp32"][name] == pytest.approx(2 * wire["bf16"][name]), name
+    d16, d32 = (cost.action_times(GPT_1B, lay, A100, 8) for lay in (bf16, fp32))
+    assert d32["p2p_bytes"] == 2 * d16["p2p_bytes"] == 4 * 2048 * 2048  # 4bsh, b = 1
+    # 4 of 8 devices per node: the tp pair shares a node, the send crosses to the next
+    h, s = 2048, 2048
+    assert d32["p2p"] == pytest.approx(predict_collective("p2p", 4 * s * h, 2, 1, A100.links()))
+    assert d32["F"] > d16["F"]  # the tp all-reduces of 4bsh bytes take longer
+
+
+@pytest.mark.timeout(10)
+def test_the_dp_all_reduce_is_priced_by_the_jobs_algorithm():
+    m = parse_gpt("gpt:layers=4,hidden=1024,heads=8,seq=512,vocab=1000")
+    lay = _lay(pp=1, dp=8, tp=1, schedule="-", microbatches=1)
+    grads = 2 * (4 * m.layer_params + m.embed_params)
+    k = math.ceil(grads / cost.BUCKET_BYTES)
+    links = A100.links(nics=4)  # the dp group: 4 of its 8 ranks on each of 2 nodes
+    by = {}
+    for algo in ("native", "ring", "tree", "halving-doubling", "hierarchical"):
+        est = cost.estimate(m, dataclasses.replace(lay, algorithm=algo), A100, 4)
+        term = next(t for t in est.time if t.name.startswith("dp all-reduce"))
+        by[algo] = term.value
+        one = predict("ring" if algo == "native" else algo, grads / k, 8, 4, links)
+        assert term.value >= one * (1 - 1e-9), algo  # at least the last bucket is exposed
+        assert (f"[{algo}]" in term.name) == (algo not in ("native", "ring")), term.name
+    assert by["native"] == by["ring"]
+    assert len({round(v, 12) for v in by.values()}) >= 3, by  # the algorithms differ
+
+
+def test_bad_precision_or_algorithm_says_what_to_give():
+    with pytest.raises(ValueError, match="bf16, fp32"):
+        _lay(precision="fp16")
+    with pytest.raises(ValueError, match="native or one of ring"):
+        _lay(algorithm="butterfly")
