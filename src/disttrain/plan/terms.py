@@ -135,10 +135,13 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
                         "zero.md (Stages 0-2)"))
     p = dev.profile
     if p is not None and p.optimizer_s is not None:
-        out.append(Term("optimizer step (traced)", opt,
-                        f"the traced optimizer.step {p.optimizer_s * 1e3:.4g} ms at "
-                        f"{p.optimizer_params:.4g} params, scaled by this shard's params",
-                        f"measured: {p.path}/trace.json (--calibrate)"))
+        how = "traced optimizer.step" if p.calibrated else "profiled AdamW step"
+        out.append(Term(f"optimizer step ({'traced' if p.calibrated else 'profiled'})", opt,
+                        f"the {how} {p.optimizer_s * 1e3:.4g} ms at {p.optimizer_params:.4g} "
+                        f"params, scaled by this shard's params"
+                        f"{f' x {p.share:.3g} (ranks sharing the CPUs)' if p.share > 1 else ''}",
+                        f"measured: {p.path}" + ("/trace.json (--calibrate)" if p.calibrated
+                                                 else " (disttrain plan profile)")))
     else:
         out.append(Term("optimizer step", opt, "30 B/param of Adam's shard at memory bandwidth",
                         dev.sources.get("hbm", "")))
