@@ -62,3 +62,22 @@ def test_bad_precision_or_algorithm_says_what_to_give():
         _lay(precision="fp16")
     with pytest.raises(ValueError, match="native or one of ring"):
         _lay(algorithm="butterfly")
+
+
+@pytest.mark.timeout(10)
+def test_tp_prices_the_embedding_head_and_loss_collectives_too():
+    # models/gpt.py's tp_plan: the vocab-parallel embedding all-reduces its output forward,
+    # the column-parallel head its input's gradient backward, the vocab-parallel loss two
+    # per-token fp32 values (4bs and 8bs bytes) forward; nothing more at pp = 1 (no bubble)
+    m = parse_gpt("gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512")
+    here = device("cpu-here")
+    lay = _lay(pp=1, dp=1, tp=2, schedule="-", micro_batch=4, microbatches=3, precision="fp32")
+    est = cost.estimate(m, lay, here, 2)
+    terms = {t.name: t.value for t in est.time}
+    links = here.per_rank(2).links(nics=2)
+    ar = predict_collective("all-reduce", 4 * 4 * 128 * 256, 2, 2, links)
+    small = sum(predict_collective("all-reduce", k * 4 * 4 * 128, 2, 2, links) for k in (1, 2))
+    assert terms["tp embedding, LM head and loss"] == pytest.approx(3 * (2 * ar + small))
+    assert sum(terms.values()) == pytest.approx(est.step)  # each second counted once
+    d = cost.action_times(m, lay, here, 2)
+    assert d["emb_f"] == pytest.approx(ar) and d["head_comm"] == pytest.approx(ar + small)

@@ -85,21 +85,9 @@ def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
              f"{dev.hbm_efficiency:.3g}: {dev.sources.get('hbm_efficiency')}")]
 
 
-def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
-    """The step's time terms (seconds), each with formula and source, for `--explain`."""
-    mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
-    passes = 4 if lay.recompute else 3
-    out = _compute_terms(lay, dev, per, mb * layers, passes) + [
-        Term("gradient accumulation", mb * layers * d["acc"],
-             f"{mb} x {layers} layers x {3 * lay.wire} B/param x {m.layer_params / lay.tp:.4g} params "
-             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into {lay.precision} .grad)",
-             dev.sources.get("hbm", "")),
-        Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
-             f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
-                           else "3 x 2bshV/t FLOP + fp32 logits"),
-             (f"measured: {dev.profile.path}" + ("/trace.json (--calibrate)" if dev.profile.calibrated
-                                                  else "")) if dev.profile else NARAYANAN),
-    ]
+def _parallel_terms(lay, dev, per, d, mb: int, layers: int, bubble: float) -> list[Term]:
+    """The tensor-parallel collectives, the pipeline's sends and its bubble."""
+    out = []
     if lay.tp > 1:
         where = "intra" if per["tp_local"] == lay.tp else "inter"
         n = (per["tp_f"] + per["tp_b"] + (per["tp_f"] if lay.recompute else 0)) / per["ar"]
@@ -109,6 +97,12 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
                         f"{per['tp_bytes'] / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
                         f"{per['tp_bound']}-bound)",
                         f"comm/cost.py ring; {dev.sources.get(where)}"))
+    if lay.tp > 1:
+        out.append(Term("tp embedding, LM head and loss", mb * (d["emb_f"] + d["head_comm"]),
+                        f"{mb} x (the vocab-parallel embedding's and the head's all-reduce of "
+                        f"{per['tp_bytes'] / 1e6:.4g} MB{', halved by SP' if lay.sp else ''}; the "
+                        f"vocab-parallel loss's 2 of 4bs and 8bs bytes): first and last stage",
+                        "models/gpt.py tp_plan; comm/cost.py ring"))
     if lay.pp > 1:
         out.append(Term("pipeline p2p", 2 * mb * d["p2p"],
                         f"2 x {mb} sends of {d['p2p_bytes'] / 1e6:.4g} MB ({d['p2p'] * 1e3:.3g} ms each)",
@@ -116,6 +110,26 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         out.append(Term(f"bubble ({lay.schedule}, pp={lay.pp}, m={mb})", bubble,
                         "makespan - busiest stage's busy time, from the schedule simulator",
                         "parallel/pipeline/schedules.py simulate()"))
+    return out
+
+
+def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
+    """The step's time terms (seconds), each with formula and source, for `--explain`.
+    Terms of different stages both appear (the LM head and the embedding's collectives)."""
+    mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
+    passes = 4 if lay.recompute else 3
+    out = _compute_terms(lay, dev, per, mb * layers, passes) + [
+        Term("gradient accumulation", mb * layers * d["acc"],
+             f"{mb} x {layers} layers x {3 * lay.wire} B/param x {m.layer_params / lay.tp:.4g} params "
+             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into {lay.precision} .grad)",
+             dev.sources.get("hbm", "")),
+        Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"] - d["head_comm"]),
+             f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
+                           else "3 x 2bshV/t FLOP + fp32 logits"),
+             (f"measured: {dev.profile.path}" + ("/trace.json (--calibrate)" if dev.profile.calibrated
+                                                  else "")) if dev.profile else NARAYANAN),
+    ]
+    out += _parallel_terms(lay, dev, per, d, mb, layers, bubble)
     if lay.zero == 3:
         out.append(Term("ZeRO-3 gathers (exposed)", mb * (lc * lay.virtual) * (d["z3_f"] + d["z3_b"])
                         + 2 * mb * lay.virtual * d["z3_first"],
