@@ -1,6 +1,7 @@
 """How close `disttrain plan`'s model comes to measured step times on this machine.
 
     python benchmarks/plan_accuracy.py [--quick] [--reps 3] [--only PATTERN] [--json FILE]
+    python benchmarks/plan_accuracy.py --replay FILE   # the runs of FILE, predicted again
 
 Needs root for the emulated-cluster cases (clusters `pa*`, removed at the end). Every
 case predicts its seconds per step with the planner's own model, from inputs measured
@@ -16,7 +17,10 @@ Printed: one row per case (predicted, measured median, spread = max - min of the
 error = predicted / measured - 1), the median and largest absolute error per group
 (up to 4 processes; more), and Kendall's tau between predicted and measured times over
 the pairs whose runs do not overlap (their measured difference exceeds their spread),
-with the machine's load average at the start and the end.
+with the machine's load average at the start and the end. `--replay FILE` reads a
+`--json` file and predicts its layout cases again with the planner as it is now, from
+the profile the file recorded (its measured runs unchanged; parameter-server rows keep
+their recorded predictions): what a change to the model does to the last measurement.
 """
 
 from __future__ import annotations
@@ -172,16 +176,40 @@ def _read_json(path: str):
         return json.load(f)
 
 
+def _replay(path: str) -> list[Row]:
+    from _plan_accuracy_layouts import Calibration, Clusters, layout_cases
+
+    with open(path) as f:
+        data = json.load(f)
+    with tempfile.TemporaryDirectory(prefix="plan_accuracy_") as workdir:
+        cal = Calibration(workdir, os.path.join(workdir, "profile.json"))
+        with open(cal.profile, "w") as f:
+            json.dump(data["calibration"], f)
+        cases = {c.name: c for c in layout_cases(cal, Clusters())}
+        rows = [Row(**r) for r in data["rows"]]
+        for r in rows:
+            if r.name in cases:
+                r.predicted = cases[r.name].predict()
+    print(f"replayed {path}: measured under load {data['load'][0][0]:.2f} (start), "
+          f"{data['load'][1][0]:.2f} (end); predictions from the model as it is now")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 layouts, fewer steps: a smoke run")
     p.add_argument("--reps", type=int, default=3, help="runs per case, interleaved (default 3)")
     p.add_argument("--only", help="only the cases whose name matches this regular expression")
     p.add_argument("--json", help="write the rows and the summary here")
+    p.add_argument("--replay", metavar="FILE", help="predict a --json file's runs again (no job runs)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if args.replay:
+        rows = _replay(args.replay)
+        print("\n".join(_table(rows) + _summary_lines(summary(rows))))
+        return 0
     start, t0 = os.getloadavg(), time.time()
     print(f"load average at start: {start[0]:.2f} {start[1]:.2f} {start[2]:.2f} ({os.cpu_count()} CPUs)")
     with tempfile.TemporaryDirectory(prefix="plan_accuracy_") as workdir:
