@@ -81,3 +81,19 @@ def test_tp_prices_the_embedding_head_and_loss_collectives_too():
     assert sum(terms.values()) == pytest.approx(est.step)  # each second counted once
     d = cost.action_times(m, lay, here, 2)
     assert d["emb_f"] == pytest.approx(ar) and d["head_comm"] == pytest.approx(ar + small)
+
+
+@pytest.mark.timeout(10)
+def test_zero_1_2_reduce_scatter_every_micro_batch_plain_dp_the_last():
+    # DataParallel's no_sync holds the all-reduce to the last micro-batch; Zero stages 1-2
+    # have none and reduce-scatter each micro-batch's gradients (parallel/zero/flat.py)
+    m = parse_gpt("gpt:layers=4,hidden=1024,heads=8,seq=512,vocab=1000")
+    reduce = {}
+    for zero in (0, 1, 2):
+        for mb in (1, 4):
+            lay = _lay(pp=1, dp=4, tp=1, schedule="-", microbatches=mb, zero=zero)
+            est = cost.estimate(m, lay, A100, 8)
+            reduce[zero, mb] = next(t.value for t in est.time if t.name.startswith("dp "))
+    assert reduce[0, 4] == pytest.approx(reduce[0, 1])
+    for zero in (1, 2):
+        assert reduce[zero, 4] == pytest.approx(4 * reduce[zero, 1])

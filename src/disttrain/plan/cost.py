@@ -244,7 +244,7 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
     grads = lay.wire * params  # bf16 (or fp32) gradients
     local = _group_local(lay.dp, lay.tp, nodes_of)
     links = dev.links(nics=local)
-    out = {"grads": grads, "buckets": 0, "bucket": 0.0, "reduce": 0.0, "gather": 0.0, "bound": ""}
+    out = {"grads": grads, "buckets": 0, "bucket": 0.0, "reduce": 0.0, "gather": 0.0, "bound": "", "times": 1}
     if lay.dp == 1 or lay.zero == 3:
         return out
     k = math.ceil(grads / BUCKET_BYTES)
@@ -254,7 +254,10 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
          else predict(algo, grads / k, lay.dp, local, links))
     # NOTE: bucket i is ready at window * i / k and buckets go out one at a time, so the
     # last finishes at max(window / k + k c, window + c): the exposed part is that - window.
-    out.update(buckets=k, bucket=c, reduce=max(window / k + k * c - window, c),
+    # DataParallel syncs the last micro-batch only (no_sync); Zero 1-2 has no no_sync and
+    # reduce-scatters every micro-batch's backward (parallel/zero/flat.py)
+    times = lay.microbatches if lay.zero else 1
+    out.update(buckets=k, bucket=c, reduce=times * max(window / k + k * c - window, c), times=times,
                bound=collective_bound(op, grads / k, lay.dp, local, links, algo)[0])
     if lay.zero in (1, 2):
         out["gather"] = _collective("all-gather", grads, lay.dp, local, links)

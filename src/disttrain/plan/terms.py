@@ -43,10 +43,11 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
                         f"2 x {mb} x {d['p2p_bytes'] / 1e6:.4g} MB"))
     g = dp["grads"]
     dtype = "bf16" if lay.wire == 2 else "fp32"
-    what = {0: "all-reduce 2(n-1)/n", 1: "reduce-scatter + all-gather 2(n-1)/n",
-            2: "reduce-scatter + all-gather 2(n-1)/n", 3: f"3(n-1)/n per micro-batch x {mb}"}
+    what = {0: "all-reduce 2(n-1)/n", 1: f"reduce-scatter per micro-batch x {mb} + all-gather, (n-1)/n",
+            2: f"reduce-scatter per micro-batch x {mb} + all-gather, (n-1)/n",
+            3: f"3(n-1)/n per micro-batch x {mb}"}
     if n > 1:
-        out.append(Term("data parallel", {0: 2, 1: 2, 2: 2, 3: 3 * mb}[lay.zero] * g * (n - 1) / n,
+        out.append(Term("data parallel", {0: 2, 1: mb + 1, 2: mb + 1, 3: 3 * mb}[lay.zero] * g * (n - 1) / n,
                         f"{what[lay.zero]} x {g / 1e6:.4g} MB of {dtype} gradients, n = dp = {n}"))
     return out
 
@@ -141,8 +142,10 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
             op += f" [{lay.algorithm}]"
         out.append(Term(f"dp {op} (exposed)", dp["reduce"],
                         f"{dp['buckets']} buckets of {dp['grads'] / dp['buckets'] / 1e6:.3g} MB, "
-                        f"{dp['bucket'] * 1e3:.3g} ms each ({dp['bound']}-bound), ready over the last backward: "
-                        f"max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
+                        f"{dp['bucket'] * 1e3:.3g} ms each ({dp['bound']}-bound), ready over "
+                        + ("the last backward: " if dp["times"] == 1 else
+                           f"each of {dp['times']} micro-batches' backward: {dp['times']} x ")
+                        + "max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
     if dp["gather"]:
         out.append(Term("ZeRO parameter all-gather", dp["gather"],
                         f"all-gather of {dp['grads'] / 1e6:.4g} MB {lay.precision} parameters after the step",
