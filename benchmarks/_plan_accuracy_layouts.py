@@ -2,10 +2,10 @@
 
 Each `LayoutCase` predicts its step with the planner's own model (plan/cost.py's
 `estimate`, device `cpu-here`) from inputs measured once, before any case runs
-(`Calibration`): the GPT's block and LM-head seconds from `disttrain plan profile` of
-the same model in one process with one thread, at the cases' micro-batch; the links
-and CPU-pool terms from devices.json's `cpu-here` (benchmarks/allreduce.py's fit); an
-emulated link of rate R priced as that fit's efficiency x R. `measure()` runs the real
+(`Calibration`): the GPT's block and LM-head seconds and its AdamW step from `disttrain
+plan profile` of the same model in one process with one thread, at the cases'
+micro-batch; the links and CPU-pool terms from devices.json's `cpu-here`
+(benchmarks/allreduce.py's fit); an emulated link of rate R at that fit's efficiency x R. `measure()` runs the real
 job once (`disttrain run --nproc N`, or `--cluster` on an emulated cluster) and returns
 the median of its steady-state step times, read from rank 0's log: the example prints
 the cumulative tokens/s after every step (`--log-every 1`), so step k ended at
@@ -84,7 +84,10 @@ class Calibration:
             f"{base.step_alpha * 1e6:g} us per sender and step ({base.sources.get('cpu', '')})",
             f"emulated link of rate R: {base.inter_Bps * 8 / 1e9:.3g} x R (the 1 Gbit/s fit's "
             f"efficiency), alpha {base.inter_alpha * 1e6:g} us; a node's ranks share its link",
-            "memory bandwidth, optimizer: devices.json cpu-here (measured copy rate)",
+            (f"optimizer: the same profile's AdamW step, {p.optimizer_s * 1e3:.2f} ms at "
+             f"{p.optimizer_params:,.0f} parameters (median)" if p.optimizer_s is not None
+             else "optimizer: 30 B/param at devices.json cpu-here's copy rate (the profile has no step)"),
+            "memory bandwidth (gradient accumulation): devices.json cpu-here (measured copy rate)",
         ]
 
     def device(self, rate_bps: float | None, per_node: int):
