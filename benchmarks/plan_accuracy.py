@@ -147,7 +147,10 @@ def _cases(args, workdir: str):
     else:
         cases += list(ps_cases(quick=args.quick))
     if args.only:
+        names = [c.name for c in cases]
         cases = [c for c in cases if re.search(args.only, c.name)]
+        if not cases:
+            raise SystemExit(f"--only {args.only!r} matches no case; the cases: {', '.join(names)}")
     return cases, clusters
 
 
