@@ -168,8 +168,8 @@ def _measure_all(cases, rows: list[Row], reps: int) -> None:
                 print(f"  FAILED {case.name}: {row.failed}", file=sys.stderr, flush=True)
                 continue
             print(f"  run {rep + 1}/{reps} {case.name}: {row.runs[-1] * 1e3:.1f} ms "
-                  f"(predicted {row.predicted * 1e3:.1f}; job {time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+                  f"(predicted {row.predicted * 1e3:.1f}; job {time.perf_counter() - t0:.0f} s, "
+                  f"load {os.getloadavg()[0]:.1f})", flush=True)
 
 
 def _read_json(path: str):
