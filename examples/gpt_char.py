@@ -37,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DataParallel over dp; 1-3: ZeRO stage over dp (optimizer state, "
                         "+ gradients, + parameters sharded)")
+    p.add_argument("--algorithm", default="native",
+                   choices=["native", "ring", "halving-doubling", "tree", "hierarchical", "auto"],
+                   help="how dp gradients are all-reduced (docs/cluster.md; ZeRO 1-2: native or ring)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="with --zero: bf16/fp16 model and gradients, fp32 master weights in "
                         "the optimizer; fp16 scales the loss (dynamic; every stage and tp "
@@ -88,7 +91,7 @@ def main(argv=None):
     # NOTE: parallelize builds the optimizer: with ZeRO it holds only this rank's dp shard
     config = disttrain.Parallelism(
         schedule=args.schedule, microbatches=args.microbatches, num_virtual=virtual,
-        zero=args.zero, precision=args.precision, recompute=args.recompute, loss_fn=loss_fn,
+        zero=args.zero, algorithm=args.algorithm, precision=args.precision, recompute=args.recompute, loss_fn=loss_fn,
         sequence_parallel=args.sequence_parallel,
         optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     model = disttrain.parallelize(model, mesh, GPT.tp_plan, config)

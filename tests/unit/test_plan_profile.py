@@ -60,6 +60,17 @@ def test_profile_times_each_top_level_layer_of_the_gpt(tmp_path, capsys):
     assert rows["blocks.0"]["params"] == 12 * 64 * 64 + 13 * 64
     assert "blocks.1" in capsys.readouterr().out
     assert prof["backward_order"] == ["head", "blocks.1", "blocks.0", "embed"]  # every hook fired
+    opt = prof["optimizer"]  # an AdamW step over every parameter, timed after the layers
+    assert opt["name"] == "AdamW" and opt["step_s"] >= opt["step_min_s"] > 0
+    assert opt["params"] == sum(r["params"] for r in rows.values())
+    # the planner prices the optimizer with it: that step x this shard's params / profiled
+    gpt = parse_gpt(TINY)
+    dev = dataclasses.replace(device("cpu-here"), profile=load_profile(str(out), gpt))
+    for zero, dp in ((0, 1), (1, 2)):
+        est = plan_layouts(gpt, dev, dp, 8, 8, Pins(micro_batch=4, tp=1, pp=1, zero=zero), top=1).ranked[0]
+        term = {t.name: t.value for t in est.time}["optimizer step (profiled)"]
+        shard = (2 * gpt.layer_params + gpt.embed_params) / dp
+        assert term == pytest.approx(opt["step_s"] * shard / opt["params"] * max(1, dp / prof["cpus"]))
 
 
 def test_backward_seconds_split_the_backward_between_consecutive_layers():

@@ -27,15 +27,16 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from disttrain.comm.cost import Links, collective_bound, predict_collective
+from disttrain.comm.cost import MODELLED, Links, collective_bound, predict, predict_collective
 from disttrain.parallel.pipeline.schedules import (
     SCHEDULE_TABLE,
     peak_in_flight,
     peak_until_w,
     simulate,
 )
+from disttrain.plan.compute import head_seconds, layer_seconds, optimizer_seconds
 from disttrain.plan.devices import Device
-from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, LayerCost, layer_cost
+from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, layer_cost
 from disttrain.plan.memory import model_state_bytes
 from disttrain.plan.terms import DTYPE, Term, time_terms, wire_terms
 
@@ -44,6 +45,9 @@ __all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_b
 
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
+
+WIRE_BYTES = {"bf16": 2, "fp32": 4}
+"""Bytes per element on the wire, per `Layout.precision`."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,24 @@ class Layout:
     """"1f1b", "gpipe", "interleaved" (2 chunks per stage), "zb-h1"; "-" when pp == 1."""
     recompute: bool
     sp: bool
+    precision: str = "bf16"
+    """Elements on the wire: "bf16" (mixed precision) or "fp32" (a plain fp32 job)."""
+    algorithm: str = "ring"
+    """The dp all-reduce (ZeRO 0): a comm/cost.py MODELLED one, or "native" (as the ring)."""
+
+    def __post_init__(self):
+        if self.precision not in WIRE_BYTES:
+            raise ValueError(f"precision {self.precision!r}: give one of {', '.join(WIRE_BYTES)}")
+        if self.algorithm not in ("native", *MODELLED):
+            raise ValueError(f"algorithm {self.algorithm!r}: give native or one of {', '.join(MODELLED)}")
 
     @property
     def virtual(self) -> int:
         return 2 if self.schedule == "interleaved" else 1
+
+    @property
+    def wire(self) -> int:
+        return WIRE_BYTES[self.precision]
 
 
 @dataclass
@@ -106,49 +124,21 @@ def _group_local(size: int, stride: int, nodes_of: int) -> int:
     return max(1, min(size, nodes_of // stride)) if stride < nodes_of else 1
 
 
-def layer_seconds(c: LayerCost, dev: Device) -> tuple[float, float, float]:
-    """(forward, backward, weight-gradient) compute seconds of one layer, one micro-batch.
-
-    The one place compute time comes from: FLOPs at the achieved matmul rate plus
-    elementwise bytes at the achieved memory rate (backward twice forward, its weight
-    half one forward's matmuls), or, with a measured profile (`--profile`), the profiled
-    block's seconds scaled by FLOPs (b / profiled b, over tp; times the ranks sharing
-    the machine), its weight half taken as half its backward.
-    """
-    p = dev.profile
-    if p is None:
-        mm, el = c.matmul_flops / dev.matmul_flops(DTYPE), c.elementwise_bytes / dev.memory_Bps
-        return mm + el, 2 * (mm + el), mm
-    k = c.matmul_flops / p.flops * p.share
-    return p.fwd_s * k, p.bwd_s * k, p.bwd_s * k / 2
-
-
-def head_seconds(m: GPTSpec, b: int, t: int, dev: Device) -> tuple[float, float]:
-    """(forward, backward) seconds of the LM head on the last stage, one micro-batch."""
-    flops = 2 * b * m.seq * m.hidden * m.vocab / t
-    p = dev.profile
-    if p is not None:
-        k = flops / p.head_flops * p.share
-        return p.head_fwd_s * k, p.head_bwd_s * k
-    mm = flops / dev.matmul_flops(DTYPE)
-    el = 2 * 4 * b * m.seq * m.vocab / t / dev.memory_Bps  # fp32 logits written, read by the loss
-    return mm + el, 2 * mm + el
-
-
 def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     """Seconds of one layer's forward / backward on one micro-batch, with their parts."""
     c = layer_cost(m, lay.micro_batch, lay.tp, lay.sp)
     f, b, w = layer_seconds(c, dev)
     local = _group_local(lay.tp, 1, nodes_of)
-    ar = _collective("all-reduce", c.tp_bytes, lay.tp, local, dev.links(nics=local))
+    tp_bytes = c.tp_bytes * lay.wire / 2  # NOTE: LayerCost counts 2-byte activations
+    ar = _collective("all-reduce", tp_bytes, lay.tp, local, dev.links(nics=local))
     tp_f = 2 * ar  # 2 all-reduces (SP: 2 all-gathers + 2 reduce-scatters, the same bytes)
     tp_b = (3 if lay.sp else 2) * ar  # SP re-gathers the column inputs: 4 AG + 2 RS
     fwd = f + tp_f
     bwd = b + tp_b + (fwd if lay.recompute else 0.0)
-    bound = collective_bound("all-reduce", c.tp_bytes, lay.tp, local,
+    bound = collective_bound("all-reduce", tp_bytes, lay.tp, local,
                              dev.links(nics=local))[0] if lay.tp > 1 else ""
     return {"f": f, "b": b, "w": w, "ar": ar, "tp_f": tp_f, "tp_b": tp_b, "fwd": fwd, "bwd": bwd,
-            "cost": c, "tp_local": local, "tp_bound": bound}
+            "cost": c, "tp_local": local, "tp_bound": bound, "tp_bytes": tp_bytes}
 
 
 def _stage_params(m: GPTSpec, lay: Layout) -> float:
@@ -170,29 +160,26 @@ def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
     if lay.pp > 1:
         last += (lay.pp - 1) * d["F"]
     dp = _data_parallel(m, lay, dev, nodes_of, d["B"] * v)
-    return last + dp["reduce"] + dp["gather"] + _optimizer(m, lay, dev)
-
-
-def _optimizer(m: GPTSpec, lay: Layout, dev: Device) -> float:
-    """Adam over this device's shard: read p, g, m, v, master (16 B), write 14 B per param;
-    or a traced run's measured optimizer step scaled by parameters (`--calibrate`)."""
-    params = _stage_params(m, lay) / (lay.dp if lay.zero else 1)
-    p = dev.profile
-    if p is not None and p.optimizer_s is not None:
-        return p.optimizer_s * params / p.optimizer_params * p.share
-    return 30 * params / dev.memory_Bps
+    return last + dp["reduce"] + dp["gather"] + optimizer_seconds(_stage_params(m, lay) / (lay.dp if lay.zero else 1), dev)
 
 
 def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -> dict:
     """Seconds of each pipeline action kind, per layer chunk, plus the pieces for --explain."""
     b, s, h, t = lay.micro_batch, m.seq, m.hidden, lay.tp
     head_f, head_b = head_seconds(m, b, t, dev)
-    act = 2 * b * s * h / (t if lay.sp else 1)
+    # NOTE: tp > 1 (models/gpt.py's tp_plan): the vocab-parallel embedding all-reduces its
+    # output, the column-parallel head its input's gradient, the vocab-parallel loss two
+    # per-token fp32 values (max; sum of exp with the target logit); SP halves the first two
+    half = per["ar"] / 2 if lay.sp else per["ar"]
+    loss = sum(_collective("all-reduce", k * 4 * b * s, t, per["tp_local"],
+                           dev.links(nics=per["tp_local"])) for k in (1, 2)) if t > 1 else 0.0
+    emb_f, head_f, head_b = half, head_f + loss, head_b + half
+    act = lay.wire * b * s * h / (t if lay.sp else 1)
     remote = lay.dp * lay.tp >= nodes_of  # NOTE: pp is the outermost mesh axis
     p2p = _collective("p2p", act, 2, 1 if remote else 2, dev.links()) if lay.pp > 1 else 0.0
     z3_f = z3_b = z3_first = 0.0
     if lay.zero == 3:
-        unit = 2 * m.layer_params / t
+        unit = lay.wire * m.layer_params / t
         local = _group_local(lay.dp, t, nodes_of)
         ag = _collective("all-gather", unit, lay.dp, local, dev.links(nics=local))
         rs = _collective("reduce-scatter", unit, lay.dp, local, dev.links(nics=local))
@@ -200,11 +187,11 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     lc = m.layers // (lay.pp * lay.virtual)
     # NOTE: autograd accumulates each micro-batch's weight gradients into .grad (read it
     # and the new gradient, write it: 6 B/param in bf16) unless ZeRO-3 reduce-scatters them
-    acc = 0.0 if lay.zero == 3 else 6 * m.layer_params / t / dev.memory_Bps
+    acc = 0.0 if lay.zero == 3 else 3 * lay.wire * m.layer_params / t / dev.memory_Bps
     fwd = lc * (per["fwd"] + z3_f) + z3_first
     bwd = lc * (per["bwd"] + z3_b + acc) + z3_first
     w = lc * (per["w"] + acc)  # ZB-H1's W: the weight-gradient matmuls and their accumulation
-    return {"F": fwd, "B": bwd, "W": w, "B_split": bwd - w,
+    return {"F": fwd, "B": bwd, "W": w, "B_split": bwd - w, "emb_f": emb_f, "head_comm": half + loss,
             "p2p": p2p, "head_f": head_f, "head_b": head_b,
             "z3_f": z3_f, "z3_b": z3_b, "z3_first": z3_first, "p2p_bytes": act, "lc": lc,
             "acc": acc}
@@ -221,16 +208,16 @@ def action_times(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
 def _pipeline(lay: Layout, d: dict) -> tuple[float, float]:
     """(makespan, bubble) of one step's micro-batches: the simulator on these durations."""
     if lay.pp == 1:
-        busy = lay.microbatches * (d["F"] + d["B"] + d["head_f"] + d["head_b"])
+        busy = lay.microbatches * (d["F"] + d["B"] + d["head_f"] + d["head_b"] + d["emb_f"])
         return busy, 0.0
-    keys = ("F", "B", "W", "B_split", "p2p", "head_f", "head_b")
+    keys = ("F", "B", "W", "B_split", "p2p", "head_f", "head_b", "emb_f")
     return _simulated(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
                       tuple(float(f"{d[k]:.9g}") for k in keys))
 
 
 @lru_cache(maxsize=1024)
 def _simulated(name: str, p: int, mb: int, v: int, times: tuple) -> tuple[float, float]:
-    d = dict(zip(("F", "B", "W", "B_split", "p2p", "head_f", "head_b"), times))
+    d = dict(zip(("F", "B", "W", "B_split", "p2p", "head_f", "head_b", "emb_f"), times))
     sched = _schedule(name, p, mb, v)
     last, split = p * v - 1, name == "zb-h1"
     durations = []
@@ -239,7 +226,7 @@ def _simulated(name: str, p: int, mb: int, v: int, times: tuple) -> tuple[float,
         for a in actions:
             j = a.chunk * p + stage
             if a.kind == "F":
-                row.append(d["F"] + (d["p2p"] if j > 0 else 0.0) + (d["head_f"] if j == last else 0.0))
+                row.append(d["F"] + (d["p2p"] if j > 0 else d["emb_f"]) + (d["head_f"] if j == last else 0.0))
             elif a.kind == "W":
                 row.append(d["W"])
             else:
@@ -254,19 +241,24 @@ def _simulated(name: str, p: int, mb: int, v: int, times: tuple) -> tuple[float,
 def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: float) -> dict:
     """Exposed seconds of the gradient reduction and ZeRO's parameter gather, per step."""
     params = _stage_params(m, lay)
-    grads = 2 * params  # bf16 gradients
+    grads = lay.wire * params  # bf16 (or fp32) gradients
     local = _group_local(lay.dp, lay.tp, nodes_of)
     links = dev.links(nics=local)
-    out = {"grads": grads, "buckets": 0, "bucket": 0.0, "reduce": 0.0, "gather": 0.0, "bound": ""}
+    out = {"grads": grads, "buckets": 0, "bucket": 0.0, "reduce": 0.0, "gather": 0.0, "bound": "", "times": 1}
     if lay.dp == 1 or lay.zero == 3:
         return out
     k = math.ceil(grads / BUCKET_BYTES)
     op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
-    c = _collective(op, grads / k, lay.dp, local, links)
+    algo = lay.algorithm if op == "all-reduce" and lay.algorithm != "native" else "ring"
+    c = (_collective(op, grads / k, lay.dp, local, links) if algo == "ring"
+         else predict(algo, grads / k, lay.dp, local, links))
     # NOTE: bucket i is ready at window * i / k and buckets go out one at a time, so the
     # last finishes at max(window / k + k c, window + c): the exposed part is that - window.
-    out.update(buckets=k, bucket=c, reduce=max(window / k + k * c - window, c),
-               bound=collective_bound(op, grads / k, lay.dp, local, links)[0])
+    # DataParallel syncs the last micro-batch only (no_sync); Zero 1-2 has no no_sync and
+    # reduce-scatters every micro-batch's backward (parallel/zero/flat.py)
+    times = lay.microbatches if lay.zero else 1
+    out.update(buckets=k, bucket=c, reduce=times * max(window / k + k * c - window, c), times=times,
+               bound=collective_bound(op, grads / k, lay.dp, local, links, algo)[0])
     if lay.zero in (1, 2):
         out["gather"] = _collective("all-gather", grads, lay.dp, local, links)
     return out
@@ -318,7 +310,7 @@ def estimate(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> Estimate:
     makespan, bubble = _pipeline(lay, d)
     window = d["B"] * lay.virtual
     dp = _data_parallel(m, lay, dev, nodes_of, window)
-    opt = _optimizer(m, lay, dev)
+    opt = optimizer_seconds(_stage_params(m, lay) / (lay.dp if lay.zero else 1), dev)
     est = Estimate(lay, step=makespan + dp["reduce"] + dp["gather"] + opt, bubble=bubble)
     est.time = time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt)
     est.mem = _memory(m, lay)

@@ -13,7 +13,9 @@ children, containers expanded):
   next layer's, or to the end of `backward()` for the first layer, so the layers'
   backward seconds add up to the whole backward;
 - activation bytes: the storages autograd saves while the layer runs forward
-  (`torch.autograd.graph.saved_tensors_hooks`), parameters left out.
+  (`torch.autograd.graph.saved_tensors_hooks`), parameters left out;
+- the optimizer: after the layers' steps, one warm-up and `--steps` steps of
+  torch.optim.AdamW over the whole model's gradients (the step the examples take).
 
 The median over the measured steps (and the minimum, for a loaded machine) goes to a JSON file (format "disttrain-plan-profile/1")
 that `disttrain plan layout --profile FILE` reads (plan/profiled.py). Torch is imported
@@ -142,6 +144,20 @@ def backward_seconds(starts: dict[str, float], end: float) -> dict[str, float]:
     return {n: stop - starts[n] for n, stop in zip(order, stops)}
 
 
+def _optimizer_seconds(model, steps: int) -> dict:
+    """Median and least seconds of an AdamW step over `model`'s gradients (1 warm-up step)."""
+    import torch
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.grad is not None], lr=1e-3)
+    times = []
+    for _ in range(1 + steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return {"name": "AdamW", "step_s": statistics.median(times[1:]), "step_min_s": min(times[1:]),
+            "params": sum(p.numel() for g in opt.param_groups for p in g["params"])}
+
+
 def _gpt_spec(model, batch) -> str | None:
     """The planner's `gpt:` string of a models/gpt.py GPT (its cfg), else None."""
     cfg = getattr(model, "cfg", None)
@@ -171,6 +187,7 @@ def profile_script(script: str, steps: int = 10, threads: int | None = None) -> 
     finally:
         for h in clock.handles:
             h.remove()
+    optimizer = _optimizer_seconds(model, steps)  # NOTE: after the layers: it moves the weights
     rows = [{"name": name, "kind": type(mod).__name__,
              "forward_s": statistics.median(r[name][0] for r in runs),
              "backward_s": statistics.median(r[name][1] for r in runs),
@@ -182,7 +199,8 @@ def profile_script(script: str, steps: int = 10, threads: int | None = None) -> 
     return {"format": FORMAT, "script": os.path.abspath(script), "device": "cpu",
             "threads": torch.get_num_threads(), "cpus": os.cpu_count() or 1, "steps": steps,
             "batch": int(first.shape[0]), "seq": int(first.shape[1]) if first.dim() > 1 else 1,
-            "gpt": _gpt_spec(model, batch), "backward_order": clock.order, "layers": rows}
+            "gpt": _gpt_spec(model, batch), "backward_order": clock.order, "layers": rows,
+            "optimizer": optimizer}
 
 
 def add_profile_parser(sub) -> None:
@@ -212,6 +230,9 @@ def _plan_profile(args: argparse.Namespace) -> int:
     for row in prof["layers"]:
         print(f"{row['name']:<16} {row['kind']:<12} fwd {row['forward_s'] * 1e3:8.3f} ms  "
               f"bwd {row['backward_s'] * 1e3:8.3f} ms  saved {row['activation_bytes'] / 1e6:8.3f} MB")
+    o = prof["optimizer"]
+    print(f"{'optimizer':<16} {o['name']:<12} step {o['step_s'] * 1e3:7.3f} ms  "
+          f"({o['params']:,} parameters)")
     print(f"wrote {args.out} ({prof['steps']} steps, batch {prof['batch']} x {prof['seq']}, "
           f"{prof['threads']} threads)")
     return 0

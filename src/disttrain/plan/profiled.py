@@ -47,7 +47,8 @@ class LayerProfile:
     share: float = 1.0
     """How many times slower a layer runs when ranks share the machine."""
     optimizer_s: float | None = None
-    """Measured optimizer step at `optimizer_params` parameters per device (`--calibrate`)."""
+    """Measured optimizer step at `optimizer_params` parameters per device (`--calibrate`,
+    or the AdamW step `plan profile` times)."""
     optimizer_params: float = 0.0
     calibrated: bool = False
     """True when the seconds come from a traced run (`--calibrate DIR`), not `plan profile`."""
@@ -100,6 +101,7 @@ def load_profile(path: str, m: GPTSpec) -> LayerProfile:
     after = layers[last + 1:]  # the LM head (and its LayerNorm): what follows the blocks
     blocks = [layer for layer in layers if layer["kind"] == block]
     b, s, h = data["batch"], m.seq, m.hidden
+    opt = data.get("optimizer") or {}  # NOTE: files written before the optimizer was timed
     return LayerProfile(
         path=path, block=block, blocks=count,
         fwd_s=statistics.median(x["forward_s"] for x in blocks),
@@ -107,4 +109,5 @@ def load_profile(path: str, m: GPTSpec) -> LayerProfile:
         head_fwd_s=sum(x["forward_s"] for x in after),
         head_bwd_s=sum(x["backward_s"] for x in after),
         flops=24 * b * s * h * h + 4 * b * s * s * h, head_flops=2 * b * s * h * m.vocab,
-        batch=b, threads=data["threads"], cpus=data["cpus"])
+        batch=b, threads=data["threads"], cpus=data["cpus"],
+        optimizer_s=opt.get("step_s"), optimizer_params=opt.get("params", 0.0))

@@ -34,7 +34,7 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
     t, n, mb = lay.tp, lay.dp, lay.microbatches
     layers = m.layers // lay.pp
     count = 2 + (3 if lay.sp else 2) + (2 if lay.recompute else 0)
-    s = per["cost"].tp_bytes
+    s = per["tp_bytes"]
     out = [Term("tp collectives", count * 2 * (t - 1) / t * s * layers * mb,
                 f"{count} all-reduces' worth x 2(t-1)/t x {s / 1e6:.4g} MB x {layers} layers x "
                 f"{mb} micro-batches")] if t > 1 else []
@@ -42,11 +42,13 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
         out.append(Term("pipeline sends", 2 * d["p2p_bytes"] * mb,
                         f"2 x {mb} x {d['p2p_bytes'] / 1e6:.4g} MB"))
     g = dp["grads"]
-    what = {0: "all-reduce 2(n-1)/n", 1: "reduce-scatter + all-gather 2(n-1)/n",
-            2: "reduce-scatter + all-gather 2(n-1)/n", 3: f"3(n-1)/n per micro-batch x {mb}"}
+    dtype = "bf16" if lay.wire == 2 else "fp32"
+    what = {0: "all-reduce 2(n-1)/n", 1: f"reduce-scatter per micro-batch x {mb} + all-gather, (n-1)/n",
+            2: f"reduce-scatter per micro-batch x {mb} + all-gather, (n-1)/n",
+            3: f"3(n-1)/n per micro-batch x {mb}"}
     if n > 1:
-        out.append(Term("data parallel", {0: 2, 1: 2, 2: 2, 3: 3 * mb}[lay.zero] * g * (n - 1) / n,
-                        f"{what[lay.zero]} x {g / 1e6:.4g} MB of bf16 gradients, n = dp = {n}"))
+        out.append(Term("data parallel", {0: 2, 1: mb + 1, 2: mb + 1, 3: 3 * mb}[lay.zero] * g * (n - 1) / n,
+                        f"{what[lay.zero]} x {g / 1e6:.4g} MB of {dtype} gradients, n = dp = {n}"))
     return out
 
 
@@ -84,31 +86,24 @@ def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
              f"{dev.hbm_efficiency:.3g}: {dev.sources.get('hbm_efficiency')}")]
 
 
-def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
-    """The step's time terms (seconds), each with formula and source, for `--explain`."""
-    mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
-    passes = 4 if lay.recompute else 3
-    c = per["cost"]
-    out = _compute_terms(lay, dev, per, mb * layers, passes) + [
-        Term("gradient accumulation", mb * layers * d["acc"],
-             f"{mb} x {layers} layers x 6 B/param x {m.layer_params / lay.tp:.4g} params "
-             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into bf16 .grad)",
-             dev.sources.get("hbm", "")),
-        Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"]),
-             f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
-                           else "3 x 2bshV/t FLOP + fp32 logits"),
-             (f"measured: {dev.profile.path}" + ("/trace.json (--calibrate)" if dev.profile.calibrated
-                                                  else "")) if dev.profile else NARAYANAN),
-    ]
+def _parallel_terms(lay, dev, per, d, mb: int, layers: int, bubble: float) -> list[Term]:
+    """The tensor-parallel collectives, the pipeline's sends and its bubble."""
+    out = []
     if lay.tp > 1:
         where = "intra" if per["tp_local"] == lay.tp else "inter"
         n = (per["tp_f"] + per["tp_b"] + (per["tp_f"] if lay.recompute else 0)) / per["ar"]
         out.append(Term("tp all-reduce" + (" (SP: all-gather/reduce-scatter)" if lay.sp else ""),
                         mb * layers * n * per["ar"],
-                        f"{mb} x {layers} layers x {n:g} x ring all-reduce of 2bsh = "
-                        f"{c.tp_bytes / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
+                        f"{mb} x {layers} layers x {n:g} x ring all-reduce of {lay.wire}bsh = "
+                        f"{per['tp_bytes'] / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
                         f"{per['tp_bound']}-bound)",
                         f"comm/cost.py ring; {dev.sources.get(where)}"))
+    if lay.tp > 1:
+        out.append(Term("tp embedding, LM head and loss", mb * (d["emb_f"] + d["head_comm"]),
+                        f"{mb} x (the vocab-parallel embedding's and the head's all-reduce of "
+                        f"{per['tp_bytes'] / 1e6:.4g} MB{', halved by SP' if lay.sp else ''}; the "
+                        f"vocab-parallel loss's 2 of 4bs and 8bs bytes): first and last stage",
+                        "models/gpt.py tp_plan; comm/cost.py ring"))
     if lay.pp > 1:
         out.append(Term("pipeline p2p", 2 * mb * d["p2p"],
                         f"2 x {mb} sends of {d['p2p_bytes'] / 1e6:.4g} MB ({d['p2p'] * 1e3:.3g} ms each)",
@@ -116,6 +111,26 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         out.append(Term(f"bubble ({lay.schedule}, pp={lay.pp}, m={mb})", bubble,
                         "makespan - busiest stage's busy time, from the schedule simulator",
                         "parallel/pipeline/schedules.py simulate()"))
+    return out
+
+
+def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
+    """The step's time terms (seconds), each with formula and source, for `--explain`.
+    Terms of different stages both appear (the LM head and the embedding's collectives)."""
+    mb, layers, lc = lay.microbatches, m.layers // lay.pp, d["lc"]
+    passes = 4 if lay.recompute else 3
+    out = _compute_terms(lay, dev, per, mb * layers, passes) + [
+        Term("gradient accumulation", mb * layers * d["acc"],
+             f"{mb} x {layers} layers x {3 * lay.wire} B/param x {m.layer_params / lay.tp:.4g} params "
+             f"at {dev.memory_Bps / 1e9:.4g} GB/s (AccumulateGrad into {lay.precision} .grad)",
+             dev.sources.get("hbm", "")),
+        Term("LM head (last stage)", mb * (d["head_f"] + d["head_b"] - d["head_comm"]),
+             f"{mb} x " + ("the profiled head's fwd + bwd x b/(profiled b)/t" if dev.profile
+                           else "3 x 2bshV/t FLOP + fp32 logits"),
+             (f"measured: {dev.profile.path}" + ("/trace.json (--calibrate)" if dev.profile.calibrated
+                                                  else "")) if dev.profile else NARAYANAN),
+    ]
+    out += _parallel_terms(lay, dev, per, d, mb, layers, bubble)
     if lay.zero == 3:
         out.append(Term("ZeRO-3 gathers (exposed)", mb * (lc * lay.virtual) * (d["z3_f"] + d["z3_b"])
                         + 2 * mb * lay.virtual * d["z3_first"],
@@ -123,20 +138,27 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
                         "the next layer; the first layer's gather exposed", "comm/cost.py ring"))
     if dp["buckets"]:
         op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
+        if lay.zero == 0 and lay.algorithm not in ("ring", "native"):
+            op += f" [{lay.algorithm}]"
         out.append(Term(f"dp {op} (exposed)", dp["reduce"],
                         f"{dp['buckets']} buckets of {dp['grads'] / dp['buckets'] / 1e6:.3g} MB, "
-                        f"{dp['bucket'] * 1e3:.3g} ms each ({dp['bound']}-bound), ready over the last backward: "
-                        f"max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
+                        f"{dp['bucket'] * 1e3:.3g} ms each ({dp['bound']}-bound), ready over "
+                        + ("the last backward: " if dp["times"] == 1 else
+                           f"each of {dp['times']} micro-batches' backward: {dp['times']} x ")
+                        + "max(window/k + k c - window, c)", "comm/cost.py ring; data-parallel.md"))
     if dp["gather"]:
         out.append(Term("ZeRO parameter all-gather", dp["gather"],
-                        f"all-gather of {dp['grads'] / 1e6:.4g} MB bf16 parameters after the step",
+                        f"all-gather of {dp['grads'] / 1e6:.4g} MB {lay.precision} parameters after the step",
                         "zero.md (Stages 0-2)"))
     p = dev.profile
     if p is not None and p.optimizer_s is not None:
-        out.append(Term("optimizer step (traced)", opt,
-                        f"the traced optimizer.step {p.optimizer_s * 1e3:.4g} ms at "
-                        f"{p.optimizer_params:.4g} params, scaled by this shard's params",
-                        f"measured: {p.path}/trace.json (--calibrate)"))
+        how = "traced optimizer.step" if p.calibrated else "profiled AdamW step"
+        out.append(Term(f"optimizer step ({'traced' if p.calibrated else 'profiled'})", opt,
+                        f"the {how} {p.optimizer_s * 1e3:.4g} ms at {p.optimizer_params:.4g} "
+                        f"params, scaled by this shard's params"
+                        f"{f' x {p.share:.3g} (ranks sharing the CPUs)' if p.share > 1 else ''}",
+                        f"measured: {p.path}" + ("/trace.json (--calibrate)" if p.calibrated
+                                                 else " (disttrain plan profile)")))
     else:
         out.append(Term("optimizer step", opt, "30 B/param of Adam's shard at memory bandwidth",
                         dev.sources.get("hbm", "")))
