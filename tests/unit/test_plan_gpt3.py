@@ -13,10 +13,12 @@ pipeline-parallel 16, micro-batch 1, global batch 1536, fp16, --checkpoint-activ
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 
+from disttrain.plan import cost
 from disttrain.plan.devices import device
 from disttrain.plan.gpt import parse_gpt
 from disttrain.plan.layout import Pins, plan_layouts
@@ -45,9 +47,13 @@ def test_their_layout_is_predicted_within_25_percent_of_their_figures():
 
 @pytest.mark.timeout(30)
 def test_the_planner_chooses_within_a_second_and_does_not_lose_to_their_layout():
-    start = time.process_time()
-    plan = plan_layouts(GPT3, A100, 1024, 8, 1536)
-    took = time.process_time() - start
+    took = math.inf
+    for _ in range(3):  # NOTE: each plan cold (caches cleared); the fastest of 3 counts, so
+        for cached in (cost._collective, cost._schedule, cost._held, cost._simulated):
+            cached.cache_clear()  # a burst of other load on the machine does not
+        start = time.process_time()
+        plan = plan_layouts(GPT3, A100, 1024, 8, 1536)
+        took = min(took, time.process_time() - start)
     theirs = plan_layouts(GPT3, A100, 1024, 8, 1536, PAPER_LAYOUT, top=1).ranked[0]
     ours = plan.ranked[0]
     lay = ours.layout

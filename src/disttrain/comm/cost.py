@@ -20,6 +20,7 @@ benchmarks/scaling.py and plan/cost.py (`disttrain plan layout`) ask it for pred
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -167,11 +168,12 @@ def collective_bound(op: str, nbytes: float, world: int, local: int, links: Link
     nodes = max(world // local, 1)
     plan = (steps(algorithm, nbytes, world, local) if op == "all-reduce"
             else collective_steps(op, nbytes, world, local))
-    for st in plan:
-        p = links.parts(st, nodes)
-        total["latency"] += p["latency"]
+    objects = dict(zip(map(id, plan), plan))  # NOTE: a ring repeats one Step object 2(n-1)
+    for key, n in collections.Counter(map(id, plan)).items():  # times: price it once
+        p = links.parts(objects[key], nodes)
+        total["latency"] += n * p["latency"]
         slower = "cpu" if p["cpu"] > p["bandwidth"] else "bandwidth"
-        total[slower] += p[slower]
+        total[slower] += n * p[slower]
     return max(total, key=total.get), sum(total.values()), total
 
 

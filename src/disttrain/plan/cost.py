@@ -149,16 +149,20 @@ def _stage_params(m: GPTSpec, lay: Layout) -> float:
 def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
     """A cheap lower bound of `estimate(...).step` (no simulation), for branch and bound.
 
-    The last stage is busy m (F + B + head) and cannot start before its first input
-    crossed the p - 1 chunks before it; exposed data-parallel time and the optimizer add.
+    The last stage is busy m (F + B + head + its sends and receives), cannot start before
+    its first input crossed the p - 1 chunks before it, and its last backward's gradient
+    still crosses them after it (not under ZB-H1); exposed data-parallel time and the optimizer add.
     """
     dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
     per = _per_layer(m, lay, dev, nodes_of)
     d = _durations(m, lay, dev, nodes_of, per)
     v, mb = lay.virtual, lay.microbatches
     last = mb * (v * (d["F"] + d["B"]) + d["head_f"] + d["head_b"])
-    if lay.pp > 1:
-        last += (lay.pp - 1) * d["F"]
+    if lay.pp > 1:  # NOTE: its v forwards each receive, v - 1 of its backwards send; after
+        # its last backward that chunk's gradient still crosses the p - 1 stages before it
+        # (ZB-H1: not counted, the last stage's W's may run meanwhile)
+        drain = 0.0 if lay.schedule == "zb-h1" else d["B"]
+        last += (lay.pp - 1) * (d["F"] + drain) + mb * (2 * v - 1) * d["p2p"]
     dp = _data_parallel(m, lay, dev, nodes_of, d["B"] * v)
     return last + dp["reduce"] + dp["gather"] + optimizer_seconds(_stage_params(m, lay) / (lay.dp if lay.zero else 1), dev)
 

@@ -248,6 +248,7 @@ def simulate(schedule: list[list[Action]], num_stages: int, num_virtual: int = 1
     ptr, clock = [0] * p, [0.0] * p
     spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
     remaining = sum(len(a) for a in schedule)
+    costs = {"F": t_f / v, "B": t_b / v, "W": t_w / v}
     while remaining:
         progressed = False
         for s in range(p):
@@ -263,8 +264,7 @@ def simulate(schedule: list[list[Action]], num_stages: int, num_virtual: int = 1
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[s], done[dep] if dep else 0.0)
-                cost = {"F": t_f, "B": t_b, "W": t_w}[a.kind] / v
-                end = start + (durations[s][ptr[s]] if durations is not None else cost)
+                end = start + (durations[s][ptr[s]] if durations is not None else costs[a.kind])
                 done[(a.kind, a.microbatch, j)] = clock[s] = end
                 spans[s].append((start, end, a))
                 ptr[s] += 1
