@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ps_convergence import steady_seconds_per_update  # noqa: E402  (benchmarks/ is on the path)
+
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 8
 EVAL_EVERY = 4
@@ -53,18 +55,6 @@ def _run_job(workers: int, servers: int, mode: list[str], straggler: str, epochs
             raise RuntimeError(f"{' '.join(cmd[1:])} failed (exit {proc.returncode}):\n"
                                f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
         return [json.loads(line) for line in open(log)]
-
-
-def steady_seconds_per_update(points: list[dict], trim: float = 0.2) -> float:
-    """Least-squares slope of time against server version over the middle points."""
-    pts = [(p["version"], p["time"]) for p in points if "version" in p]
-    cut = int(len(pts) * trim)
-    pts = pts[cut:len(pts) - cut] if len(pts) - 2 * cut >= 4 else pts
-    if len(pts) < 3 or pts[-1][0] == pts[0][0]:
-        raise RuntimeError(f"too few log points to measure a rate: {pts}")
-    mv = statistics.fmean(v for v, _ in pts)
-    mt = statistics.fmean(t for _, t in pts)
-    return (sum((v - mv) * (t - mt) for v, t in pts) / sum((v - mv) ** 2 for v, _ in pts))
 
 
 GRAD_BYTES = 4 * (64 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10)
