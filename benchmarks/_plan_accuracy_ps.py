@@ -31,7 +31,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ps_convergence import steady_seconds_per_update  # noqa: E402  (benchmarks/ is on the path)
+from ps_convergence import (  # benchmarks/ on the path
+    sleep_overrun_seconds,
+    steady_seconds_per_update,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 8
@@ -73,6 +76,9 @@ class Calibration:
     """Seconds of the server's optimizer step (a microbenchmark in this process)."""
     load: float
     """The 1-minute load average after the calibration runs (ours and everyone else's)."""
+    wake: float
+    """Mean seconds a 20 ms `threading.Event.wait` overruns (a microbenchmark here): the
+    worker's straggler sleep is such a wait (ps/worker.py `Worker.sleep`)."""
     cores: int = os.cpu_count() or 1
 
     @property
@@ -105,7 +111,8 @@ class Calibration:
                 f"update, 2 workers {self.two_workers * 1e3:.2f} ms; server step "
                 f"{self.apply * 1e3:.3f} ms -> wire {self.wire * 1e3:.2f} ms per push or pull "
                 f"of {GRAD_BYTES} B, base {self.base * 1e3:.2f} ms per step on {self.cores} "
-                f"cores shared with {self.background:.1f} other runnable processes")
+                f"cores shared with {self.background:.1f} other runnable processes; a sleep "
+                f"overruns by {self.wake * 1e3:.2f} ms")
 
 
 def _server_step_seconds(iters: int = 300) -> float:
@@ -137,7 +144,7 @@ def calibrate(reps: int = 3) -> Calibration:
         load.append(os.getloadavg()[0])
         two.append(steady_seconds_per_update(_run_job(2, 1, ["--mode", "sync"], "none", EPOCHS)))
     cal = Calibration(statistics.median(one), statistics.median(two), _server_step_seconds(),
-                      statistics.median(load))
+                      statistics.median(load), sleep_overrun_seconds())
     print(cal.describe(), f"(spread 1 worker {_spread(one):.1%}, 2 workers {_spread(two):.1%})",
           flush=True)
     return cal
@@ -172,15 +179,17 @@ class PSCase:
             return flags + ["--staleness", k]
         return flags + (["--k", k] if k else [])
 
-    def predict(self) -> float:
-        """Simulated seconds per update (pure CPU; the calibration runs once first)."""
+    def predict(self, cores: bool = True, wake: bool = True) -> float:
+        """Simulated seconds per update (pure CPU; the calibration runs once first);
+        `cores`, `wake`: model the shared cores and the sleeps' overrun (plan/simulate.py)."""
         from disttrain.plan.ps import parse_mode
         from disttrain.plan.simulate import Compute, simulate
         from disttrain.ps.straggler import parse_straggler
 
         cal = calibrate()
         mode = parse_mode(self.mode)
-        compute = Compute(parse_straggler(self.straggler), cal.base, cal.cores, cal.background)
+        compute = Compute(parse_straggler(self.straggler), cal.base,
+                          cal.cores if cores else None, cal.background, cal.wake if wake else 0.0)
         r = simulate(lambda: mode.build(self.workers), self.workers, compute,
                      servers=self.servers, network=cal.network(), apply_s=cal.apply / self.servers,
                      seed=self.seed)
@@ -224,16 +233,23 @@ def main() -> None:
                   f"({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})",
                   file=sys.stderr, flush=True)
     print(cal.describe())
-    print("| job | procs | predicted (ms) | measured median (ms) | spread | error |")
-    print("|---|---|---|---|---|---|")
-    errors = []
+    variants = {"own core": dict(cores=False, wake=False), "+ shared cores": dict(wake=False),
+                "+ sleep overrun": {}}
+    print("| job | procs | measured median (ms) | spread | "
+          + " | ".join(f"predicted, {v} (ms) | error" for v in variants) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(variants))
+    errors: dict[str, list[float]] = {v: [] for v in variants}
     for c in cases:
-        m, p = statistics.median(measured[c.name]), c.predict()
-        errors.append(abs(p / m - 1))
-        print(f"| {c.name} | {c.procs} | {p * 1e3:.2f} | {m * 1e3:.2f} | "
-              f"{_spread(measured[c.name]):.1%} | {p / m - 1:+.1%} |")
-    print(f"median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}; "
-          f"load average at end: {os.getloadavg()}")
+        m = statistics.median(measured[c.name])
+        row = f"| {c.name} | {c.procs} | {m * 1e3:.2f} | {_spread(measured[c.name]):.1%} |"
+        for v, kw in variants.items():
+            p = c.predict(**kw)
+            errors[v].append(abs(p / m - 1))
+            row += f" {p * 1e3:.2f} | {p / m - 1:+.1%} |"
+        print(row)
+    for v, e in errors.items():
+        print(f"{v}: median |error| {statistics.median(e):.1%}, max {max(e):.1%}")
+    print(f"load average at end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,16 @@ def steady_seconds_per_update(points: list[dict], trim: float = 0.2) -> float:
     return sum((v - mv) * (t - mt) for v, t in pts) / sum((v - mv) ** 2 for v, _ in pts)
 
 
+def sleep_overrun_seconds(waits: int = 50, seconds: float = 0.02) -> float:
+    """Mean seconds a `threading.Event.wait(seconds)` lasts longer than asked (blocks ~1 s)."""
+    event, over = threading.Event(), []
+    for _ in range(waits):
+        t0 = time.monotonic()
+        event.wait(seconds)
+        over.append(time.monotonic() - t0 - seconds)
+    return statistics.fmean(over)
+
+
 def resolved_tau(measured: dict[str, list[float]], predicted: dict[str, float]):
     """Kendall's tau of `predicted` against the measured medians over the pairs whose
     medians differ by more than the larger of the two spreads (max - min); returns
@@ -110,12 +122,14 @@ def summary(results: dict[str, list[dict]], steady: list[dict], args) -> None:
 
         base = statistics.median(steady_seconds_per_update(r["points"]) for r in steady)
         background = max(statistics.median(r["load"] for r in steady) - 1, 0.0)
-        cores = os.cpu_count() or 1
+        cores, wake = os.cpu_count() or 1, sleep_overrun_seconds()
         print(f"\nsimulated (disttrain.plan.ps, {args.workers} workers, base {base * 1e3:.2f} ms "
-              f"(1 worker without stragglers, steady, median of {len(steady)}) on {cores} cores "
-              f"beside {background:.1f} other runnable processes, + {args.straggler})")
+              f"(1 worker without stragglers, steady, median of {len(steady)}) + {args.straggler}; "
+              f"shared: on {cores} cores beside {background:.1f} other runnable processes, every "
+              f"sleep {wake * 1e3:.2f} ms longer (a 20 ms wait's mean overrun here)")
         for cores_ in (None, cores):
-            compute = Compute(parse_straggler(args.straggler), base, cores_, background)
+            compute = Compute(parse_straggler(args.straggler), base, cores_, background,
+                              wake if cores_ else 0.0)
             for n in times:
                 mode = parse_mode(PLAN[n])
                 r = simulate(lambda m=mode: m.build(args.workers), args.workers, compute)

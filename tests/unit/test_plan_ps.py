@@ -218,6 +218,26 @@ def test_cli_cores_flags(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "mean time per update: 1.5 s" in out
     assert "shared on 2 cores with 0 other runnable processes" in out
+    rc = main(["plan", "ps", "--workers", "3", "--mode", "sync", "--compute",
+               "fixed:rank=2,delay=0.5", "--base", "1", "--wake", "0.1", "--updates", "50",
+               "--explain"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "mean time per update: 1.6 s" in out and "every sleep 0.1 s longer" in out
     rc = main(["plan", "ps", "--workers", "3", "--mode", "sync", "--compute", "none",
                "--base", "1", "--background", "2", "--updates", "50"])
     assert rc == 2 and "--background needs --cores" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_sleep_overrun_lengthens_every_delay_but_not_a_step_without_one():
+    # a Sync round of 3 workers, 1 s of compute, worker 2 sleeps 0.5 s that overrun by
+    # 0.1 s: 1.6 s; the workers that do not sleep do not overrun (delay 0 is no sleep)
+    slow = parse_straggler("fixed:rank=2,delay=0.5")
+    r = _run(parse_mode("sync"), 3, Compute(slow, base=1.0, wake=0.1), updates=50)
+    assert r.time_per_update == pytest.approx(1.6, rel=1e-9)
+    # Async: workers 0 and 1 push every 1 s (no sleep, no overrun), worker 2 every 1.6 s:
+    # 21 updates per 8 s (without the overrun 1.5 s: 8 per 3 s)
+    r = _run(parse_mode("async"), 3, Compute(slow, base=1.0, wake=0.1), updates=210)
+    assert r.time_per_update == pytest.approx(8 / 21, rel=1e-9)
+    with pytest.raises(ValueError, match="wake-up overrun must be"):
+        Compute(base=1.0, wake=-1)

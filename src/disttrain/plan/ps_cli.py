@@ -50,6 +50,8 @@ def add_ps_parser(sub) -> None:
                    "(processes on one machine; default: a core each)")
     p.add_argument("--background", type=float, default=0.0,
                    help="with --cores: other processes always runnable on them")
+    p.add_argument("--wake", type=float, default=0.0,
+                   help="seconds every straggler sleep overruns (waking on a loaded machine)")
     p.add_argument("--servers", type=int, default=1, help="servers S (each gets 1/S of the bytes)")
     p.add_argument("--link", help="rate of every worker's and server's link, e.g. 1gbit "
                                   "(default: communication takes no time)")
@@ -76,7 +78,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Compute, Network | None]:
     if args.background and args.cores is None:
         raise ValueError("--background needs --cores N (the cores it shares)")
     compute = Compute(parse_straggler(args.compute, args.seed), args.base, args.cores,
-                      args.background)
+                      args.background, args.wake)
     s = compute.straggler
     if not (compute.base or s.mean or s.shift or (s.kind == "fixed" and s.fixed)):
         raise ValueError(f"--compute {args.compute} with --base {args.base:g}: every step takes "
@@ -137,6 +139,7 @@ def _explain(args, mode: Mode, compute: Compute, network: Network | None, r: Res
              f"compute {args.base:g} s + {args.compute} (seed {args.seed}), "
              + ("" if args.cores is None else f"the {args.base:g} s shared on {args.cores:g} "
                 f"cores with {args.background:g} other runnable processes, ")
+             + (f"every sleep {args.wake:g} s longer, " if args.wake else "")
              + f"server apply {args.apply:g} s per update",
              f"communication: {comm}",
              f"simulated: {r.updates} updates after {r.warmup} of warm-up, standard "

@@ -70,12 +70,17 @@ class Compute:
     every worker computes on its own core, the compute of one never slows another."""
     background: float = 0.0
     """Other processes always runnable on those cores (`base` was measured beside them)."""
+    wake: float = 0.0
+    """Seconds a delay overruns: the straggler's sleep ends when its process runs again
+    (a wake-up on a loaded machine); added to every delay > 0."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.base) and self.base >= 0):
             raise ValueError(f"base compute must be a finite number >= 0 seconds, got {self.base}")
         if self.cores is not None:
             SharedCores(self.cores, self.background)  # its checks
+        if not (math.isfinite(self.wake) and self.wake >= 0):
+            raise ValueError(f"wake-up overrun must be a finite number >= 0 seconds, got {self.wake}")
 
 
 @dataclass
@@ -123,6 +128,8 @@ class _Job:
             p.start(list(range(workers)))
         straggler = dataclasses.replace(compute.straggler, seed=seed)
         self.draw = [straggler.sampler(w) for w in range(workers)]
+        if compute.wake:
+            self.draw = [_overrun(d, compute.wake) for d in self.draw]
         self.base, self.network, self.apply_s = compute.base, network, apply_s
         self.cpu = SharedCores(compute.cores, compute.background) if compute.cores else None
         self.alpha = network.links.alpha if network else 0.0
@@ -258,6 +265,14 @@ class _Job:
             busy = 0.0 if self.have[w][s] == policy.version else self.shard_busy
             self._send(t, self.P + s, w, busy, _PARAMS, w, s, policy.version)
         return t
+
+
+def _overrun(draw: Callable[[], float], wake: float) -> Callable[[], float]:
+    """A delay sampler whose every sleep (delay > 0) lasts `wake` seconds longer."""
+    def drawn() -> float:
+        d = draw()
+        return d + wake if d > 0 else d
+    return drawn
 
 
 BUDGET = 40_000
