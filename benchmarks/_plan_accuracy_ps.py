@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ps_convergence import (  # benchmarks/ on the path
+    resolved_tau,
     sleep_overrun_seconds,
     steady_seconds_per_update,
 )
@@ -239,16 +240,19 @@ def main() -> None:
           + " | ".join(f"predicted, {v} (ms) | error" for v in variants) + " |")
     print("|---|---|---|---|" + "---|---|" * len(variants))
     errors: dict[str, list[float]] = {v: [] for v in variants}
+    predicted: dict[str, dict[str, float]] = {v: {} for v in variants}
     for c in cases:
         m = statistics.median(measured[c.name])
         row = f"| {c.name} | {c.procs} | {m * 1e3:.2f} | {_spread(measured[c.name]):.1%} |"
         for v, kw in variants.items():
-            p = c.predict(**kw)
+            p = predicted[v][c.name] = c.predict(**kw)
             errors[v].append(abs(p / m - 1))
             row += f" {p * 1e3:.2f} | {p / m - 1:+.1%} |"
         print(row)
     for v, e in errors.items():
-        print(f"{v}: median |error| {statistics.median(e):.1%}, max {max(e):.1%}")
+        tau, good, bad, _ = resolved_tau(measured, predicted[v])
+        print(f"{v}: median |error| {statistics.median(e):.1%}, max {max(e):.1%}; Kendall tau "
+              f"{tau} over the {good + bad} pairs apart by more than their spread")
     print(f"load average at end: {os.getloadavg()}")
 
 
