@@ -156,7 +156,7 @@ def test_the_simulator_modules_import_no_torch_and_no_sockets():
     import disttrain.plan
 
     folder = Path(disttrain.plan.__file__).parent
-    for name in ("simulate.py", "ps.py", "ps_cli.py"):
+    for name in ("simulate.py", "ps.py", "ps_cli.py", "cpu.py"):
         tree = ast.parse((folder / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
