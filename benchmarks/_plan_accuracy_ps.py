@@ -31,13 +31,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ps_convergence import (  # benchmarks/ on the path
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:  # NOTE: imported by plan_accuracy.py or alone
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from ps_convergence import (  # noqa: E402
     resolved_tau,
     sleep_overrun_seconds,
     steady_seconds_per_update,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 8
 EVAL_EVERY = 4
 
