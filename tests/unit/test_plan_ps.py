@@ -156,7 +156,7 @@ def test_the_simulator_modules_import_no_torch_and_no_sockets():
     import disttrain.plan
 
     folder = Path(disttrain.plan.__file__).parent
-    for name in ("simulate.py", "ps.py", "ps_cli.py"):
+    for name in ("simulate.py", "ps.py", "ps_cli.py", "cpu.py"):
         tree = ast.parse((folder / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
@@ -171,3 +171,73 @@ def test_straggler_sampler_is_seeded_per_worker_with_the_delay_distribution():
     other = s.sampler(1)
     assert draws[:50] != [other() for _ in range(50)]
     assert min(draws) >= 0.02 and sum(draws) / len(draws) == pytest.approx(0.07, rel=0.02)
+
+
+@pytest.mark.timeout(30)
+def test_shared_cores_slow_compute_that_overlaps():
+    # 3 workers' 1 s steps at once on 2 cores (processor sharing): each runs at 2/3, a
+    # Sync round is 1.5 s; beside 2 other runnable processes at 2/5 where the 1 s was
+    # measured at 2/3 (one process beside them): 1 s x (2/3) / (2/5) = 5/3 s
+    def sync_round(**cores):
+        steps = Compute(parse_straggler("none"), base=1.0, **cores)
+        return _run(parse_mode("sync"), 3, steps, updates=50).time_per_update
+
+    assert sync_round() == pytest.approx(1.0, rel=1e-9)
+    assert sync_round(cores=2) == pytest.approx(1.5, rel=1e-9)
+    assert sync_round(cores=2, background=2) == pytest.approx(5 / 3, rel=1e-9)
+    # the delay is a sleep and holds no core: Async of 4 workers with 1 s of CPU each on
+    # one core is paced by the core (1 s per update), not by the delays (mean 0.1 s)
+    steps = Compute(parse_straggler("exp:mean=0.1"), base=1.0, cores=1)
+    r = _run(parse_mode("async"), 4, steps, updates=400)
+    assert r.time_per_update == pytest.approx(1.0, rel=0.02)
+    with pytest.raises(ValueError, match="cores must be a finite number > 0"):
+        Compute(base=1.0, cores=0)
+
+
+def test_a_cancelled_computation_gives_its_core_back():
+    from disttrain.plan.cpu import SharedCores
+
+    cpu = SharedCores(1)
+    cpu.add(0.0, 0, 1.0)
+    cpu.add(0.0, 1, 1.0)
+    assert cpu.next_done() == pytest.approx(2.0)  # two tasks, half a core each
+    cpu.remove(0.5, 1)  # task 0 did 0.25 s of work, 0.75 s left at the full core
+    assert cpu.next_done() == pytest.approx(1.25)
+    assert cpu.finish(1.25) == [0] and cpu.next_done() is None
+    # K-batch-sync(2) of 2 on one core, 1 s of CPU, worker 1 sleeps 0.5 s more: both share
+    # the core (done at 2 s); worker 0 pushes and computes again alone; worker 1's push at
+    # 2.5 s closes the round and cancels worker 0 inside its CPU part: a round is 2.5 s
+    steps = Compute(parse_straggler("fixed:rank=1,delay=0.5"), base=1.0, cores=1)
+    r = _run(parse_mode("kbatch-sync:2"), 2, steps, updates=50)
+    assert r.time_per_update == pytest.approx(2.5, rel=1e-9) and r.cancelled == 50
+
+
+def test_cli_cores_flags(capsys):
+    rc = main(["plan", "ps", "--workers", "3", "--mode", "sync", "--compute", "none",
+               "--base", "1", "--cores", "2", "--updates", "50", "--explain"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "mean time per update: 1.5 s" in out
+    assert "shared on 2 cores with 0 other runnable processes" in out
+    rc = main(["plan", "ps", "--workers", "3", "--mode", "sync", "--compute",
+               "fixed:rank=2,delay=0.5", "--base", "1", "--wake", "0.1", "--updates", "50",
+               "--explain"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "mean time per update: 1.6 s" in out and "every sleep 0.1 s longer" in out
+    rc = main(["plan", "ps", "--workers", "3", "--mode", "sync", "--compute", "none",
+               "--base", "1", "--background", "2", "--updates", "50"])
+    assert rc == 2 and "--background needs --cores" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_sleep_overrun_lengthens_every_delay_but_not_a_step_without_one():
+    # a Sync round of 3 workers, 1 s of compute, worker 2 sleeps 0.5 s that overrun by
+    # 0.1 s: 1.6 s; the workers that do not sleep do not overrun (delay 0 is no sleep)
+    slow = parse_straggler("fixed:rank=2,delay=0.5")
+    r = _run(parse_mode("sync"), 3, Compute(slow, base=1.0, wake=0.1), updates=50)
+    assert r.time_per_update == pytest.approx(1.6, rel=1e-9)
+    # Async: workers 0 and 1 push every 1 s (no sleep, no overrun), worker 2 every 1.6 s:
+    # 21 updates per 8 s (without the overrun 1.5 s: 8 per 3 s)
+    r = _run(parse_mode("async"), 3, Compute(slow, base=1.0, wake=0.1), updates=210)
+    assert r.time_per_update == pytest.approx(8 / 21, rel=1e-9)
+    with pytest.raises(ValueError, match="wake-up overrun must be"):
+        Compute(base=1.0, wake=-1)

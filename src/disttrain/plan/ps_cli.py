@@ -46,6 +46,12 @@ def add_ps_parser(sub) -> None:
                    help="a worker step's delay model, seeded: exp:mean=1, "
                         "shifted-exp:shift=0.02,mean=0.05, fixed:rank=2,delay=0.2, none")
     p.add_argument("--base", type=float, default=0.0, help="seconds every step takes on top")
+    p.add_argument("--cores", type=float, help="cores the workers' --base compute shares "
+                   "(processes on one machine; default: a core each)")
+    p.add_argument("--background", type=float, default=0.0,
+                   help="with --cores: other processes always runnable on them")
+    p.add_argument("--wake", type=float, default=0.0,
+                   help="seconds every straggler sleep overruns (waking on a loaded machine)")
     p.add_argument("--servers", type=int, default=1, help="servers S (each gets 1/S of the bytes)")
     p.add_argument("--link", help="rate of every worker's and server's link, e.g. 1gbit "
                                   "(default: communication takes no time)")
@@ -69,7 +75,10 @@ def _inputs(args: argparse.Namespace) -> tuple[Compute, Network | None]:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.servers < 1:
         raise ValueError(f"--servers must be >= 1, got {args.servers}")
-    compute = Compute(parse_straggler(args.compute, args.seed), args.base)
+    if args.background and args.cores is None:
+        raise ValueError("--background needs --cores N (the cores it shares)")
+    compute = Compute(parse_straggler(args.compute, args.seed), args.base, args.cores,
+                      args.background, args.wake)
     s = compute.straggler
     if not (compute.base or s.mean or s.shift or (s.kind == "fixed" and s.fixed)):
         raise ValueError(f"--compute {args.compute} with --base {args.base:g}: every step takes "
@@ -128,7 +137,10 @@ def _explain(args, mode: Mode, compute: Compute, network: Network | None, r: Res
         f"{network.busy(network.grad_bytes / args.servers) * 1e3:.4g} ms on the wire")
     lines = [f"inputs: {args.workers} workers, {args.servers} server(s), policy {r.policy}, "
              f"compute {args.base:g} s + {args.compute} (seed {args.seed}), "
-             f"server apply {args.apply:g} s per update",
+             + ("" if args.cores is None else f"the {args.base:g} s shared on {args.cores:g} "
+                f"cores with {args.background:g} other runnable processes, ")
+             + (f"every sleep {args.wake:g} s longer, " if args.wake else "")
+             + f"server apply {args.apply:g} s per update",
              f"communication: {comm}",
              f"simulated: {r.updates} updates after {r.warmup} of warm-up, standard "
              f"error {r.stderr:.2%} (20 batch means); {r.computations} computations, "

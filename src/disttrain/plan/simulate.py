@@ -15,7 +15,9 @@ transfer time (comm/cost.py's model of one message, without its alpha), first co
 served, and arrives alpha later. Control messages (pull, ack, cancel, an unchanged shard)
 cost alpha only. Without a `Network` communication takes no time, the assumption of Dutta
 et al. 2018, whose closed forms plan/ps.py checks against. Not simulated: lost and leaving
-workers, pushes overlapped with backward, CPU contention between processes. A heap of (time, sequence, event) is the loop; the sequence keeps
+workers, pushes overlapped with backward. With `Compute.cores` the workers' `base`
+compute shares that many cores (plan/cpu.py, processor sharing); without, each worker
+computes on its own. A heap of (time, sequence, event) is the loop; the sequence keeps
 simultaneous events in the order they were sent. Pure Python: no processes, no torch.
 """
 
@@ -29,12 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disttrain.comm.cost import Links, Step
+from disttrain.plan.cpu import SharedCores
 from disttrain.ps.policy import Policy
 from disttrain.ps.straggler import Straggler
 
 __all__ = ["Network", "Compute", "Result", "simulate", "BUDGET"]
 
-_PULL, _PUSH, _PARAMS, _ACK, _CANCEL, _DONE = range(6)
+_PULL, _PUSH, _PARAMS, _ACK, _CANCEL, _DONE, _CPU = range(7)
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,22 @@ class Compute:
     straggler: Straggler = Straggler()
     base: float = 0.0
     """Seconds every step takes besides the delay (forward, backward, the optimizer)."""
+    cores: float | None = None
+    """Cores the workers' `base` compute shares (plan/cpu.py, processor sharing); None:
+    every worker computes on its own core, the compute of one never slows another."""
+    background: float = 0.0
+    """Other processes always runnable on those cores (`base` was measured beside them)."""
+    wake: float = 0.0
+    """Seconds a delay overruns: the straggler's sleep ends when its process runs again
+    (a wake-up on a loaded machine); added to every delay > 0."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.base) and self.base >= 0):
             raise ValueError(f"base compute must be a finite number >= 0 seconds, got {self.base}")
+        if self.cores is not None:
+            SharedCores(self.cores, self.background)  # its checks
+        if not (math.isfinite(self.wake) and self.wake >= 0):
+            raise ValueError(f"wake-up overrun must be a finite number >= 0 seconds, got {self.wake}")
 
 
 @dataclass
@@ -113,7 +128,10 @@ class _Job:
             p.start(list(range(workers)))
         straggler = dataclasses.replace(compute.straggler, seed=seed)
         self.draw = [straggler.sampler(w) for w in range(workers)]
+        if compute.wake:
+            self.draw = [_overrun(d, compute.wake) for d in self.draw]
         self.base, self.network, self.apply_s = compute.base, network, apply_s
+        self.cpu = SharedCores(compute.cores, compute.background) if compute.cores else None
         self.alpha = network.links.alpha if network else 0.0
         self.shard = network.grad_bytes / servers if network else 0.0
         self.shard_busy = network.busy(self.shard) if network and self.shard else 0.0
@@ -131,7 +149,7 @@ class _Job:
         self.times: list[float] = [0.0]  # server 0's update times, index = version
         self.computations = self.cancelled = 0
         self.handlers = (self._server_pull, self._server_push, self._params, self._ack,
-                         self._cancel, self._done)
+                         self._cancel, self._done, self._cpu_done)
         for w in range(workers):
             self._pull(0.0, w)
 
@@ -174,7 +192,23 @@ class _Job:
         self.computing[w] = True
         self.attempt[w] += 1
         self.computations += 1
-        self._at(t + self.base + self.draw[w](), _DONE, w, self.attempt[w], 0)
+        if self.cpu is None:
+            self._at(t + self.base + self.draw[w](), _DONE, w, self.attempt[w], 0)
+            return
+        self.cpu.add(t, w, self.base)  # NOTE: the CPU part first, then the delay (a sleep)
+        self._cpu_next()
+
+    def _cpu_next(self) -> None:
+        end = self.cpu.next_done()
+        if end is not None:
+            self._at(end, _CPU, self.cpu.token, 0, 0)
+
+    def _cpu_done(self, t: float, token: int, _: int, __: int) -> None:
+        if token != self.cpu.token:
+            return  # the set of tasks changed since: a newer event stands
+        for w in self.cpu.finish(t):
+            self._at(t + self.draw[w](), _DONE, w, self.attempt[w], 0)
+        self._cpu_next()
 
     def _cancel(self, t: float, w: int, s: int, version: int) -> None:
         self.floor[w][s] = max(self.floor[w][s], version)
@@ -182,6 +216,9 @@ class _Job:
             self.computing[w] = False
             self.attempt[w] += 1
             self.cancelled += 1
+            if self.cpu is not None and w in self.cpu.work:
+                self.cpu.remove(t, w)
+                self._cpu_next()
             self._pull(t, w)
 
     def _done(self, t: float, w: int, attempt: int, _: int) -> None:
@@ -228,6 +265,14 @@ class _Job:
             busy = 0.0 if self.have[w][s] == policy.version else self.shard_busy
             self._send(t, self.P + s, w, busy, _PARAMS, w, s, policy.version)
         return t
+
+
+def _overrun(draw: Callable[[], float], wake: float) -> Callable[[], float]:
+    """A delay sampler whose every sleep (delay > 0) lasts `wake` seconds longer."""
+    def drawn() -> float:
+        d = draw()
+        return d + wake if d > 0 else d
+    return drawn
 
 
 BUDGET = 40_000
