@@ -4,7 +4,7 @@ Times `Server._apply` (average the pushes' gradients, one optimizer step, one th
 and, in brackets, the thread's CPU time, which a loaded machine disturbs less) of a
 real `Server` (its sockets bound, no workers) over the digits MLP's keys, for the server
 stepping key by key (`StaleStep(runs=False)`, as before runs.py) and run by run (the
-default), interleaved call by call in one process so both see the same load:
+default), interleaved in blocks of 10 updates in one process so both see the same load:
 
 - "server0 of 2": server0's keys when the model is placed on 2 servers (placement.py);
 - "whole, 1 server": the 6 whole tensors one server holds;
@@ -31,6 +31,8 @@ from disttrain.ps.policy import Sync
 from disttrain.ps.server import Server
 from disttrain.ps.staleness import StaleStep
 
+BLOCK = 10  # updates in a row of one kind: call by call, each would run in the caches the
+# other left (key by key touches many objects; runs measured 2.5x slower after it)
 OPTIMIZERS = {"SGD m=0.9": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
               "Adam": lambda p: torch.optim.Adam(p, lr=1e-3)}
 
@@ -78,12 +80,12 @@ def measure(chunks, init, make, pushes: int, reps: int) -> dict:
     after, t_after = timer(chunks, init, make, pushes, runs=True)
     times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     try:
-        for i in range(reps + 20):
+        for i in range(reps // BLOCK + 2):
             for runs, f in ((False, t_before), (True, t_after)) if i % 2 else (
                     (True, t_after), (False, t_before)):
-                t = f()
-                if i >= 20:  # NOTE: the first steps make the optimizer's state
-                    times[runs].append(t)
+                block = [f() for _ in range(BLOCK)]
+                if i >= 2:  # NOTE: the first steps make the optimizer's state
+                    times[runs] += block
     finally:
         before.close()
         after.close()
