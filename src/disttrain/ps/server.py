@@ -211,7 +211,7 @@ class Server:
         clock, version, sparse = msg.meta["clock"], msg.meta["version"], msg.meta["sparse"]
         try:
             if sparse:
-                grads = densify(msg.keys, msg.tensors, self.shard)
+                grads = densify(msg.keys, msg.tensors, self.shard, msg.meta.get("zero", []))
             else:
                 check_keys(msg, self.shard)
                 grads = dict(zip(msg.keys, msg.tensors))

@@ -248,6 +248,7 @@ class Worker:
     def _send_grads(self, names: list[str]) -> None:
         h = self._attempt_handle()
         per_server: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+        empty: dict[int, list] = defaultdict(list)  # sparse: (key, pair) top-k left empty
         for name in names:
             p = self.params[name]
             # NOTE: no copy: the frames reference .grad until the servers ack; the push
@@ -261,10 +262,20 @@ class Worker:
                      if self.feedback is not None else [None] * len(self._chunks[name]))
             for (s, c), pair in zip(self._chunks[name], parts):
                 keys, tensors = per_server[s]
+                if pair is not None and not len(pair[0]):  # NOTE: by name, on the last frame
+                    empty[s].append((c.key, pair))
+                    continue
                 keys += [c.key] if pair is None else [c.key, c.key]
                 tensors += [g[c.start:c.stop]] if pair is None else list(pair)
             self._sent.add(name)
         per = 1 if self.feedback is None else 2  # tensors per key
+        zero = {s: [k for k, _ in pairs] for s, pairs in empty.items()}
+        for s, pairs in empty.items():
+            keys, tensors = per_server[s]
+            if not keys:  # NOTE: a push frame carries a tensor: one empty pair goes
+                keys += [pairs[0][0]] * 2
+                tensors += list(pairs[0][1])
+                zero[s].pop(0)
         for s, (keys, tensors) in per_server.items():
             sizes = [sum(t.numel() * t.element_size() for t in tensors[i:i + per])
                      for i in range(0, len(tensors), per)]
@@ -277,6 +288,8 @@ class Worker:
                 last = n == len(groups) - 1
                 if last:
                     meta["ack"] = 1
+                    if zero.get(s):
+                        meta["zero"] = zero[s]
                 self._send(s, Message("push", meta, keys[at], tensors[at]),
                            h if last else None, "ack")
 
