@@ -288,3 +288,19 @@ def test_zero_keys_travel_by_name_and_step_as_their_empty_pairs():
     finally:
         _close(named)
         _close(paired)
+
+
+def test_a_frame_names_the_empty_keys_its_pairs_would_have_carried():
+    """Worker._frame: pairs of the keys with entries go, empty keys are named in the same
+    frame (frames are cut as before, so Async steps them with the same frame); a frame of
+    only empty keys still carries one empty pair; dense entries all go."""
+    from disttrain.ps.worker import Worker
+
+    def pair(k, n):
+        return (k, [torch.arange(n, dtype=I32), torch.ones(n)])
+    sent, zero = Worker._frame([pair("a", 0), pair("b", 2), pair("c", 0)])
+    assert [k for k, _ in sent] == ["b"] and zero == ["a", "c"]
+    sent, zero = Worker._frame([pair("a", 0), pair("c", 0)])
+    assert [k for k, _ in sent] == ["a"] and not len(sent[0][1][0]) and zero == ["c"]
+    sent, zero = Worker._frame([("a", [torch.ones(3)]), ("b", [torch.ones(2)])])
+    assert [k for k, _ in sent] == ["a", "b"] and zero == []
