@@ -166,3 +166,14 @@ def test_other_optimizers_flags_and_step_hooks_step_key_by_key():
     step.apply(p, [[torch.ones(4), torch.ones(3)]], [0], lambda: 0.0)
     assert seen == [2]  # the hook saw the two keys, not one run
     assert torch.equal(p[0].detach(), torch.full((4,), 0.9)) and p[0].grad is None
+    # Adam stepped as a run, then with a hook key by key: each key counts its own steps
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in p]
+    opt, ref_opt = torch.optim.Adam(p, lr=0.1), torch.optim.Adam(ref, lr=0.1)
+    step = StaleStep(opt, UpdateRule())
+    for hooked in (False, True, True):
+        if hooked and not seen[2:]:
+            opt.register_step_pre_hook(lambda o, a, k: seen.append(0))
+        grads = [[torch.full((4,), 0.5), torch.full((3,), -2.0)]]
+        step.apply(p, grads, [0], lambda: 0.0)
+        _reference_step(ref_opt, ref, grads, [0], UpdateRule())
+    _assert_same(ref_opt, ref, opt, p)

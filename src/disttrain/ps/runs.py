@@ -233,6 +233,9 @@ class RunStep:
             for p, g in zip(r.keys, r.split(r.grad)):
                 p.grad = g
             r.grad = None
+            for d in r.dicts:  # NOTE: a run's keys share its scalars (Adam's step): not now
+                d.update({n: v.clone() for n, v in d.items()
+                          if isinstance(v, torch.Tensor) and v.dim() == 0})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
