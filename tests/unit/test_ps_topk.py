@@ -14,6 +14,7 @@ from disttrain.ps.compress import ErrorFeedback, TopK, densify, parse_compressio
 from disttrain.ps.frame import FrameError, Message, pack, unpack
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import SSP, Async, KBatchSync, KSync, Sync
+from disttrain.ps.schema import check
 from disttrain.ps.server import Server
 
 KEY = bytes(range(32))
@@ -240,3 +241,66 @@ def test_selection_is_over_the_whole_parameter_whatever_its_cut_points(ratio):
         assert all(i.dtype == torch.int32 and (i.numel() == 0 or (i[0] >= 0 and i[-1] < stop - start))
                    for (i, _), (start, stop) in zip(got, parts))
     assert torch.equal(whole.residual.get("w", torch.zeros(200)), split.residual.get("w", torch.zeros(200)))
+
+
+@pytest.mark.timeout(20)
+def test_zero_keys_travel_by_name_and_step_as_their_empty_pairs():
+    """A sparse push's keys where top-k selected nothing may travel by name (meta "zero")
+    instead of as empty pairs: checked, and stepped bitwise as the pairs would be. A zero
+    key that is unknown, repeated, also sent as a pair, or named by a dense push is
+    refused and changes nothing."""
+    torch.manual_seed(0)
+    init = {"w": torch.randn(6, 5), "b": torch.randn(5)}
+    named, paired = _server(init), _server(init)
+    try:
+        ef = ErrorFeedback(TopK(0.05))  # 2 of 30 entries of w, 1 of 5 of b: most keys empty
+        for step in range(3):
+            keys, tensors, zero = [], [], []
+            for name, t in init.items():
+                ks = [c for c in named.chunks if c.name == name]
+                for c, (idx, val) in zip(ks, ef.compress_parts(
+                        name, torch.randn(t.numel()), [(c.start, c.stop) for c in ks])):
+                    keys += [c.key, c.key]
+                    tensors += [idx, val]
+                    zero += [c.key] if not len(idx) else []
+            assert zero and len(zero) < len(named.keys)
+            meta = {"worker": 0, "clock": step, "version": step, "sparse": 1}
+            pairs = [(k, t) for k, t in zip(keys, tensors) if k not in zero]
+            wire = unpack(*pack(Message("push", dict(meta, zero=zero), [k for k, _ in pairs],
+                                        [t for _, t in pairs])))
+            check(wire, "server")  # NOTE: the receive point's schema takes the field
+            assert named._push(0, wire) and paired._push(0, Message("push", meta, keys, tensors))
+        assert named.policy.version == paired.policy.version == 3
+        for k in named.keys:
+            assert torch.equal(named.params[k], paired.params[k])
+        k0, k1 = named.keys[0], named.keys[1]
+        one = [torch.tensor([0], dtype=I32), torch.ones(1)]
+        for zero, keys in (([k0, k0], [k1, k1]), (["nope"], [k1, k1]), ([k1], [k1, k1])):
+            bad = Message("push", {"clock": 9, "version": 3, "sparse": 1, "zero": zero}, keys, one)
+            assert not named._push(1, bad)
+        dense = Message("push", {"clock": 9, "version": 3, "sparse": 0, "zero": [k0]},
+                        [k1], [torch.ones(named.shard[k1][0])])
+        assert not named._push(1, dense)
+        assert named.ep.rejected["bad sparse push"] == 3 and named.ep.rejected["schema:push.zero"] == 1
+        assert 1 not in named.partial
+        for k in named.keys:
+            assert torch.equal(named.params[k], paired.params[k])
+    finally:
+        _close(named)
+        _close(paired)
+
+
+def test_a_frame_names_the_empty_keys_its_pairs_would_have_carried():
+    """Worker._frame: pairs of the keys with entries go, empty keys are named in the same
+    frame (frames are cut as before, so Async steps them with the same frame); a frame of
+    only empty keys still carries one empty pair; dense entries all go."""
+    from disttrain.ps.worker import Worker
+
+    def pair(k, n):
+        return (k, [torch.arange(n, dtype=I32), torch.ones(n)])
+    sent, zero = Worker._frame([pair("a", 0), pair("b", 2), pair("c", 0)])
+    assert [k for k, _ in sent] == ["b"] and zero == ["a", "c"]
+    sent, zero = Worker._frame([pair("a", 0), pair("c", 0)])
+    assert [k for k, _ in sent] == ["a"] and not len(sent[0][1][0]) and zero == ["c"]
+    sent, zero = Worker._frame([("a", [torch.ones(3)]), ("b", [torch.ones(2)])])
+    assert [k for k, _ in sent] == ["a", "b"] and zero == []

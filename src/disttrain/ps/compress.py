@@ -111,14 +111,17 @@ class ErrorFeedback:
 
 
 def densify(keys: list[str], tensors: list[torch.Tensor],
-            shard: dict[str, tuple[int, torch.dtype]]) -> dict[str, torch.Tensor]:
-    """A sparse push's (key, idx, val) pairs -> {key: dense (numel,) gradient}, for a
-    server holding `shard` (key -> (numel, dtype), as schema.check_keys reads it).
+            shard: dict[str, tuple[int, torch.dtype]], zero: list[str] = ()
+            ) -> dict[str, torch.Tensor]:
+    """A sparse push's (key, idx, val) pairs and its `zero` keys (top-k selected nothing
+    there; they travel by name only) -> {key: dense (numel,) gradient}, for a server
+    holding `shard` (key -> (numel, dtype), as schema.check_keys reads it).
 
     Raises FrameError naming the first problem: an odd tensor count, a pair whose two
-    keys differ, an unknown or repeated key, indices that are not 1-D int32/int64,
-    strictly increasing and inside [0, numel), or values that are not 1-D floating point
-    of the same length. Checks everything before allocating the dense gradients.
+    keys differ, an unknown or repeated key (zero keys included), indices that are not
+    1-D int32/int64, strictly increasing and inside [0, numel), or values that are not
+    1-D floating point of the same length. Checks everything before allocating the dense
+    gradients. A zero key's gradient is what an empty pair gave: zeros.
     """
     if len(keys) != len(tensors) or len(tensors) % 2:
         raise FrameError(f"sparse push: {len(tensors)} tensors for {len(keys)} keys; "
@@ -145,6 +148,11 @@ def densify(keys: list[str], tensors: list[torch.Tensor],
             raise FrameError(f"sparse push: indices of {key!r} must be strictly increasing "
                              f"in [0, {n})")
         pairs.append((key, idx, val))
+    for key in zero:
+        if key not in shard or key in seen:
+            raise FrameError(f"sparse push: bad zero key {key!r} (unknown or repeated)")
+        seen.add(key)
+        pairs.append((key, torch.empty(0, dtype=torch.int64), torch.empty(0)))
     out = {}
     for key, idx, val in pairs:
         numel, dtype = shard[key]

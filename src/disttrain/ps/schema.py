@@ -87,6 +87,8 @@ SCHEMA: dict[str, Op] = {
                            "replicas": Field("int", 1, 2**31 - 1, required=False, default=1)}),
     "push": Op("server", {"worker": WORKER, "clock": Field("int"), "version": KNOWN,
                           "sparse": FLAG, "ack": FLAG, "shm": SHM,
+                          # a sparse push's keys of which top-k selected nothing (zeros)
+                          "zero": Field("strs", required=False),
                           # a pull riding on a push's last frame: its `have` (worker.fuse)
                           "pull": Field("int", -1, required=False)}, tensors=(1, MAX)),
     "pull": Op("server", {"worker": WORKER, "have": KNOWN}),
@@ -219,6 +221,8 @@ def check_keys(msg: Message, shard: dict) -> None:
     """Raise SchemaError(op, "keys") unless every key of `msg` is one of `shard`'s (key ->
     (numel, dtype)), unrepeated, with a 1-D tensor of that numel and dtype: a tensor is
     never silently dropped, cut or cast. Never blocks."""
+    if msg.meta.get("zero"):
+        raise SchemaError(msg.op, "zero", "names zero keys, which only a sparse push does")
     seen = set()
     for key, t in zip(msg.keys, msg.tensors):
         if key not in shard or key in seen:

@@ -214,7 +214,7 @@ class Server:
         clock, version, sparse = msg.meta["clock"], msg.meta["version"], msg.meta["sparse"]
         try:
             if sparse:
-                grads = densify(msg.keys, msg.tensors, self.shard)
+                grads = densify(msg.keys, msg.tensors, self.shard, msg.meta.get("zero", []))
             else:
                 check_keys(msg, self.shard)
                 grads = dict(zip(msg.keys, msg.tensors))
@@ -289,19 +289,21 @@ class Server:
         if self.optimizer is None or not grads:
             return
         keys = list(grads[0])
-        sizes = [self.params[k].numel() * self.params[k].element_size() for k in keys]
-        for batch in self.chain.batches(keys, sizes) if self.chain else [keys]:
-            for k in batch:
-                p = self.params[k]
+        batches = [keys] if self.chain is None else self.chain.batches(
+            keys, [self.params[k].numel() * self.params[k].element_size() for k in keys])
+        for batch in batches:
+            for k in batch if self._sending else []:
                 # NOTE: copy on write: a zero-copy params frame may still read this memory
                 if any(not t.done for t in self._sending.pop(k, [])):
-                    p.data = p.data.clone()
-                # Async with an unscaled gradient: the received buffer itself, no copy
-                p.grad = self.stepper.combine([g[k] for g in grads], staleness, p.dtype)
-            update = {k: self.params[k].grad for k in batch}
-            hyper = self.stepper.step(staleness, self.policy.mean_staleness)
+                    self.params[k].data = self.params[k].data.clone()
+            # NOTE: a key stepped alone with one unscaled gradient steps on the received buffer
+            stepped, hyper = self.stepper.apply([self.params[k] for k in batch],
+                                                [[g[k] for k in batch] for g in grads],
+                                                staleness, self.policy.mean_staleness,
+                                                keep=self.chain is not None)
             if self.chain is not None:  # NOTE: batch by batch: the copy overlaps the next
-                self.chain.forward(self.index, update, self.policy.version, hyper)
+                self.chain.forward(self.index, dict(zip(batch, stepped)), self.policy.version,
+                                   hyper)
 
     def _send_params(self, w: int, have: int) -> None:
         """Answer worker w's pull: the shard as a stream of chunk messages, the last one

@@ -135,13 +135,16 @@ def restart_report(path: str, job: str, side: tuple[str | None, int] | None,
 
 
 def shard_tensors(params: dict, optimizer) -> dict[str, torch.Tensor]:
-    """A shard's tensors as a snapshot names them: "param/<key>", "state/<name>/<key>"."""
-    tensors = {f"param/{k}": p.detach() for k, p in params.items()}
+    """A shard's tensors as a snapshot names them: "param/<key>", "state/<name>/<key>".
+
+    Copies: a server's keys and their state are views of one buffer, and a scalar state
+    (Adam's step) is one tensor for many keys (ps/runs.py), which safetensors refuses."""
+    tensors = {f"param/{k}": p.detach().clone() for k, p in params.items()}
     if optimizer is not None:
         for k, p in params.items():
             for name, v in optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
-                    tensors[f"state/{name}/{k}"] = v.detach().reshape(v.shape)
+                    tensors[f"state/{name}/{k}"] = v.detach().clone()
     return tensors
 
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from disttrain.ps.runs import RunStep, eligible, mean
+
 __all__ = ["UpdateRule", "StaleStep", "STEPS", "MOMENTA", "implicit_momentum",
            "mean_staleness", "divergence_warning"]
 
@@ -81,10 +83,16 @@ def mean_staleness(histogram: dict) -> float:
 
 
 class StaleStep:
-    """Steps one server's optimizer under an `UpdateRule`; never blocks."""
+    """Steps one server's optimizer under an `UpdateRule`; never blocks.
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, rule: UpdateRule):
+    With `runs` (the default) an optimizer that `runs.eligible` accepts steps adjacent
+    keys as one tensor (runs.py: bitwise the same, far fewer torch calls); `runs=False`
+    steps key by key (a benchmark's baseline)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, rule: UpdateRule,
+                 runs: bool = True):
         self.optimizer, self.rule = optimizer, rule
+        self.runs = RunStep(optimizer) if runs and eligible(optimizer) else None
         self.scale_grads = isinstance(optimizer, torch.optim.SGD)
         groups = optimizer.param_groups if optimizer is not None else []
         name = type(optimizer).__name__
@@ -105,13 +113,26 @@ class StaleStep:
         """The gradient to step with: the mean of `grads`, each scaled by its staleness
         when the optimizer is SGD (else scaled in `step`). One unscaled gradient is
         returned as it is (no copy)."""
-        scales = [self.rule.scale(s) if self.scale_grads else 1.0 for s in staleness]
-        if len(grads) == 1 and scales[0] == 1.0:
-            return grads[0].to(dtype)
-        total = grads[0].to(dtype) * scales[0]
-        for g, s in zip(grads[1:], scales[1:]):
-            total.add_(g.to(dtype), alpha=s)
-        return total.div_(len(grads))
+        return mean(grads, self._scales(staleness), dtype)
+
+    def _scales(self, staleness: list[int]) -> list[float]:
+        return [self.rule.scale(s) if self.scale_grads else 1.0 for s in staleness]
+
+    def apply(self, params: list[torch.nn.Parameter], grads: list[list[torch.Tensor]],
+              staleness: list[int], measured: Callable[[], float], keep: bool = False
+              ) -> tuple[list | None, tuple]:
+        """One update of `params` (keys): `combine` each key's gradients (`grads`: one
+        list per push, a gradient per key, pushes of these staleness values), then `step`.
+        Returns (with `keep`, the gradient stepped per key, else None; what `step`
+        returned): what a replica needs to take the same step."""
+        if self.runs is not None:
+            stepped = self.runs.load(params, grads, self._scales(staleness), keep)
+        else:
+            stepped = []
+            for i, p in enumerate(params):
+                p.grad = self.combine([g[i] for g in grads], staleness, p.dtype)
+                stepped.append(p.grad)
+        return stepped if keep else None, self.step(staleness, measured)
 
     def step(self, staleness: list[int], measured: Callable[[], float]) -> tuple:
         """optimizer.step() for gradients of these staleness values, with the lr and
@@ -129,8 +150,12 @@ class StaleStep:
         """optimizer.step() with lr x `lr_factor` and momentum lowered by `implicit` (None:
         as built), then zero_grad: a replica's copy of a step `step` took (replica.py)."""
         with _hyper(self.optimizer, lr_factor, implicit):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            if self.runs is not None:
+                self.runs.step()  # NOTE: clears what it stepped
+            else:
+                self.optimizer.step()
+        if self.runs is None:
+            self.optimizer.zero_grad(set_to_none=True)
         if implicit is not None:
             self.last_momentum = max(0.0, self.user_momentum - implicit)
 

@@ -247,7 +247,7 @@ class Worker:
 
     def _send_grads(self, names: list[str]) -> None:
         h = self._attempt_handle()
-        per_server: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+        per_server: dict[int, list[tuple[str, list]]] = defaultdict(list)  # (key, tensors)
         for name in names:
             p = self.params[name]
             # NOTE: no copy: the frames reference .grad until the servers ack; the push
@@ -260,25 +260,35 @@ class Worker:
                                                             self._chunks[name]])
                      if self.feedback is not None else [None] * len(self._chunks[name]))
             for (s, c), pair in zip(self._chunks[name], parts):
-                keys, tensors = per_server[s]
-                keys += [c.key] if pair is None else [c.key, c.key]
-                tensors += [g[c.start:c.stop]] if pair is None else list(pair)
+                per_server[s].append((c.key, [g[c.start:c.stop]] if pair is None else list(pair)))
             self._sent.add(name)
-        per = 1 if self.feedback is None else 2  # tensors per key
-        for s, (keys, tensors) in per_server.items():
-            sizes = [sum(t.numel() * t.element_size() for t in tensors[i:i + per])
-                     for i in range(0, len(tensors), per)]
+        for s, entries in per_server.items():
+            sizes = [sum(t.numel() * t.element_size() for t in ts) for _, ts in entries]
             groups = group_keys(sizes, self.chunk_bytes)
             for n, g in enumerate(groups):  # NOTE: a stream of chunk messages, one ack
                 meta = {"clock": self._clock, "version": self._version[s]}
+                sent, zero = self._frame([entries[i] for i in g])
                 if self.feedback is not None:
                     meta["sparse"] = 1
-                at = slice(g[0] * per, (g[-1] + 1) * per)
+                if zero:
+                    meta["zero"] = zero
                 last = n == len(groups) - 1
                 if last:
                     meta["ack"] = 1
-                self._send(s, Message("push", meta, keys[at], tensors[at]),
-                           h if last else None, "ack")
+                self._send(s, Message("push", meta, [k for k, ts in sent for _ in ts],
+                                      [t for _, ts in sent for t in ts]), h if last else None,
+                           "ack")
+
+    @staticmethod
+    def _frame(entries: list[tuple[str, list]]) -> tuple[list, list[str]]:
+        """A push frame's (key, tensors) to send and the keys it names as zero: a sparse
+        key where top-k selected nothing travels by name (schema "zero"), in the frame its
+        empty pair would have been in, so the server steps it with the same frame; a
+        frame still carries one tensor (an empty pair when all its keys are empty)."""
+        empty = [len(ts) == 2 and not len(ts[0]) for _, ts in entries]  # (idx, val) pairs
+        sent = [e for e, no in zip(entries, empty) if not no] or entries[:1]
+        named = {k for k, _ in sent}
+        return sent, [k for (k, _), no in zip(entries, empty) if no and k not in named]
 
     def _send(self, s: int, msg: Message, handle: Handle | None, reply: str) -> None:
         if handle is not None:
