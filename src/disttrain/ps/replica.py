@@ -296,7 +296,7 @@ class Replicas:
 
     def tick(self) -> None:
         """Beat on every link; raise PSError naming a successor that owes commits, or a
-        predecessor that has not ended, silent for `timeout` s (no replica takes over)."""
+        predecessor that has not ended, silent for `timeout` x `patience` s."""
         now = time.monotonic()
         if now >= self._next_beat:
             for j, link in self.links.items():
@@ -310,9 +310,9 @@ class Replicas:
             if (owed or link.session is None) and now - self._heard[j] > self.timeout * self.patience:
                 raise PSError(
                     f"server {self.index}: replica server {j} at {self.addresses[j]} silent "
-                    f"for {now - self._heard[j]:.1f}s (timeout {self.timeout}s), "
-                    f"{owed} replicate frames uncommitted: with replicas={self.r} every update "
-                    "waits for every replica (no replica takes over yet)")
+                    f"for {now - self._heard[j]:.1f}s (timeout {self.timeout}s), {owed} replicate "
+                    f"frames uncommitted: with replicas={self.r} every update waits for every "
+                    "replica" + (", and no manager marked it dead" if self.patience > 1 else ""))
         for peer, seen in self._seen.items():
             feeds = {(self.chains[k][0], peer - self.base) for k in self.expect[peer]}
             if not feeds <= self.finals and now - seen > self.timeout * self.patience:

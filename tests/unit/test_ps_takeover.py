@@ -1,0 +1,121 @@
+"""The manager's side of a takeover (ps/membership.py, ps/manager.py) and the worker's view.
+
+A server whose process is gone (one on the manager's host: an ipc address and a pid) is
+marked dead within the fast bound, not the whole timeout; a server that reports the
+dead server's keys it took over (`report.adopted`) is one new ring version, an event
+naming who took what, at which version, how long after the dead one's last heartbeat,
+kept across a manager restart and carried by every `ring` answer (`takeovers`), where a
+worker finds it. A worker whose dead server has no copy (replicas=1, or every copy
+dead) is told so at once, naming the server and the fix (ps/reroute.py).
+"""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from disttrain.ps.manager import _gone
+from disttrain.ps.manager_link import SERVER_PARTY
+from disttrain.ps.membership import Membership
+from disttrain.ps.placement import plan_keys
+from disttrain.ps.reroute import Routes
+from tests.unit.test_ps_manager import Live, _register, secret_env  # noqa: F401 - a fixture
+
+SHARD0 = [["a", 400, [0, 1]], ["b", 100, [0, 1]]]
+SHARD1 = [["c", 300, [1, 0]]]
+ROW = {"server": 1, "by": 0, "address": "ipc://route", "keys": 1, "bytes": 300, "version": 7,
+       "after": 0.01}
+
+
+def _two(pid1: int = 0) -> Membership:
+    m = Membership()
+    m.register(0, "ipc://s0", "fp", 2, SHARD0, 0.0)
+    m.register(1, "ipc://s1", "fp", 2, SHARD1, 0.0, pid=pid1)
+    return m
+
+
+def test_a_server_whose_process_is_gone_is_dead_at_the_fast_bound_not_the_timeout():
+    m = _two(pid1=4242)
+    m.beat(0, 1, 1, False, now=2.5)
+    gone = {0: False, 1: True}
+    assert m.expire(now=1.9, timeout=10.0, gone=lambda x: gone[x.server], soon=2.0) == []
+    events = m.expire(now=2.1, timeout=10.0, gone=lambda x: gone[x.server], soon=2.0)
+    assert events == ["ring version 3: server 1 at ipc://s1 process 4242 is gone (silent 2.1 "
+                      "s): marked dead"] and m.members[1].state == "dead"
+    assert m.expire(now=9.0, timeout=10.0, gone=lambda x: False, soon=2.0) == []  # alive: waits
+
+
+def test_a_takeover_is_one_version_an_event_and_part_of_every_ring(tmp_path):
+    m = _two()
+    m.beat(0, 1, 1, False, now=10.5)
+    m.expire(now=11.0, timeout=10.0)
+    assert m.adopt(0, [ROW], now=12.5) and m.version == 4
+    assert m.events[-1] == ("ring version 4: server 0 took over 1 keys (0.00 MB) of dead server "
+                            "1 at version 7, 12.5 s after its last heartbeat; workers reach "
+                            "them at ipc://route")
+    assert not m.adopt(0, [ROW], now=13.0) and m.version == 4  # every report repeats it
+    m.save(str(tmp_path / "m.json"))
+    again = Membership.from_json((tmp_path / "m.json").read_text(), now=0.0)
+    assert again.takeovers == [ROW] and again.members[1].pid == 0
+    assert m.register(1, "ipc://s1-new", "fp", 2, SHARD1, 20.0) and m.takeovers == []
+
+
+def test_gone_reads_the_process_table_for_local_servers_only():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        m = _two(pid1=child.pid).members[1]
+        assert not _gone(m)
+        child.kill()
+        child.wait()
+        assert _gone(m)
+        m.address = "tcp://10.0.0.2:5000"  # another host: its pid means nothing here
+        assert not _gone(m)
+    finally:
+        child.kill()
+
+
+@pytest.mark.timeout(30)
+def test_the_ring_carries_takeovers_to_workers(tmp_path):
+    live = Live(str(tmp_path / "m.json"), timeout=0.6)
+    try:
+        s0, s1 = live.link(SERVER_PARTY), live.link(SERVER_PARTY + 1)
+        _register(s0, 0, SHARD0)
+        _register(s1, 1, SHARD1)
+        deadline = time.monotonic() + 5
+        while s0.request("report", server=0, version=3, pushes=1).meta["version"] < 3:
+            assert time.monotonic() < deadline, "server 1 never marked dead"
+            time.sleep(0.1)
+        ring = s0.request("report", server=0, version=3, pushes=1, adopted=[ROW]).meta
+        assert ring["version"] == 4 and ring["takeovers"] == [ROW]
+        assert live.link(0).request("lookup").meta["takeovers"] == [ROW]
+    finally:
+        live.close()
+
+
+class _Worker:  # what Routes reads of a worker before any re-route
+    rank, addresses = 0, ["ipc://s0", "ipc://s1"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("replicas,needle", [
+    (1, "marks it dead) and with replicas=1 no other server holds its keys: start the job "
+        "with replicas >= 2"),
+    (2, "every copy of")])
+def test_a_worker_is_told_at_once_when_no_copy_can_take_over(tmp_path, secret_env, replicas,
+                                                             needle):
+    live = Live(str(tmp_path / "m.json"), timeout=0.6)
+    try:
+        for i, shard in ((0, SHARD0), (1, SHARD1)):
+            _register(live.link(SERVER_PARTY + i), i, shard)
+        plan = plan_keys([("w", 1000, 4)], 2, chunk_bytes=400)
+        routes = Routes(_Worker(), plan, replicas, live.address)
+        deadline, text = time.monotonic() + 5, None
+        while text is None:  # both servers silent: 1 is marked dead, then 0
+            assert time.monotonic() < deadline, "no verdict"
+            text = routes.silent(1, quiet=3.0, beat=1.0)
+            time.sleep(0.6)
+        assert text.startswith("server 1 at ipc://s1 died") and needle in text, text
+        routes.close()
+    finally:
+        live.close()
