@@ -11,16 +11,27 @@ dead) is told so at once, naming the server and the fix (ps/reroute.py).
 
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
+import torch
+import zmq
 
+from disttrain.ps.frame import Message
 from disttrain.ps.manager import _gone
 from disttrain.ps.manager_link import SERVER_PARTY
 from disttrain.ps.membership import Membership
 from disttrain.ps.placement import plan_keys
+from disttrain.ps.policy import Sync
+from disttrain.ps.replica import Replicas
 from disttrain.ps.reroute import Routes
-from tests.unit.test_ps_manager import Live, _register, secret_env  # noqa: F401 - a fixture
+from disttrain.ps.server import Server
+from disttrain.ps.takeover import Takeover
+from disttrain.ps.transport import WorkerLink
+from tests.unit.test_ps_manager import KEY, Live, _register
+from tests.unit.test_ps_manager import secret_env as secret_env  # a fixture
 
 SHARD0 = [["a", 400, [0, 1]], ["b", 100, [0, 1]]]
 SHARD1 = [["c", 300, [1, 0]]]
@@ -119,3 +130,104 @@ def test_a_worker_is_told_at_once_when_no_copy_can_take_over(tmp_path, secret_en
         routes.close()
     finally:
         live.close()
+
+
+# ---- a copy takes over, on the real wire ---------------------------------------------------
+class _Ring:
+    """The heartbeat as Takeover reads it: the newest ring, the rows it reports."""
+
+    def __init__(self):
+        self.ring, self.adopted = {"version": 2, "servers": []}, []
+
+
+def _link(ctx, address: str, who: int, server: int, keys: list[str]) -> WorkerLink:
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    link = WorkerLink(sock, KEY, who, server)
+    link.send(Message("hello", {"keys": keys, "policy": "Sync()", "replicas": 2}))
+    assert _read(link).op == "welcome"
+    return link
+
+
+def _read(link: WorkerLink) -> Message:
+    end = time.monotonic() + 20
+    while link.sock.poll(max(1, int((end - time.monotonic()) * 1000))):
+        got = link.recv()
+        if got is not None and got.op != "pong":
+            return got
+    raise TimeoutError("no reply")
+
+
+@pytest.mark.timeout(90)
+def test_a_copy_takes_over_a_half_forwarded_sync_round_and_applies_no_push_twice():
+    """Server 1 heads x and y (copied on server 0). Round 1 reached the copy whole, round
+    2 only its x half (server 1 died between two batches of that update). Server 0 takes
+    over at version 1: the workers send round 2's pushes again (and worker 0 round 1's
+    too, never acknowledged): y gets round 2's mean, x nothing more, round 1 nothing more;
+    values and momentum end as one process stepping the same rounds."""
+    torch.manual_seed(0)
+    init = {"w": torch.randn(64), "x": torch.randn(4), "y": torch.randn(4)}
+    plan = plan_keys([(n, t.numel(), 4) for n, t in init.items()], 2)
+    assert [[c.key for c in s] for s in plan] == [["w"], ["x", "y"]]
+    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    server = Server(0, plan[0], init, Sync(), opt, [0, 1], KEY, timeout=60)
+    server.chain = Replicas(0, 2, plan, 2, init, opt, Sync(), server.ep, KEY, timeout=60)
+    ctx = zmq.Context()
+    dead = ctx.socket(zmq.ROUTER)  # server 1's address: it never answers
+    dead_at = f"ipc://{tempfile.mkdtemp()}/s1"
+    dead.bind(dead_at)
+    server.chain.connect({1: dead_at})
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    grads = {(w, c, k): torch.randn(4) for w in (0, 1) for c in (0, 1) for k in "xy"}
+    mean = {(c, k): (grads[(0, c, k)] * 1.0).add_(grads[(1, c, k)], alpha=1.0).div_(2)
+            for c in (0, 1) for k in "xy"}
+    pred = _link(ctx, server.address, 2 + 1, 0, ["x", "y"])  # server 1's replica link
+    for meta, keys in (({"version": 1, "pushes": [[0, 0], [1, 0]]}, ["x", "y"]),
+                       ({"version": 2, "pushes": [[0, 1], [1, 1]]}, ["x"])):
+        pred.send(Message("replicate", {"origin": 1, "lr": 1.0, "final": 0, **meta}, keys,
+                          [mean[(meta["version"] - 1, k)] for k in keys]))
+        assert _read(pred).op == "commit"
+    beat = _Ring()
+    take = Takeover(server, beat, plan, init, Sync(), opt, KEY, host="127.0.0.1",
+                    chunk_bytes=1 << 20)
+    beat.ring = {"version": 3, "servers": [{"server": 0, "state": "alive"},
+                                           {"server": 1, "state": "dead"}]}
+    end = time.monotonic() + 20
+    while not beat.adopted:
+        assert time.monotonic() < end, "server 0 never took over"
+        time.sleep(0.05)
+    row = beat.adopted[0]
+    assert (row["server"], row["by"], row["keys"], row["version"]) == (1, 0, 2, 1)
+    workers = [_link(ctx, row["address"], w, 1, ["x", "y"]) for w in (0, 1)]
+    workers[0].send(Message("push", {"clock": 0, "version": 0, "ack": 1}, ["x", "y"],
+                            [grads[(0, 0, "x")], grads[(0, 0, "y")]]))
+    assert _read(workers[0]).op == "ack"  # applied before the takeover: acknowledged only
+    for w, link in enumerate(workers):
+        link.send(Message("push", {"clock": 1, "version": 1, "ack": 1, "pull": 1}, ["x", "y"],
+                          [grads[(w, 1, "x")], grads[(w, 1, "y")]]))
+    answers = []
+    for link in workers:  # NOTE: the route has no copy: it acks on receipt (or with the params)
+        while (a := _read(link)).op == "ack":
+            pass
+        answers.append(a)
+    assert all(a.op == "params" and a.meta["version"] == 2 for a in answers)
+    # one process stepping the same rounds: x twice, y once then once more
+    ref = {k: torch.nn.Parameter(init[k].clone()) for k in "xy"}
+    ref_opt = opt(list(ref.values()))
+    for step in ({"x": mean[(0, "x")], "y": mean[(0, "y")]}, {"x": mean[(1, "x")]},
+                 {"y": mean[(1, "y")]}):
+        for k, g in step.items():
+            ref[k].grad = g
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    got = dict(zip(answers[0].keys, answers[0].tensors))
+    assert all(torch.equal(got[k], ref[k].detach()) for k in "xy"), (got, ref)
+    route = take.routes[0][0]
+    assert all(torch.equal(route.optimizer.state[route.params[k]]["momentum_buffer"],
+                           ref_opt.state[ref[k]]["momentum_buffer"]) for k in "xy")
+    assert route.policy.applied == 2 and route.policy.version == 2
+    for link in [*workers, pred]:
+        link.close()
+    dead.close()
+    ctx.term()
