@@ -71,8 +71,7 @@ class Replicas:
         self._version_sent: dict[int, int] = defaultdict(lambda: -1)
         self._pending: list[tuple[dict, object]] = []  # (needed commits, what to do then)
         self._above: dict[int, set[int]] = defaultdict(set)  # frames committed past the prefix
-        self._ctx = zmq.Context()
-        self._heard: dict[int, float] = {}
+        self._ctx, self._heard = zmq.Context(), {}  # successor -> when it last answered
         self._seen = dict.fromkeys(self.expect, time.monotonic())
         self._next_beat, self.final_sent = 0.0, False
         # takeover.py: [worker, clock] of the pushes in the update being forwarded; head ->
@@ -138,8 +137,7 @@ class Replicas:
         meta = {"origin": origin, "version": version, "lr": float(lr), "final": int(final)}
         if momentum is not None:
             meta["momentum"] = float(momentum)
-        pushes = self.pushes if via is None else pushes
-        if update and pushes:
+        if update and (pushes := self.pushes if via is None else pushes):
             meta["pushes"] = [list(p) for p in pushes]
         per: dict[int, list[str]] = defaultdict(list)
         for k in update:
@@ -182,8 +180,7 @@ class Replicas:
         else:
             self._pending.append((need, action))
 
-    def _run_ready(self) -> None:
-        """Run every action whose commits all came (in the order they were asked for)."""
+    def _run_ready(self) -> None:  # every action whose commits all came, in order
         ready = [a for need, a in self._pending if all(self._committed(i, n)
                                                        for i, n in need.items())]
         self._pending = [(need, a) for need, a in self._pending if a not in ready]
@@ -213,10 +210,10 @@ class Replicas:
             want = (list(self.expect.get(peer, {})), self.policy_repr, self.r)
             got = (msg.meta["keys"], msg.meta["policy"], msg.meta["replicas"])
             self.ep.send(session, Message("welcome", {"version": 0}) if got == want else Message(
-                "error", {"message": f"server {self.index} expects from server "
-                          f"{peer - self.base} {len(want[0])} keys under {want[1]}, replicas="
-                          f"{want[2]}; it offers {len(got[0])} under {got[1]}, replicas="
-                          f"{got[2]}: build the same model, policy and replicas on every rank"}))
+                "error", {"message": f"server {self.index} expects from server {peer - self.base} "
+                          f"{len(want[0])} keys under {want[1]}, replicas={want[2]}; it offers "
+                          f"{len(got[0])} under {got[1]}, replicas={got[2]}: build the same "
+                          "model, policy and replicas on every rank"}))
         elif msg.op == "replicate":
             self._replicate(session, msg)
         elif msg.op == "beat":
@@ -322,11 +319,14 @@ class Replicas:
 
     def drop(self, dead: int) -> None:
         """Server `dead` is gone (the manager's ring says so): what was sent to it counts as
-        committed (this server is the tail of those chains now), nothing more goes to it,
-        and nothing more is awaited from it. Runs the acks and answers that were waiting."""
+        committed (this server is the tail of those chains now), nothing more goes to it or
+        is awaited from it, and a copy it fed as a middle is forgotten (it would go stale).
+        Runs the acks and answers that were waiting."""
         self.dead.add(dead)  # NOTE: its link stays open (polled, counted) until close()
         self.committed[dead] = self.sent[dead]
         self._above.pop(dead, None), self._queue.pop(dead, None)
+        for k in [k for k in self.expect.get(self.base + dead, {}) if self.chains[k][0] != dead]:
+            self.params.pop(k, None)
         self.hop = {k: None if j == dead else j for k, j in self.hop.items()}
         for nexts in [*self.origin_hops.values(), *self.paths.values()]:
             nexts.discard(dead)

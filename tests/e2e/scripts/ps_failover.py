@@ -5,7 +5,7 @@ step's push was sent, before its ack; "acked": once it was acknowledged). Modes:
 "sync" trains an MLP with momentum SGD under Sync and worker 0 prints a digest of the
 final parameters; "count" runs Async with lr 1 and a constant step, each push a one-hot
 gradient at its own (worker, step) entry, so the final parameters count how often each
-push was applied. Server ranks publish their process id in the store; worker 0 kills
+push was applied. argv[5]: replicas (default 2). Server ranks publish their process id in the store; worker 0 kills
 one. `reference()` (imported by the test) is the same Sync training in one process, as
 the servers compute it: the mean of the workers' gradients summed in worker order, one
 momentum step per round; it returns the digest the job must end with.
@@ -72,7 +72,7 @@ def reference() -> str:
         torch.set_num_threads(threads)
 
 
-def main(mode: str, kill_at: int, victim: int, when: str) -> None:
+def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None:
     import disttrain
     from disttrain import ps
 
@@ -86,7 +86,7 @@ def main(mode: str, kill_at: int, victim: int, when: str) -> None:
         policy, opt = ps.Async(step="constant"), lambda p: torch.optim.SGD(p, lr=1.0)
     if disttrain.role() == "server":
         store.set(f"failover/pid{disttrain.rank() - WORKERS}", str(os.getpid()))
-    conn = ps.connect(model, policy, optimizer=opt, replicas=2)  # servers serve here and exit
+    conn = ps.connect(model, policy, optimizer=opt, replicas=replicas)  # servers exit here
     rank = disttrain.rank()
     gen = torch.Generator().manual_seed(rank)
     for step in range(1, STEPS + 1):
@@ -112,4 +112,5 @@ def main(mode: str, kill_at: int, victim: int, when: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+         int(sys.argv[5]) if len(sys.argv) > 5 else 2)
