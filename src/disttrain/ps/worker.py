@@ -416,7 +416,8 @@ class Worker:
                 text = self.routes.silent(s, now - heard[s], self._beat_every)
                 if text:
                     self._fail(text)
-            if any(w.values()) and now - heard[s] > self.timeout and self._error is None:
+            patience = 2 if self.routes.on else 1  # NOTE: the manager's verdict comes first
+            if any(w.values()) and now - heard[s] > self.timeout * patience and not self._error:
                 # NOTE: a bad MAC before any session: the answer to our hello (same secret)
                 unread = eps[s].session is None and eps[s].rejected.get("bad MAC")
                 self._error = PSError(f"server {s} at {self.addresses[s]} silent for "
