@@ -164,6 +164,7 @@ class Routes:
         acks = list(waiting.pop("ack", []))
         for group in owed:
             for msg in group:
+                msg.meta.pop("pull", None)  # NOTE: the pulls d owed are asked again below
                 handle = [(acks.pop(0), "ack")] if msg.meta.get("ack") and acks else []
                 self._split(d, msg, handle)
         for op, reply in (("pull", "params"), ("done", "bye")):
