@@ -47,7 +47,7 @@ PS_MAC = "DISTTRAIN_PS_MAC"
 PS_IPC = "DISTTRAIN_PS_IPC"
 PS_SHM = "DISTTRAIN_PS_SHM"
 PS_MANAGER = "DISTTRAIN_PS_MANAGER"
-PS_TAKEOVER = "DISTTRAIN_PS_TAKEOVER_FILE"
+PS_TAKEOVER_FILE = "DISTTRAIN_PS_TAKEOVER_FILE"
 LINK_GBPS = "DISTTRAIN_LINK_GBPS"
 ALPHA_US = "DISTTRAIN_ALPHA_US"
 LOCAL_GBPS = "DISTTRAIN_LOCAL_GBPS"
@@ -168,7 +168,7 @@ class Settings:
     ps_manager: str | None = _var(PS_MANAGER, TEXT, None, RUN)
     """The parameter-server manager's address (`run --servers` starts one and sets it):
     servers register there and workers learn the ring from it; unset: the c10d store."""
-    ps_takeover_file: str | None = _var(PS_TAKEOVER, TEXT, None, RUN)
+    ps_takeover_file: str | None = _var(PS_TAKEOVER_FILE, TEXT, None, RUN)
     """Set by the launcher for a server rank: the server writes there that copies of its
     keys would take over (replicas >= 2 with a manager), so its SIGKILL ends the rank with
     0 and the job goes on (ps/takeover.py)."""

@@ -163,7 +163,7 @@ def supervise(argv: list[str], role: str) -> int:
     env = {**os.environ, settings.SUPERVISED: "1"}
     fd, said = tempfile.mkstemp(prefix="disttrain-takeover-")
     os.close(fd)
-    env[settings.PS_TAKEOVER] = said
+    env[settings.PS_TAKEOVER_FILE] = said
     try:
         code = subprocess.call([sys.executable, "-u", os.path.abspath(__file__), *argv], env=env)
         with open(said) as f:
