@@ -369,8 +369,8 @@ class Worker:
         try:
             while self._loop_once(eps, poller, waiting, heard):
                 if time.monotonic() >= next_beat:
-                    for ep in eps:
-                        if ep.session is not None:
+                    for s, ep in enumerate(eps):
+                        if ep.session is not None and s not in self.routes.routes:  # live
                             ep.send(Message("beat", {}))
                     next_beat = time.monotonic() + beat_every
         except Exception as e:  # noqa: BLE001 - surfaced to the compute thread
