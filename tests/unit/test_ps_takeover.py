@@ -22,7 +22,7 @@ import zmq
 from disttrain.ps.frame import Message
 from disttrain.ps.manager import _gone
 from disttrain.ps.manager_link import SERVER_PARTY
-from disttrain.ps.membership import Membership
+from disttrain.ps.membership import Membership, Refused
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
 from disttrain.ps.replica import Replicas
@@ -59,6 +59,10 @@ def test_a_server_whose_process_is_gone_is_dead_at_the_fast_bound_not_the_timeou
 
 def test_a_takeover_is_one_version_an_event_and_part_of_every_ring(tmp_path):
     m = _two()
+    with pytest.raises(Refused, match="server 0 reports taking over server 1's keys, which "
+                       "ring version 2 does not mark dead"):
+        m.adopt(0, [ROW], now=1.0)  # a stale or forged report changes nothing
+    assert m.version == 2 and m.takeovers == []
     m.beat(0, 1, 1, False, now=10.5)
     m.expire(now=11.0, timeout=10.0)
     assert m.adopt(0, [ROW], now=12.5) and m.version == 4

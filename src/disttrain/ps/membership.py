@@ -195,9 +195,13 @@ class Membership:
         new = [dict(r, by=by) for r in rows if not any(
             (t["server"], t["by"]) == (r["server"], by) for t in self.takeovers)]
         for r in new:
-            self.takeovers.append(r)
             dead = self.members.get(r["server"])
-            since = f", {now - dead.beat:.1f} s after its last heartbeat" if dead else ""
+            if dead is None or dead.state != DEAD or r["by"] != by:
+                raise Refused(f"server {by} reports taking over server {r['server']}'s keys, "
+                              f"which ring version {self.version} does not mark dead (members: "
+                              f"{self._names()}): only a dead server's keys are taken over")
+            self.takeovers.append(r)
+            since = f", {now - dead.beat:.1f} s after its last heartbeat"
             self._change(f"server {by} took over {r['keys']} keys ({r['bytes'] / 1e6:.2f} MB) "
                          f"of dead server {r['server']} at version {r['version']}{since}; "
                          f"workers reach them at {r['address']}")
