@@ -320,13 +320,10 @@ class Replicas:
     def drop(self, dead: int) -> None:
         """Server `dead` is gone (the manager's ring says so): what was sent to it counts as
         committed (this server is the tail of those chains now), nothing more goes to it or
-        is awaited from it, and a copy it fed as a middle is forgotten (it would go stale).
-        Runs the acks and answers that were waiting."""
+        is awaited from it. Runs the acks and answers that were waiting."""
         self.dead.add(dead)  # NOTE: its link stays open (polled, counted) until close()
         self.committed[dead] = self.sent[dead]
         self._above.pop(dead, None), self._queue.pop(dead, None)
-        for k in [k for k in self.expect.get(self.base + dead, {}) if self.chains[k][0] != dead]:
-            self.params.pop(k, None)
         self.hop = {k: None if j == dead else j for k, j in self.hop.items()}
         for nexts in [*self.origin_hops.values(), *self.paths.values()]:
             nexts.discard(dead)

@@ -78,6 +78,10 @@ class Takeover:
         t0 = time.monotonic()
         self.chain.drop(d)
         index = self.server.index
+        for k, ch in self.chain.chains.items():  # NOTE: a copy nothing reaches any more would
+            if (k in self.chain.params and d in ch[:ch.index(index)]  # go stale: forget it,
+                    and first_live(ch, self.dead) != index):  # so none ever serves it
+                del self.chain.params[k]
         keys = [c.key for c in self.plan[d]
                 if first_live(self.chain.chains[c.key], self.dead) == index]
         if not keys:
