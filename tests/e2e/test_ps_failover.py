@@ -32,9 +32,14 @@ def _env() -> dict:
 
 
 def launch(*args: str, servers: int = 2, script: Path = SCRIPT) -> tuple[int, str]:
-    res = subprocess.run(
-        [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", str(servers),
-         str(script), *args], capture_output=True, text=True, timeout=170, env=_env())
+    """(exit code, output) of the job; a job that hangs is -1 with what it printed."""
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers",
+             str(servers), str(script), *args], capture_output=True, text=True, timeout=170,
+            env=_env())
+    except subprocess.TimeoutExpired as e:
+        return -1, f"{e}\n{e.stdout or ''}{e.stderr or ''}"
     return res.returncode, res.stdout + res.stderr
 
 
