@@ -6,6 +6,7 @@
     disttrain run --workers 4 --servers 1 examples/digits_ps.py --mode ssp --staleness 2
     disttrain run --workers 2 --servers 1 examples/digits_ps.py --topk 0.01
     disttrain run --workers 2 --servers 3 examples/digits_ps.py --replicas 2
+    disttrain run --workers 2 --servers 2 examples/digits_ps.py --replicas 2 --kill-server-at 30
 
 One script, both roles (as ps-lite's one binary): on a server rank `ps.connect` serves
 its shard until the workers are done, prints its report (staleness histogram, dropped
@@ -22,11 +23,17 @@ learning rate of a gradient by its staleness (--step, --momentum-rule choose ano
 e.g. `--step constant` for the plain one, which the servers' report warns about).
 With --replicas R every key range lives on R servers and a push is acknowledged once
 every copy applied it (chain replication); each server's report names its roles.
-Worker 0 ends with `final test accuracy: 0.9xxx`.
+With --replicas >= 2,
+--kill-server-at STEP has worker 0 SIGKILL a server mid-run: its copies take over, the
+job goes on, and under sync it ends with the same parameters as a run without the kill.
+Worker 0 ends with `final test accuracy: 0.9xxx` and a sha256 of the final parameters.
 """
 
 import argparse
+import hashlib
 import json
+import os
+import signal
 import time
 
 import torch
@@ -75,6 +82,13 @@ parser.add_argument("--eval-every", type=int, default=5, help="steps between --l
 parser.add_argument("--replicas", type=int, default=1,
                     help="copies of each key range, on the owner and the next servers of the "
                          "ring (chain replication; at most --servers); default 1: none")
+# server failover (docs/design/parameter-server.md, "Faults and takeover")
+parser.add_argument("--kill-server-at", type=int, default=0, metavar="STEP",
+                    help="worker 0 SIGKILLs a server at this step (0: never); with --replicas 2 "
+                         "its copies take over and the job goes on")
+parser.add_argument("--kill-server", type=int, default=0, metavar="I", help="the server to kill")
+parser.add_argument("--kill-when", choices=("pushed", "acked"), default="pushed",
+                    help="kill right after the step's push was sent, or once it was acknowledged")
 args = parser.parse_args()
 
 # -----------------------------------------------------------------------------
@@ -89,6 +103,16 @@ policy = {"sync": lambda: ps.Sync(), "ksync": lambda: ps.KSync(k),
           "ssp": lambda: ps.SSP(args.staleness, **rule)}[args.mode]()
 straggler = ps.Straggler.parse(args.straggler, seed=args.seed)
 torch.manual_seed(args.seed)  # same init on every rank; the servers' copy is the start
+store = torch.distributed.distributed_c10d._get_default_store()
+if disttrain.role() == "server":  # NOTE: --kill-server-at: worker 0 finds the process here
+    store.set(f"digits/pid{disttrain.rank() - workers}", str(os.getpid()))
+
+
+def kill_server(step: int, when: str) -> None:
+    """--kill-server-at: SIGKILL server --kill-server (one node: a pid in the store)."""
+    if rank == 0 and step == args.kill_server_at and when == args.kill_when:
+        print(f"worker 0: killing server {args.kill_server} (SIGKILL) at step {step}", flush=True)
+        os.kill(int(store.get(f"digits/pid{args.kill_server}")), signal.SIGKILL)
 
 # -----------------------------------------------------------------------------
 # model: the servers hold it in shards, the workers a working copy
@@ -134,7 +158,10 @@ for _ in range(args.epochs):
             loss = F.cross_entropy(model(x), y)
             conn.sleep(straggler.delay(rank, step))  # a slow machine, cut short on cancel
             loss.backward()
-            conn.push().wait()  # blocks until every server has the gradient
+            pushed = conn.push()
+            kill_server(step, "pushed")
+            pushed.wait()  # blocks until every server has the gradient
+            kill_server(step, "acked")
             done += 1
         except ps.Cancelled:
             continue  # the round closed without us: drop the step, pull the new version
@@ -157,4 +184,7 @@ if rank == 0:
     with torch.no_grad():
         accuracy = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
     print(f"final test accuracy: {accuracy:.4f}", flush=True)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    print(f"final parameters sha256 {hashlib.sha256(flat.numpy().tobytes()).hexdigest()}",
+          flush=True)
 disttrain.shutdown()

@@ -47,6 +47,7 @@ PS_MAC = "DISTTRAIN_PS_MAC"
 PS_IPC = "DISTTRAIN_PS_IPC"
 PS_SHM = "DISTTRAIN_PS_SHM"
 PS_MANAGER = "DISTTRAIN_PS_MANAGER"
+PS_TAKEOVER_FILE = "DISTTRAIN_PS_TAKEOVER_FILE"
 LINK_GBPS = "DISTTRAIN_LINK_GBPS"
 ALPHA_US = "DISTTRAIN_ALPHA_US"
 LOCAL_GBPS = "DISTTRAIN_LOCAL_GBPS"
@@ -167,6 +168,10 @@ class Settings:
     ps_manager: str | None = _var(PS_MANAGER, TEXT, None, RUN)
     """The parameter-server manager's address (`run --servers` starts one and sets it):
     servers register there and workers learn the ring from it; unset: the c10d store."""
+    ps_takeover_file: str | None = _var(PS_TAKEOVER_FILE, TEXT, None, RUN)
+    """Set by the launcher for a server rank: the server writes there that copies of its
+    keys would take over (replicas >= 2 with a manager), so its SIGKILL ends the rank with
+    0 and the job goes on (ps/takeover.py)."""
     link_gbps: float | None = _var(LINK_GBPS, GBPS, None)
     """The cost model's link between nodes, in Gbit/s (model default 10); `run --cluster`
     sets the cluster's link; the trace report compares collectives with it."""

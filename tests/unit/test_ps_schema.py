@@ -183,6 +183,8 @@ _WRONG = {
 }
 _SHARD = [{"key": "w#0", "bytes": 16, "chain": [0]}]
 _RING = [{"server": 0, "address": "ipc://x", "state": "alive", "attempt": 0}]
+_TAKEN = [{"server": 1, "by": 0, "address": "ipc://r", "keys": 2, "bytes": 8, "version": 3,
+           "after": 0.5}]  # a dead server's keys served by another (ps/takeover.py)
 _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "hello": {"server": 0, "protocol": PROTOCOL, "keys": KEYS, "policy": "Sync()"},
     "push": {"clock": 0, "version": 0, "sparse": 0, "ack": 1}, "pull": {"have": -1},
@@ -191,16 +193,18 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "bye": {"stats": {}, "staleness": []}, "error": {"message": "x"},
     # the server manager's (ps/manager.py)
     "register": {"server": 0, "address": "ipc://x", "fingerprint": "f", "expected": 1,
-                 "ring": -1, "attempt": 0, "shard": _SHARD},
-    "report": {"server": 0, "ring": 1, "version": 3, "pushes": 9, "final": 0},
+                 "ring": -1, "attempt": 0, "shard": _SHARD, "pid": 4242},
+    "report": {"server": 0, "ring": 1, "version": 3, "pushes": 9, "final": 0, "adopted": _TAKEN},
     "lookup": {"ring": -1}, "status": {}, "leave": {"server": 0, "ring": 1},
     "join": {"server": 1, "address": "ipc://y", "fingerprint": "f", "ring": 1},
-    "ring": {"version": 1, "expected": 1, "complete": 1, "stale": 0, "servers": _RING},
+    "ring": {"version": 1, "expected": 1, "complete": 1, "stale": 0, "servers": _RING,
+             "takeovers": _TAKEN},
     "state": {"version": 1, "expected": 1, "events": ["e"], "rejected": {}, "shard": [
         dict(_SHARD[0], server=0)], "servers": [dict(_RING[0], fingerprint="f", keys=1, bytes=16,
                                                      version=3, pushes=9, rate=1.5, silent=0)]},
-    "replicate": {"origin": 0, "version": 1, "lr": 1.0, "final": 0}, "commit": {"frame": 1},
-    "transfer": {"origin": 0, "version": 1, "part": 0, "parts": 1, "fields": []}}
+    "replicate": {"origin": 0, "version": 1, "lr": 1.0, "final": 0, "pushes": [[0, 3]]},
+    "commit": {"frame": 1}, "transfer": {"origin": 0, "version": 1, "part": 0, "parts": 1,
+                                         "fields": []}}
 
 
 def _wrong(f):

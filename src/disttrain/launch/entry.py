@@ -28,6 +28,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -144,26 +145,45 @@ def enable_stack_dumps(report_dir: str, rank: str, attempt: str):
     return fp
 
 
-def _is_ps_worker() -> bool:
+def _ps_role() -> str | None:
+    """"worker" or "server" for a rank of a parameter-server job, else None."""
     servers = settings.current().servers
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return servers > 0 and rank < world - servers
+    return None if servers <= 0 else "worker" if rank < world - servers else "server"
 
 
-def supervise(argv: list[str]) -> int:
-    """Run this rank in a child; a child killed by SIGKILL ends the rank with 0 (blocks).
+def supervise(argv: list[str], role: str) -> int:
+    """Run this rank in a child (blocks). A worker killed by SIGKILL ends the rank with 0;
+    so does a server whose copies take over (the child said so in a file: ps/connect.py);
+    any other server's SIGKILL ends this process the same way, as if unsupervised.
 
     NOTE: the agent stops a rank with killpg on its process group, which the child
     shares, so job shutdown and Ctrl-C still reach it without forwarding.
     """
     env = {**os.environ, settings.SUPERVISED: "1"}
-    code = subprocess.call([sys.executable, "-u", os.path.abspath(__file__), *argv], env=env)
-    if code == -signal.SIGKILL:
+    fd, said = tempfile.mkstemp(prefix="disttrain-takeover-")
+    os.close(fd)
+    env[settings.PS_TAKEOVER_FILE] = said
+    try:
+        code = subprocess.call([sys.executable, "-u", os.path.abspath(__file__), *argv], env=env)
+        with open(said) as f:
+            taken = f.read().strip()
+    finally:
+        os.remove(said)
+    rank = os.environ.get("RANK", "?")
+    if code == -signal.SIGKILL and role == "worker":
         sys.stderr.write(
-            f"disttrain: parameter-server worker rank {os.environ.get('RANK', '?')} was killed "
+            f"disttrain: parameter-server worker rank {rank} was killed "
             "(SIGKILL); the job goes on without it: the servers' policy decides (Sync stops "
             "with an error that names it)\n")
         return 0
+    if code == -signal.SIGKILL and taken:
+        sys.stderr.write(f"disttrain: server rank {rank} killed (SIGKILL); its replicas take "
+                         f"over ({taken}): the job goes on\n")
+        return 0
+    if code == -signal.SIGKILL:  # NOTE: the agent sees what it saw before supervision
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
     return 128 - code if code < 0 else code
 
 
@@ -176,8 +196,8 @@ def main(argv: list[str]) -> int:
     except settings.SettingsError as err:
         print(f"disttrain: error: {err}", file=sys.stderr)
         return 2
-    if _is_ps_worker() and not s.supervised:
-        return supervise(argv)
+    if _ps_role() and not s.supervised:
+        return supervise(argv, _ps_role())
     script, run = _target(argv)
     if s.report_dir:
         _dumps = enable_stack_dumps(s.report_dir, os.environ.get("RANK", "0"),  # noqa: F841

@@ -44,8 +44,10 @@ from disttrain.ps.manager_link import (
 from disttrain.ps.placement import Plan, plan_keys
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.replica import Replicas
+from disttrain.ps.report import format_stats
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
 from disttrain.ps.server import Server
+from disttrain.ps.takeover import Takeover
 from disttrain.ps.transport import job_secret
 from disttrain.ps.worker import Worker
 
@@ -148,15 +150,14 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
     else:
         dist.distributed_c10d._get_default_store().set(f"disttrain/{name}/addr{index}",
                                                        server.address)
-    if replicas > 1:
-        server.chain = Replicas(index, len(workers), plan, replicas,
-                                dict(model.named_parameters()), optimizer, policy, server.ep,
-                                job_secret(), timeout=timeout, chunk_bytes=chunk_bytes)
-        addresses = _addresses(group, name, len(plan))
-        server.chain.connect({j: addresses[j] for j in range(len(plan)) if j != index})
+    take = _replicate(server, model, plan, replicas, optimizer, policy, beat, host,
+                      _addresses(group, name, len(plan)) if replicas > 1 else [],
+                      len(workers), chunk_bytes) if replicas > 1 else None
     keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
     try:
         stats = server.serve()
+        if take is not None:
+            stats["takeovers"] = take.finish(3 * timeout)
     finally:
         if beat is not None:
             beat.stop()
@@ -201,10 +202,37 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
     policy = policy if policy is not None else Sync()
     check_replicas(replicas, len(plan), policy, len(workers))
     timeout = timeout if timeout is not None else settings.current().ps_timeout
-    addresses = _addresses(_manager(manager, name), name, len(plan))
+    group = _manager(manager, name)
+    addresses = _addresses(group, name, len(plan))
     return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),
                   timeout=timeout, overlap=overlap, compression=compression,
-                  chunk_bytes=chunk_bytes, replicas=replicas)
+                  chunk_bytes=chunk_bytes, replicas=replicas, manager=group)
+
+
+def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, policy: Policy,
+               beat, host: str | None, addresses: list[str], workers: int,
+               chunk_bytes: int) -> Takeover | None:
+    """Give `server` its copies and links to the next servers of its chains (replica.py)
+    and, with a manager (whose ring says who is dead), its takeover watch (takeover.py)."""
+    init = dict(model.named_parameters())
+    server.chain = Replicas(server.index, workers, plan, replicas, init, optimizer, policy,
+                            server.ep, job_secret(), timeout=server.timeout,
+                            chunk_bytes=chunk_bytes)
+    server.chain.connect({j: a for j, a in enumerate(addresses) if j != server.index})
+    if beat is None:
+        return None
+    _tell_supervisor(replicas)
+    return Takeover(server, beat, plan, init, policy, optimizer, job_secret(),
+                    host=host or settings.current().ps_host, chunk_bytes=chunk_bytes)
+
+
+def _tell_supervisor(replicas: int) -> None:
+    """Tell `disttrain run`'s supervisor of this server rank that a SIGKILL of it is taken
+    over by its copies (launch/entry.py): the rank then ends with 0 and the job goes on."""
+    path = settings.current().ps_takeover_file
+    if path:
+        with open(path, "w") as f:
+            f.write(f"replicas={replicas}\n")
 
 
 def _manager(manager: str | None, name: str) -> str | None:
@@ -284,58 +312,3 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     print(format_stats(stats), flush=True)
     runtime.shutdown()
     raise SystemExit(0)
-
-
-def format_stats(stats: dict) -> str:
-    """One line for a server's (or a job's) report (its keys and bytes, and how its bytes
-    compare with the mean of the job's servers when `serve` added it), and a second one
-    when its momentum and staleness are in the range where training diverges
-    (staleness.divergence_warning)."""
-    warning = stats.get("warning")
-    return _stats_line(stats) + (f"\n[ps server{stats.get('server', '?')}] WARNING: {warning}"
-                                 if warning else "")
-
-
-def _stats_line(stats: dict) -> str:
-    return (f"[ps server{stats.get('server', '?')}] {stats['policy']}: "
-            f"{stats.get('keys', '?')} keys, {stats.get('bytes', 0) / 1e6:.2f} MB"
-            + (f" ({stats['bytes'] / stats['mean_bytes']:.2f}x the mean of {stats['servers']} "
-               "servers)" if stats.get("mean_bytes") else "") + ", "
-            f"version {stats['version']}, "
-            f"applied {stats['applied']}, dropped late {stats['dropped']}, abandoned partial "
-            f"{stats.get('partial_dropped', 0)}, lost workers {stats['lost_workers']}, "
-            f"rejected frames {stats.get('rejected_frames', 0)}{_reasons(stats)}, "
-            f"staleness {stats['staleness']}"
-            + (f", pushes received {stats['push_bytes'] / 1e6:.3f} MB in "
-               f"{stats['push_frames']} frames ({stats.get('sparse_pushes', 0)} sparse)"
-               if "push_bytes" in stats else "")
-            + (f", momentum {stats['momentum']:g} stepped as {stats['applied_momentum']:.3f} "
-               "(corrected for asynchrony)" if stats.get("momentum_rule") == "corrected" else "")
-            + (f", restored version {stats['restored_version']} (lost updates "
-               f"{_or_unknown(stats['lost_updates'])})" if "restored_version" in stats else "")
-            + _replicas(stats))
-
-
-def _replicas(stats: dict) -> str:
-    """", replicas 2: head of 3 keys (0.01 MB), tail of 2 keys (...), sent ..."; "" if r = 1."""
-    if stats.get("replicas", 1) == 1:
-        return ""
-    roles: dict[str, list[int]] = {role: [0, 0] for role in ("head", "middle", "tail")}
-    for r in stats["ranges"]:
-        roles[r["role"]][0] += r["keys"]
-        roles[r["role"]][1] += r["bytes"]
-    held = ", ".join(f"{role} of {n} keys ({b / 1e6:.2f} MB)" for role, (n, b) in roles.items()
-                     if n)
-    return (f", replicas {stats['replicas']}: {held} in {len(stats['ranges'])} chains, "
-            f"replication sent {stats['replicate_bytes'] / 1e6:.3f} MB in "
-            f"{stats['replicate_frames']} frames")
-
-
-def _reasons(stats: dict) -> str:
-    """Why frames were rejected, e.g. " (schema:push.clock 2, protocol 1)"; "" if none."""
-    counts = stats.get("rejected") or {}
-    return f" ({', '.join(f'{k} {n}' for k, n in counts.items())})" if counts else ""
-
-
-def _or_unknown(n) -> str:
-    return "unknown" if n is None else str(n)

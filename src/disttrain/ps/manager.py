@@ -98,9 +98,10 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
         if msg.op == "register":
             members.register(m["server"], m["address"], m["fingerprint"], m["expected"],
                              [[r["key"], r["bytes"], r["chain"]] for r in m["shard"]], now,
-                             m["attempt"])
+                             m["attempt"], m["pid"])
         elif msg.op == "report":
             members.beat(m["server"], m["version"], m["pushes"], bool(m["final"]), now)
+            members.adopt(m["server"], m.get("adopted") or [], now)
         elif msg.op == "join":
             members.join(m["server"], m["address"], m["fingerprint"], held, now)
         elif msg.op == "leave":
@@ -109,7 +110,7 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
         return Message("error", {"message": f"server manager refused {msg.op}: {e}"})
     return Message("ring", {"version": members.version, "expected": members.expected,
                             "complete": int(members.complete()), "stale": int(held < members.version),
-                            "servers": members.ring_rows()})
+                            "servers": members.ring_rows(), "takeovers": members.takeovers})
 
 
 def serve_manager(state: str, *, host: str = "127.0.0.1", timeout: float = 10.0,
@@ -140,7 +141,7 @@ def serve_manager(state: str, *, host: str = "127.0.0.1", timeout: float = 10.0,
         while not stop.is_set() and (parent is None or os.getppid() == parent):
             if sock.poll(_TICK_MS):
                 _take(members, ep, sock, state, address)
-            for event in members.expire(time.monotonic(), timeout):
+            for event in members.expire(time.monotonic(), timeout, _gone, min(timeout, 2.0)):
                 _say(event)
                 members.save(state, {"address": address})
     finally:
@@ -169,6 +170,17 @@ def _take(members: Membership, ep: ManagerEndpoint, sock, state: str, address: s
         if members.version != before or len(members.events) != events:
             members.save(state, {"address": address})
         ep.send(session, reply)
+
+
+def _gone(m) -> bool:
+    """Is server `m`'s process gone? Known only for one on this host (an ipc address)."""
+    if not m.pid or not m.address.startswith("ipc://"):
+        return False
+    try:
+        with open(f"/proc/{m.pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # NOTE: a zombie is gone
+    except (OSError, IndexError):
+        return True
 
 
 def _say(text: str) -> None:

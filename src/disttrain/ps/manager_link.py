@@ -139,7 +139,9 @@ class Heartbeat(threading.Thread):
 
     `read()` returns (parameter version, push frames received): plain ints the server
     loop updates (reading them needs no lock). A manager that does not answer is reported
-    once per outage and tried again at the next beat; the server keeps serving.
+    once per outage and tried again at the next beat; the server keeps serving. `ring`
+    is the newest ring the manager answered with (the server loop reads it: takeover.py),
+    `adopted` the dead servers' keys this server serves, sent with every report.
     """
 
     def __init__(self, link: ManagerLink, server: int, read, interval: float):
@@ -147,6 +149,12 @@ class Heartbeat(threading.Thread):
         self.link, self.server, self.read, self.interval = link, server, read, interval
         self._quit = threading.Event()
         self.failed = False
+        self.adopted: list[dict] = []  # NOTE: replaced whole by the server loop, never mutated
+
+    @property
+    def ring(self) -> dict:
+        """The newest ring answer's meta (never blocks; a dict replaced whole)."""
+        return self.link.ring
 
     def run(self) -> None:
         while not self._quit.wait(self.interval):
@@ -162,9 +170,10 @@ class Heartbeat(threading.Thread):
 
     def _beat(self, final: bool) -> None:
         version, pushes = self.read()
+        extra = {"adopted": self.adopted} if self.adopted else {}
         try:
             self.link.request("report", timeout=max(self.interval, 1.0), server=self.server,
-                              version=version, pushes=pushes, final=int(final))
+                              version=version, pushes=pushes, final=int(final), **extra)
             self.failed = False
         except ManagerError as e:
             if not self.failed:
@@ -190,7 +199,7 @@ def register_server(address: str, index: int, servers: int, listen: str, finger:
     link = ManagerLink(address, SERVER_PARTY + index, timeout=timeout)
     try:
         link.request("register", server=index, address=listen, fingerprint=finger,
-                     expected=servers, attempt=attempt, shard=[{"key": k, "bytes": n, "chain": list(c)}
+                     expected=servers, attempt=attempt, pid=os.getpid(), shard=[{"key": k, "bytes": n, "chain": list(c)}
                                               for k, n, c in shard])
     except ManagerError:
         link.close()

@@ -62,6 +62,9 @@ class Member:
     """push frames per second between its last two heartbeats."""
     beat: float = 0.0
     """the caller's clock at its last heartbeat or registration (not saved)."""
+    pid: int = 0
+    """its process id (0: not given); a server on the manager's host whose process is gone
+    is dead at once, not after the whole timeout (`expire`)."""
 
     def row(self, fingerprint: str, now: float) -> dict:
         """This member as a `state` message row (schema.STATE_ROW)."""
@@ -85,10 +88,13 @@ class Membership:
     members: dict[int, Member] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     """membership changes in order, one line each (what the status and the report show)."""
+    takeovers: list[dict] = field(default_factory=list)
+    """a dead server's keys a copy serves now (schema.TAKEOVER_ROW): the `ring` carries them,
+    so a worker finds where a dead server's keys went (takeover.py)."""
 
     # ---- changes ------------------------------------------------------------------------
     def register(self, server: int, address: str, fingerprint: str, expected: int,
-                 shard: list, now: float, attempt: int = 0) -> bool:
+                 shard: list, now: float, attempt: int = 0, pid: int = 0) -> bool:
         """A launched server says where it listens and what it holds; True if that is a new
         version (first registration, or a new address or launch attempt: a restarted
         server). Raises Refused."""
@@ -99,11 +105,12 @@ class Membership:
                           "a running job joins instead (`disttrain ps add-server`)")
         m = self.members.get(server)
         if m is not None and (m.address, m.attempt, m.state) == (address, attempt, ALIVE):
-            m.beat, m.shard = now, [list(r) for r in shard]
+            m.beat, m.shard, m.pid = now, [list(r) for r in shard], pid
             return False
         was = "registered" if m is None else f"came back ({m.state} at {m.address})"
         self.members[server] = Member(server, address, ALIVE, attempt,
-                                      [list(r) for r in shard], beat=now)
+                                      [list(r) for r in shard], beat=now, pid=pid)
+        self.takeovers = [t for t in self.takeovers if server not in (t["server"], t["by"])]
         return self._change(f"server {server} {was} at {address}")
 
     def join(self, server: int, address: str, fingerprint: str, ring: int, now: float) -> bool:
@@ -161,19 +168,44 @@ class Membership:
             return self._change(f"server {server} at {m.address} is heard again")
         return False
 
-    def expire(self, now: float, timeout: float) -> list[str]:
-        """Mark dead every alive server silent for more than `timeout` seconds; one new
-        version per server marked. Returns the events (one line each, naming it)."""
+    def expire(self, now: float, timeout: float, gone=None, soon: float = 0.0) -> list[str]:
+        """Mark dead every alive server silent for more than `timeout` seconds, or for more
+        than `soon` s when `gone(member)` says its process no longer exists; one new version
+        per server marked. Returns the events (one line each, naming it)."""
         out = []
         for m in sorted(self.members.values(), key=lambda m: m.server):
-            if m.state == ALIVE and now - m.beat > timeout:
-                m.state = DEAD
-                lost = self.only_copies(m.server)
-                self._change(f"server {m.server} at {m.address} missed its heartbeats for "
-                             f"{now - m.beat:.1f} s (timeout {timeout:g} s): marked dead"
-                             + (f"; {len(lost)} keys have no other live copy" if lost else ""))
-                out.append(self.events[-1])
+            silent = now - m.beat
+            if m.state != ALIVE or silent <= min(timeout, soon or timeout):
+                continue
+            why = (f"missed its heartbeats for {silent:.1f} s (timeout {timeout:g} s)"
+                   if silent > timeout else (f"process {m.pid} is gone (silent {silent:.1f} s)"
+                                             if gone is not None and gone(m) else None))
+            if why is None:
+                continue
+            m.state = DEAD
+            lost = self.only_copies(m.server)
+            self._change(f"server {m.server} at {m.address} {why}: marked dead"
+                         + (f"; {len(lost)} keys have no other live copy" if lost else ""))
+            out.append(self.events[-1])
         return out
+
+    def adopt(self, by: int, rows: list[dict], now: float) -> bool:
+        """Server `by` serves dead servers' keys now (its report's `adopted` rows); True (a
+        new version, an event each) for every row not known yet."""
+        new = [dict(r, by=by) for r in rows if not any(
+            (t["server"], t["by"]) == (r["server"], by) for t in self.takeovers)]
+        for r in new:
+            dead = self.members.get(r["server"])
+            if dead is None or dead.state != DEAD or r["by"] != by:
+                raise Refused(f"server {by} reports taking over server {r['server']}'s keys, "
+                              f"which ring version {self.version} does not mark dead (members: "
+                              f"{self._names()}): only a dead server's keys are taken over")
+            self.takeovers.append(r)
+            since = f", {now - dead.beat:.1f} s after its last heartbeat"
+            self._change(f"server {by} took over {r['keys']} keys ({r['bytes'] / 1e6:.2f} MB) "
+                         f"of dead server {r['server']} at version {r['version']}{since}; "
+                         f"workers reach them at {r['address']}")
+        return bool(new)
 
     # ---- views --------------------------------------------------------------------------
     def complete(self) -> bool:
@@ -198,6 +230,7 @@ class Membership:
         members = [dict(asdict(m), beat=None) for _, m in sorted(self.members.items())]
         return json.dumps({"format": FORMAT, "expected": self.expected, "version": self.version,
                            "fingerprint": self.fingerprint, "members": members,
+                           "takeovers": self.takeovers,
                            "events": self.events[-200:]}, indent=1)
 
     @classmethod
@@ -208,7 +241,8 @@ class Membership:
             raise ValueError(f"manager state of format {d.get('format')!r}, this is {FORMAT}: "
                              "written by another disttrain version; move the file away")
         members = {m["server"]: Member(**dict(m, beat=now)) for m in d["members"]}
-        return cls(d["expected"], d["version"], d["fingerprint"], members, d["events"])
+        return cls(d["expected"], d["version"], d["fingerprint"], members, d["events"],
+                   d.get("takeovers", []))
 
     def save(self, path: str, extra: dict | None = None) -> None:
         """Write the state to `path` atomically (blocks for an fsync): a reader sees the old

@@ -1,24 +1,23 @@
 """Replicated key ranges: chain replication of each server's updates, after aggregation.
 
-With `replicas=r` every key lives on the r servers the placement's `chain(key, r)` names: its
-owner, the head (workers push to it and pull from it), then the next r-1 distinct
+With `replicas=r` every key lives on the r servers the placement's `chain(key, r)` names:
+its owner, the head (workers push to it and pull from it), then the next r-1 distinct
 servers of the ring, the last of them the tail. Chain replication (van Renesse &
-Schneider 2004): the head applies an update and sends the *update* (the round's
-averaged gradient, not the n pushes: Li et al., OSDI'14 sec. 4.3, replication after
-aggregation) to the next server of each key's chain, chunk by chunk as it steps them;
-each server takes the same optimizer step on its copy (so optimizer state is
-replicated too) and forwards it; the tail commits it, and commits travel back hop by
-hop. A head acknowledges a push, and answers a pull, only once every update it had
-applied by then is committed: an acknowledged push is on every replica, and so is
-every update in a version a worker pulled.
+Schneider 2004): the head applies an update and sends the *update* (the round's averaged
+gradient, not the n pushes: Li et al., OSDI'14 sec. 4.3, replication after aggregation)
+to the next server of each key's chain, chunk by chunk as it steps them; each server
+takes the same optimizer step on its copy (so optimizer state is replicated too) and
+forwards it; the tail commits it, and commits travel back hop by hop. A head
+acknowledges a push, and answers a pull, only once every update it had applied by then
+is committed: an acknowledged push is on every replica, and so is every update in a
+version a worker pulled. A dead server is dropped from every chain (`drop`, takeover.py).
 
 Who talks to whom: a server's `Replicas` owns one DEALER link per successor
-(transport.WorkerLink: the sessions, sequence numbers, schema and shared memory of a
-worker's link), under worker id W + its server index; the successor's ROUTER greets it
-as it greets a worker and its server hands those frames here (`handle`). Frames:
+(transport.WorkerLink), under worker id W + its server index; the successor's ROUTER
+greets it as a worker and its server hands those frames here (`handle`). Frames:
 `replicate` (to the successor) and `commit` (back); schema.py. A new tail's state comes
-as `transfer` frames on the same links (transfer.py, chain extension). The design, costs
-and what each policy sends: docs/design/parameter-server.md, "Replication".
+as `transfer` frames on the same links (transfer.py, chain extension). Design, costs and what
+each policy sends: docs/design/parameter-server.md, "Replication".
 """
 
 from __future__ import annotations
@@ -40,6 +39,8 @@ from disttrain.ps.staleness import StaleStep
 from disttrain.ps.transport import WorkerLink, encrypt_setting, mac_setting, shm_setting
 
 __all__ = ["Replicas"]
+
+
 class Replicas:
     """The replication side of server `index`: its copies of other heads' keys (values and
     optimizer state), its links to its successors and what waits for their commits."""
@@ -57,9 +58,8 @@ class Replicas:
                        for j, cs in lay.copies.items()}  # predecessor id -> its keys' shapes
         self.nbytes = {c.key: c.numel * init[c.name].element_size()
                        for cs in lay.ranges.values() for c in cs}
-        params = {c.key: torch.nn.Parameter(init[c.name].detach().reshape(-1)[c.start:c.stop]
-                                            .clone()) for cs in lay.copies.values() for c in cs}
-        self.params = params  # the copies: keys whose head is another server
+        self.params = params = {c.key: torch.nn.Parameter(init[c.name].detach().reshape(-1)[
+            c.start:c.stop].clone()) for cs in lay.copies.values() for c in cs}  # the copies
         self.optimizer = optimizer(list(params.values())) if params else None
         self.stepper = StaleStep(self.optimizer, policy.rule)
         self.origins = {self.chains[k][0] for k in params}  # heads whose keys are copied here
@@ -72,11 +72,14 @@ class Replicas:
         self._version_sent: dict[int, int] = defaultdict(lambda: -1)
         self._pending: list[tuple[dict, object]] = []  # (needed commits, what to do then)
         self._above: dict[int, set[int]] = defaultdict(set)  # frames committed past the prefix
-        self._ctx = zmq.Context()
-        self._heard: dict[int, float] = {}
+        self._ctx, self._heard = zmq.Context(), {}  # successor -> when it last answered
         self._seen = dict.fromkeys(self.expect, time.monotonic())
         self._next_beat, self.final_sent = 0.0, False
         self.intake = None  # transfer.Intake.handle while this server takes keys' state
+        # takeover.py: [worker, clock] of the pushes in the update being forwarded; head ->
+        # worker -> (latest clock copied here, its keys applied); x timeout before a silent
+        # peer stops this server; the servers the manager's ring marks dead (`drop`)
+        self.pushes, self.clocks, self.patience, self.dead = [], defaultdict(dict), 1.0, set()
 
     # ---- links ----------------------------------------------------------------------
     def connect(self, addresses: dict[int, str]) -> None:
@@ -141,17 +144,21 @@ class Replicas:
         return [[keys[i] for i in g] for g in group_keys(sizes, self.chunk_bytes)]
 
     def forward(self, origin: int, update: dict, version: int, hyper: tuple,
-                final: bool = False, via: int | None = None) -> dict[int, int]:
+                final: bool = False, via: int | None = None,
+                pushes: list | None = None) -> dict[int, int]:
         """Send an applied update of `origin`'s keys on to their next servers (does not
         block): `update` key -> the gradient stepped, `hyper` (lr factor, implicit
         momentum or None) as StaleStep.step returned. No keys: a marker of the version
         (or, `final`, of the end) to the next server of every chain of `origin`'s keys
-        that came here from server `via` (None: this head's). Returns server -> number
-        of the frame sent to it."""
+        that came here from server `via` (None: this head's, whose `self.pushes` name the
+        [worker, clock] pushes it holds; else `pushes` as received). Returns server ->
+        number of the frame sent to it."""
         lr, momentum = hyper
         meta = {"origin": origin, "version": version, "lr": float(lr), "final": int(final)}
         if momentum is not None:
             meta["momentum"] = float(momentum)
+        if update and (pushes := self.pushes if via is None else pushes):
+            meta["pushes"] = [list(p) for p in pushes]
         per: dict[int, list[str]] = defaultdict(list)
         for k in update:
             if self.hop[k] is not None:
@@ -193,6 +200,13 @@ class Replicas:
         else:
             self._pending.append((need, action))
 
+    def _run_ready(self) -> None:  # every action whose commits all came, in order
+        ready = [a for need, a in self._pending if all(self._committed(i, n)
+                                                       for i, n in need.items())]
+        self._pending = [(need, a) for need, a in self._pending if a not in ready]
+        for action in ready:
+            action()
+
     def _committed(self, j: int, n: int) -> bool:
         """Frame n (n < 0: frame -n alone) or every frame up to n of link j committed?"""
         return self.committed[j] >= abs(n) or n < 0 and -n in self._above[j]
@@ -216,10 +230,10 @@ class Replicas:
             want = (list(self.expect.get(peer, {})), self.policy_repr, self.r)
             got = (msg.meta["keys"], msg.meta["policy"], msg.meta["replicas"])
             self.ep.send(session, Message("welcome", {"version": 0}) if got == want else Message(
-                "error", {"message": f"server {self.index} expects from server "
-                          f"{peer - self.base} {len(want[0])} keys under {want[1]}, replicas="
-                          f"{want[2]}; it offers {len(got[0])} under {got[1]}, replicas="
-                          f"{got[2]}: build the same model, policy and replicas on every rank"}))
+                "error", {"message": f"server {self.index} expects from server {peer - self.base} "
+                          f"{len(want[0])} keys under {want[1]}, replicas={want[2]}; it offers "
+                          f"{len(got[0])} under {got[1]}, replicas={got[2]}: build the same "
+                          "model, policy and replicas on every rank"}))
         elif msg.op == "replicate":
             self._replicate(session, msg)
         elif msg.op == "beat":
@@ -252,12 +266,18 @@ class Replicas:
         if update:
             self.stepper.replay(msg.meta["lr"], msg.meta.get("momentum"))
         self.version[o] = max(self.version[o], msg.meta["version"])
+        for w, clock in msg.meta.get("pushes") or []:  # NOTE: what a takeover must not redo
+            have = self.clocks[o].get(w)
+            keys = have[1] if have is not None and have[0] == clock else set()
+            if have is None or clock >= have[0]:
+                self.clocks[o][w] = (clock, keys | set(update))
         if msg.meta["final"]:
             self.finals.add((o, peer - self.base))
         self.received[peer] += 1
         n = self.received[peer]
         sent = self.forward(o, update, msg.meta["version"], (msg.meta["lr"],
-                            msg.meta.get("momentum")), bool(msg.meta["final"]), peer - self.base)
+                            msg.meta.get("momentum")), bool(msg.meta["final"]), peer - self.base,
+                            msg.meta.get("pushes"))
         self.when_committed(lambda: self.ep.send(session, Message("commit", {"frame": n})), sent)
 
     def receive(self) -> None:
@@ -288,38 +308,52 @@ class Replicas:
             while self.committed[j] + 1 in self._above[j]:  # the prefix committed
                 self.committed[j] += 1
                 self._above[j].discard(self.committed[j])
-            ready = [a for need, a in self._pending
-                     if all(self._committed(i, n) for i, n in need.items())]
-            self._pending = [(need, a) for need, a in self._pending if a not in ready]
-            for action in ready:
-                action()
+            self._run_ready()
         elif msg.op == "error":
             raise PSError(f"server {self.index}: replica server {j} at {self.addresses[j]}: "
                           f"{msg.meta['message']}")
 
     def tick(self) -> None:
         """Beat on every link; raise PSError naming a successor that owes commits, or a
-        predecessor that has not ended, silent for `timeout` s (no replica takes over)."""
+        predecessor that has not ended, silent for `timeout` x `patience` s."""
         now = time.monotonic()
         if now >= self._next_beat:
-            for link in self.links.values():
-                if link.session is not None:
+            for j, link in self.links.items():
+                if link.session is not None and j not in self.dead:
                     link.send(Message("beat", {}))
             self._next_beat = now + min(1.0, self.timeout / 4)
         for j, link in self.links.items():
+            if j in self.dead:
+                continue
             owed = self.sent[j] - self.committed[j]
-            if (owed or link.session is None) and now - self._heard[j] > self.timeout:
+            if (owed or link.session is None) and now - self._heard[j] > self.timeout * self.patience:
                 raise PSError(
                     f"server {self.index}: replica server {j} at {self.addresses[j]} silent "
-                    f"for {now - self._heard[j]:.1f}s (timeout {self.timeout}s), "
-                    f"{owed} replicate frames uncommitted: with replicas={self.r} every update "
-                    "waits for every replica (no replica takes over yet)")
+                    f"for {now - self._heard[j]:.1f}s (timeout {self.timeout}s), {owed} replicate "
+                    f"frames uncommitted: with replicas={self.r} every update waits for every "
+                    "replica" + (", and no manager marked it dead" if self.patience > 1 else ""))
         for peer, seen in self._seen.items():
             feeds = {(self.chains[k][0], peer - self.base) for k in self.expect[peer]}
-            if not feeds <= self.finals and now - seen > self.timeout:
+            if not feeds <= self.finals and now - seen > self.timeout * self.patience:
                 raise PSError(f"server {self.index}: server {peer - self.base}, which sends it "
                               f"the updates of keys it copies, silent for {now - seen:.1f}s "
                               f"(timeout {self.timeout}s)")
+
+    def drop(self, dead: int) -> None:
+        """Server `dead` is gone (the manager's ring says so): what was sent to it counts as
+        committed (this server is the tail of those chains now), nothing more goes to it or
+        is awaited from it. Runs the acks and answers that were waiting."""
+        self.dead.add(dead)  # NOTE: its link stays open (polled, counted) until close()
+        self.committed[dead] = self.sent[dead]
+        self._above.pop(dead, None), self._queue.pop(dead, None)
+        self.hop = {k: None if j == dead else j for k, j in self.hop.items()}
+        for nexts in [*self.origin_hops.values(), *self.paths.values()]:
+            nexts.discard(dead)
+        self.feeds = {(o, j) for o, j in self.feeds if j != dead and o != dead}
+        self._seen.pop(self.base + dead, None)
+        self._pending = [({j: n for j, n in need.items() if j != dead}, a)
+                         for need, a in self._pending]
+        self._run_ready()
 
     # ---- report ---------------------------------------------------------------------
     def stats(self) -> dict:

@@ -260,11 +260,21 @@ class RunStep:
         prev = None
         for i, p in enumerate(params):
             st = state.get(p, {})
-            sig = (self._group[id(p)], p.dtype, tuple(st), tuple(
+            sig = (self._group_of(p), p.dtype, tuple(st), tuple(
                 float(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() == 0))
             if sig == prev and p.dtype in RUN_DTYPES:
                 runs[-1][1].append(p)
             else:
                 runs.append((i, [p]))
             prev = sig
-        return [_Run(keys, i, self._group[id(keys[0])], state) for i, keys in runs]
+        return [_Run(keys, i, self._group_of(keys[0]), state) for i, keys in runs]
+
+    def _group_of(self, p) -> int:
+        """The param group of `p`; NOTE: groups added after this was built (transfer.py
+        installs a new tail's copies with add_param_group) are looked up then."""
+        i = self._group.get(id(p))
+        if i is None:
+            self._group = {id(q): j for j, g in enumerate(self.optimizer.param_groups)
+                           for q in g["params"]}
+            i = self._group[id(p)]
+        return i

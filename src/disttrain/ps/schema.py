@@ -71,6 +71,9 @@ SERVER = Field("int", 0, 2**31 - 1)  # a server's index
 SHARD_ROW = {"key": Field("str"), "bytes": Field("int"), "chain": Field("ints")}
 RING_ROW = {"server": SERVER, "address": Field("str"), "state": Field("str"),
             "attempt": Field("int")}
+# a dead server's keys that a copy serves now (takeover.py): who, where, how many, from what
+TAKEOVER_ROW = {"server": SERVER, "by": SERVER, "address": Field("str"), "keys": Field("int"),
+                "bytes": Field("int"), "version": VERSION, "after": Field("num")}
 STATE_ROW = dict(RING_ROW, fingerprint=Field("str"), keys=Field("int"), bytes=Field("int"),
                  version=Field("int"), pushes=Field("int"), rate=Field("num"),
                  silent=Field("num"))
@@ -100,7 +103,9 @@ SCHEMA: dict[str, Op] = {
     "replicate": Op("server", {"worker": WORKER, "origin": Field("int", 0, 2**31 - 1),
                                "version": VERSION, "lr": Field("float", 0, 1),
                                "momentum": Field("float", 0, 1, required=False),
-                               "final": FLAG, "shm": SHM}, tensors=(0, MAX)),
+                               "final": FLAG, "shm": SHM,
+                               # [worker, clock] of each push the update holds (takeover.py)
+                               "pushes": Field("pairs", required=False)}, tensors=(0, MAX)),
     # the tail of a chain -> its new tail (transfer.py): part `part` of `parts` of the
     # state of keys headed by `origin`, cut at its `version`; per key its value, then one
     # tensor per optimizer field in `fields` (named key|field)
@@ -125,9 +130,13 @@ SCHEMA: dict[str, Op] = {
     "register": Op("manager", {"worker": WORKER, "server": SERVER, "address": Field("str"),
                                "fingerprint": Field("str"), "expected": Field("int", 1, 1 << 16),
                                "ring": KNOWN, "attempt": Field("int"),
-                               "shard": Field("rows", row=SHARD_ROW)}),
+                               "shard": Field("rows", row=SHARD_ROW),
+                               # its process id: a server of this host gone is dead at once
+                               "pid": Field("int", 0, 2**31 - 1, required=False, default=0)}),
     "report": Op("manager", {"worker": WORKER, "server": SERVER, "ring": KNOWN,
-                             "version": VERSION, "pushes": Field("int"), "final": FLAG}),
+                             "version": VERSION, "pushes": Field("int"), "final": FLAG,
+                             # dead servers' keys it serves now (takeover.py)
+                             "adopted": Field("rows", row=TAKEOVER_ROW, required=False)}),
     "lookup": Op("manager", {"worker": WORKER, "ring": KNOWN}),
     "join": Op("manager", {"worker": WORKER, "server": SERVER, "address": Field("str"),
                            "fingerprint": Field("str"), "ring": KNOWN}),
@@ -136,7 +145,8 @@ SCHEMA: dict[str, Op] = {
     # the server manager -> its parties
     "ring": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                           "complete": FLAG, "stale": FLAG,
-                          "servers": Field("rows", row=RING_ROW)}),
+                          "servers": Field("rows", row=RING_ROW),
+                          "takeovers": Field("rows", row=TAKEOVER_ROW, required=False)}),
     "state": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                            "servers": Field("rows", row=STATE_ROW),
                            "shard": Field("rows", row=dict(SHARD_ROW, server=SERVER)),

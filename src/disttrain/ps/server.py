@@ -106,6 +106,10 @@ class Server:
         self.push_acks: dict[int, list[Session]] = {}  # push id -> its frames' acks (replicas)
         self.held: dict[int, list[Session]] = {}  # worker -> acks of the push still arriving
         self.ticks: list[Callable[[], None]] = []  # run once per loop (transfer.Extension)
+        self.clocks: dict[int, tuple[int, int]] = {}  # push id -> (worker, clock)
+        self.done_clock: dict[int, int] = {}  # worker -> clocks up to it applied (takeover.py)
+        self.watch: Callable[[], None] | None = None  # called every loop (takeover.py)
+        self.replicas = 1  # what workers must say without a chain (a takeover's: the job's)
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -132,6 +136,8 @@ class Server:
                     self.chain.tick()
                 for tick in self.ticks:
                     tick()
+                if self.watch:
+                    self.watch()
             trace_events.ps_server_stats(self.stats())
             return self.stats()
         except PSError as e:  # NOTE: a replica's fault (replica.py): every peer hears why
@@ -197,7 +203,7 @@ class Server:
 
     def _hello(self, session: Session, msg: Message) -> None:
         want = {"keys": self.keys, "policy": repr(self.policy),
-                "replicas": self.chain.r if self.chain else 1}
+                "replicas": self.chain.r if self.chain else self.replicas}
         got = {k: msg.meta[k] for k in want}
         if got != want:
             self.ep.send(session, Message("error", {"message": (
@@ -225,16 +231,22 @@ class Server:
                     f"server {self.index} rejected a push from worker {w}: {e}")}))
             return False
         self.sparse_pushes += bool(sparse)
+        if clock <= self.done_clock.get(w, -1):  # NOTE: applied before a takeover: not again
+            return True
         have = self.partial.get(w)
         if have is None or have.clock != clock:
             if have is not None:  # NOTE: a newer clock means the old attempt was abandoned
                 self.partial_dropped += 1
                 self._ack_later(self.held.pop(w, []))
             have = self.partial[w] = PartialPush(clock, version, {})
+        elif have.version is None:  # NOTE: a takeover's seed: part of it applied already
+            have = self.partial[w] = have._replace(version=version)
         if self.chain is not None and msg.meta["ack"] and session is not None:
             self.held.setdefault(w, []).append(session)  # NOTE: acked once applied everywhere
         grads = {k: g for k, g in grads.items() if k not in have.grads}
         if self.policy.applies_alone():  # NOTE: step each chunk as soon as it is complete
+            if self.chain is not None:
+                self.chain.pushes = [(w, clock)]
             self._apply([grads], [self.policy.version - have.version])
             grads = dict.fromkeys(grads)
         have.grads.update(grads)
@@ -243,6 +255,7 @@ class Server:
             pid, self._pid = self._pid, self._pid + 1
             trace_events.ps_received(self.index, pid, w, clock)
             self.push_acks[pid] = self.held.pop(w, [])
+            self.clocks[pid] = (w, clock)
             self.complete[pid] = {k: g for k, g in have.grads.items() if g is not None}
             self._execute(self.policy.push(pid, w, have.version))
         return True
@@ -253,6 +266,10 @@ class Server:
             for s in self.ep.active.values():
                 self.ep.send(s, Message("error", {"message": d.error}))
             raise PSError(f"server {self.index}: {d.error}")
+        if self.chain is not None:
+            self.chain.pushes = [self.clocks[p] for p in d.apply]
+        for p in [*d.apply, *d.drop]:
+            self.clocks.pop(p, None)
         if d.apply:
             with trace_events.span("apply", "ps", server=self.index, pushes=len(d.apply)):
                 self._apply([self.complete.pop(p) for p in d.apply], d.staleness)

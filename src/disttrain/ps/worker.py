@@ -27,6 +27,7 @@ import zmq
 from disttrain.ps.compress import ErrorFeedback, TopK
 from disttrain.ps.frame import DEFAULT_LIMITS, PROTOCOL, Limits, Message, group_keys
 from disttrain.ps.handle import Cancelled, Handle  # re-exported: disttrain.ps.worker.Handle
+from disttrain.ps.reroute import Routes
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
@@ -67,9 +68,10 @@ class Worker:
                  timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
                  compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encrypt: bool | None = None, always_mac: bool | None = None,
-                 shm: bool | None = None, replicas: int = 1):
+                 shm: bool | None = None, replicas: int = 1, manager: str | None = None):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes, self.policy_repr, self._servers = chunk_bytes, policy_repr, len(addresses)
+        self.routes = Routes(self, plan, replicas, manager)  # a dead server's keys (reroute.py)
         self._encrypt = encrypt_setting() if encrypt is None else encrypt
         self._always_mac = mac_setting() if always_mac is None else always_mac
         self.params = dict(model.named_parameters())
@@ -109,7 +111,7 @@ class Worker:
         self._thread.start()
         self._hooks: list = []
         hello = Handle(self._raise_if_failed, "hello")
-        for s in range(len(addresses)):
+        for s in range(self._servers):
             self._send(s, Message("hello", {"keys": [c.key for c in plan[s]],
                                             "policy": policy_repr, "replicas": replicas}),
                        hello, "welcome")
@@ -131,7 +133,7 @@ class Worker:
     def versions(self) -> list[int]:
         """The parameter version this worker holds from each server, -1 before the first
         pull or while one is half-written (no blocking)."""
-        return list(self._version)
+        return list(self._version[:self._servers])
 
     def pull(self) -> Handle:
         """Ask every server for its parameters; returns at once (does not block).
@@ -144,7 +146,7 @@ class Worker:
         self._cancel_event.clear()
         h = Handle(self._raise_if_failed, "pull")
         trace_events.ps_pulling(h, self._version)
-        for s in range(len(self.addresses)):
+        for s in range(self._servers):
             self._send(s, Message("pull", {"have": self._version[s]}), h, "params")
         self.pulls += 1
         return h.seal()
@@ -211,7 +213,7 @@ class Worker:
             try:
                 if self._error is None:
                     bye = Handle(self._raise_if_failed, "close")
-                    for s in range(len(self.addresses)):
+                    for s in range(self._servers):
                         self._send(s, Message("done", {}), bye, "bye")
                     bye.seal().wait()
             finally:  # NOTE: after a failure too: the thread must end, not idle on
@@ -311,28 +313,74 @@ class Worker:
             raise PSError(f"worker {self.rank} {what}: {self._error}")
 
     # ---- communication thread --------------------------------------------------------
+    def _open(self, s: int, addr: str, ring: int) -> WorkerLink:
+        """A new link to server s at `addr` (or to a route of dead server s's keys)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
+        sock.connect(addr)
+        link = WorkerLink(sock, self._secret, self.rank, s, self._limits, self._encrypt,
+                          self._always_mac, ring)
+        self._eps.append(link)
+        return link
+
+    # ---- routes (reroute.py; communication thread only) -------------------------------
+    def transmit(self, s: int, msg: Message, replies: list) -> None:
+        """Send `msg` on route s; each (handle, reply op) waits for that reply from it."""
+        self._eps[s].send(msg)
+        for handle, reply in replies:
+            self._waiting[s][reply].append(handle)
+
+    def open_route(self, server: int, address: str, keys: list[str], replicas: int) -> int:
+        """A new route to `address`, serving dead server `server`'s `keys`; says hello (the
+        welcome is awaited like a reply); returns its index. Never blocks."""
+        n = len(self._eps)
+        self.addresses.append(address)
+        self._version.append(-1)
+        self._floor.append(-1)
+        self._shards.append({k: self._shards[server][k] for k in keys})
+        link = self._open(server, address, 0)  # NOTE: the route answers as server `server`
+        self._poller.register(link.sock, zmq.POLLIN)
+        self._waiting.append(defaultdict(list))
+        self._heard.append(time.monotonic())
+        hello = Handle(self._raise_if_failed, "takeover")
+        hello.add()
+        self.transmit(n, Message("hello", {"keys": keys, "policy": self.policy_repr,
+                                           "replicas": replicas}), [(hello, "welcome")])
+        return n
+
+    def owed(self, s: int) -> dict[str, list[Handle]]:
+        """Take every reply route s still owes (op -> the handles waiting for it, oldest
+        first): a dead server's, to be asked of its routes again."""
+        out, self._waiting[s] = dict(self._waiting[s]), defaultdict(list)
+        return out
+
+    def set_version(self, s: int, version: int) -> None:
+        """The parameter version this worker holds from server s (a dead one: its routes')."""
+        self._version[s] = version
+
+    def held(self, s: int) -> int:
+        """The parameter version this worker holds from route s (-1: none yet)."""
+        return self._version[s]
+
     def _run(self) -> None:
-        eps = []
+        self._eps = []
         for s, addr in enumerate(self.addresses):
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
-            sock.connect(addr)
-            eps.append(WorkerLink(sock, self._secret, self.rank, s, self._limits, self._encrypt,
-                                  self._always_mac, self._ring[s]))
-        self._eps = eps
-        poller = zmq.Poller()
+            self._open(s, addr, self._ring[s])
+        eps = self._eps  # NOTE: grows when a dead server's keys get routes (reroute.py)
+        poller = self._poller = zmq.Poller()
         poller.register(self._wake_in, zmq.POLLIN)
         for ep in eps:
             poller.register(ep.sock, zmq.POLLIN)
-        waiting: list[dict[str, list[Handle]]] = [defaultdict(list) for _ in eps]
-        heard = [time.monotonic()] * len(eps)
+        waiting = self._waiting = [defaultdict(list) for _ in eps]
+        heard = self._heard = [time.monotonic()] * len(eps)
         beat_every, next_beat = min(1.0, self.timeout / 4), 0.0
+        self._beat_every = beat_every
         try:
             while self._loop_once(eps, poller, waiting, heard):
                 if time.monotonic() >= next_beat:
-                    for ep in eps:
-                        if ep.session is not None:
+                    for s, ep in enumerate(eps):
+                        if ep.session is not None and s not in self.routes.routes:  # live
                             ep.send(Message("beat", {}))
                     next_beat = time.monotonic() + beat_every
         except Exception as e:  # noqa: BLE001 - surfaced to the compute thread
@@ -340,6 +388,7 @@ class Worker:
         finally:
             for ep in eps:
                 ep.close()
+            self.routes.close()
             self._wake_in.close(linger=0)
 
     def _loop_once(self, eps, poller, waiting, heard) -> bool:
@@ -356,9 +405,7 @@ class Worker:
             stop = cmd is None
             cmds += [] if stop else [cmd]
         for s, msg, replies in fuse(cmds):
-            eps[s].send(msg)
-            for handle, reply in replies:
-                waiting[s][reply].append(handle)
+            self.routes.send(s, msg, replies)
         if stop:
             return False
         for s, ep in enumerate(eps):
@@ -375,7 +422,12 @@ class Worker:
                     ep.release()  # NOTE: after the params are copied into the model
         now = time.monotonic()
         for s, w in enumerate(waiting):
-            if any(w.values()) and now - heard[s] > self.timeout and self._error is None:
+            if any(w.values()) and self._error is None:  # NOTE: a dead server's keys move on
+                text = self.routes.silent(s, now - heard[s], self._beat_every)
+                if text:
+                    self._fail(text)
+            patience = 2 if self.routes.on else 1  # NOTE: the manager's verdict comes first
+            if any(w.values()) and now - heard[s] > self.timeout * patience and not self._error:
                 # NOTE: a bad MAC before any session: the answer to our hello (same secret)
                 unread = eps[s].session is None and eps[s].rejected.get("bad MAC")
                 self._error = PSError(f"server {s} at {self.addresses[s]} silent for "
@@ -406,13 +458,18 @@ class Worker:
         if msg.op == "params":
             if msg.meta["ack"] and waiting["ack"]:  # NOTE: the push this pull rode on (fuse)
                 waiting["ack"].pop(0).finish_one()
+                self.routes.acked(s)
             if not self._write_params(s, msg):
                 return
             self._version[s] = msg.meta["version"]
+            self.routes.version(s, self._version)
             if not msg.meta["last"]:
                 return  # NOTE: more chunks of this pull follow
         if msg.op == "welcome":
             self._version[s] = -1
+            self.routes.welcome(s)
+        if msg.op == "ack":
+            self.routes.acked(s)
         if msg.op == "bye":
             stats = dict(msg.meta["stats"], staleness=dict(msg.meta["staleness"]))
             self.server_stats.append(stats)

@@ -1,0 +1,186 @@
+"""A worker's routes to the servers, and what it does when a server dies: ask, re-route, resend.
+
+A worker starts with one route per server: a link, a version, the keys it serves. With
+`replicas >= 2` and a server manager, a server silent for two beat intervals is looked
+up in the manager's ring (`lookup`): if the ring marks it dead, each of its keys is now
+served by the first live server of the key's chain (takeover.py), under a route "d@s"
+whose address the ring's `takeovers` give. The worker opens a link per new route, says
+hello with that route's keys, and from then on splits whatever the compute thread still
+addresses to d among d's routes (the compute thread never learns: it keeps server
+indices 0..S-1). What d had not acknowledged is sent again: every push frame of d not
+yet acknowledged (its tensors are referenced until the ack, so nothing is recomputed),
+every pull d had not answered (asking for full parameters: d may have died in the middle
+of an answer) and every `done` it had not said bye to. A server that is dead with no
+copy to take over (replicas=1, or every copy dead) fails the worker at once, naming it
+and the fix. Runs on the worker's communication thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from disttrain.ps.frame import Message
+from disttrain.ps.manager_link import ManagerError, ManagerLink
+from disttrain.ps.takeover import first_live
+
+__all__ = ["Routes"]
+
+_ASK_EVERY = 0.5  # seconds between two lookups while a server is silent
+
+
+class Routes:
+    """Worker `worker`'s failover state: dead servers' routes, unacknowledged pushes."""
+
+    def __init__(self, worker, plan, replicas: int, manager: str | None):
+        self.w, self.plan, self.r, self.manager = worker, plan, replicas, manager
+        self.on = replicas > 1 and bool(manager)
+        self.routes: dict[int, dict[str, int]] = {}  # dead server -> key -> its route index
+        self.unacked: dict[int, list[list[Message]]] = defaultdict(lambda: [[]])
+        self.waiting_welcome: dict[int, list] = {}  # new route -> what waits for its welcome
+        self._held: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+        self._link: ManagerLink | None = None
+        self._asked = 0.0
+        self.dead_since: dict[int, float] = {}
+
+    # ---- sending ----------------------------------------------------------------------
+    def send(self, s: int, msg: Message, replies: list) -> None:
+        """Send a frame addressed to server s (to its routes if s is dead); remember a
+        push frame until it is acknowledged."""
+        if s in self.routes:
+            return self._split(s, msg, replies)
+        self._put(s, msg, replies)
+
+    def _put(self, s: int, msg: Message, replies: list) -> None:
+        if s in self.waiting_welcome:
+            self.waiting_welcome[s].append((msg, replies))
+            return
+        self.w.transmit(s, msg, replies)
+        if self.on and msg.op == "push":
+            self.unacked[s][-1].append(msg)
+            if msg.meta.get("ack"):
+                self.unacked[s].append([])
+
+    def acked(self, s: int) -> None:
+        """Server s acknowledged its oldest unacknowledged push (an ack or a params frame
+        carrying one)."""
+        if self.on and len(self.unacked[s]) > 1:
+            self.unacked[s].pop(0)
+
+    def welcome(self, s: int) -> None:
+        """A new route said welcome: send what waited for it."""
+        for msg, replies in self.waiting_welcome.pop(s, []):
+            self._put(s, msg, replies)
+
+    def _split(self, d: int, msg: Message, replies: list) -> None:
+        """A frame for dead server d, as frames for its routes. Push frames are held per
+        route until the frame that asks for an ack, so each route's last frame asks."""
+        meta = {k: v for k, v in msg.meta.items() if k not in ("worker", "shm", "pull")}
+        to = sorted(set(self.routes[d].values()))
+        if msg.op == "push":
+            parts: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+            for k, t in zip(msg.keys, msg.tensors):  # NOTE: a sparse key's pair stays together
+                parts[self.routes[d][k]][0].append(k)
+                parts[self.routes[d][k]][1].append(t)
+            for a, part in parts.items():
+                self._held[d][a].append(part)
+            if not meta.get("ack"):
+                return
+            acks = [(h, r) for h, r in replies if r == "ack"]
+            frames = self._held.pop(d, {})
+            for n, a in enumerate(sorted(frames)):
+                for i, (keys, tensors) in enumerate(frames[a]):
+                    last = i == len(frames[a]) - 1
+                    self._put(a, Message("push", dict(meta, ack=int(last)), keys, tensors),
+                              self._share(acks, n) if last else [])
+            if "pull" in msg.meta:
+                self._split(d, Message("pull", {"have": -1}), [(h, r) for h, r in replies
+                                                               if r == "params"])
+            return
+        for n, a in enumerate(to):
+            if msg.op == "pull":
+                meta = {"have": self.w.held(a)}
+            self._put(a, Message(msg.op, dict(meta)), self._share(replies, n))
+
+    @staticmethod
+    def _share(replies: list, n: int) -> list:
+        """The replies a frame sent to the n-th of several routes completes: the first
+        route's are the original ones, each further route adds one more to the handle."""
+        if n:
+            for handle, _ in replies:
+                handle.add()
+        return list(replies)
+
+    # ---- a silent server ----------------------------------------------------------------
+    def silent(self, s: int, quiet: float, beat: float) -> str | None:
+        """Server (or route) s has been silent `quiet` s while the worker waits on it: ask
+        the manager whether it is dead and re-route if its keys were taken over. Returns
+        an error text when the job cannot go on, else None. Blocks for at most one
+        lookup (about a second)."""
+        if not self.manager or s >= len(self.plan) or s in self.routes or quiet < 2 * beat:
+            return None
+        now = time.monotonic()
+        if now - self._asked < _ASK_EVERY:
+            return None
+        self._asked = now
+        try:
+            if self._link is None:
+                self._link = ManagerLink(self.manager, self.w.rank, timeout=1.0)
+            ring = self._link.request("lookup", timeout=1.0).meta
+        except ManagerError:
+            return None  # NOTE: a slow or restarting manager: the worker's own timeout decides
+        dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"}
+        if s not in dead:
+            return None
+        self.dead_since.setdefault(s, now)
+        where = self.w.addresses[s]
+        if self.r == 1:
+            return (f"server {s} at {where} died (the manager's ring version {ring['version']} "
+                    "marks it dead) and with replicas=1 no other server holds its keys: "
+                    "start the job with replicas >= 2 (ps.connect(..., replicas=2)) so a copy "
+                    "takes over, or with snapshot= and `disttrain run --max-restarts N` to "
+                    "restart from a snapshot")
+        owner = {c.key: first_live([int(x.removeprefix("server")) for x in
+                                    self.plan.chain(c.key, self.r)], dead) for c in self.plan[s]}
+        orphan = [k for k, o in owner.items() if o is None]
+        if orphan:
+            return (f"server {s} at {where} died and every copy of {len(orphan)} of its keys "
+                    f"(e.g. {orphan[0]!r}) is dead too (replicas={self.r}): the job cannot go "
+                    "on; start it with more replicas, or restart it from a snapshot")
+        rows = {t["by"]: t for t in ring.get("takeovers", []) if t["server"] == s}
+        if set(owner.values()) <= set(rows):
+            self._reroute(s, owner, rows)
+        return None
+
+    def _reroute(self, d: int, owner: dict[str, int], rows: dict[int, dict]) -> None:
+        """Open a route per server that took over d's keys; send again what d owed."""
+        w, index = self.w, {}
+        for by in sorted(set(owner.values())):
+            keys = [k for k, o in owner.items() if o == by]
+            n = index[by] = w.open_route(d, rows[by]["address"], keys, self.r)
+            self.waiting_welcome[n] = []
+        self.routes[d] = {k: index[o] for k, o in owner.items()}
+        owed, waiting = self.unacked.pop(d, [[]]), w.owed(d)
+        acks = list(waiting.pop("ack", []))
+        for group in owed:
+            for msg in group:
+                msg.meta.pop("pull", None)  # NOTE: the pulls d owed are asked again below
+                handle = [(acks.pop(0), "ack")] if msg.meta.get("ack") and acks else []
+                self._split(d, msg, handle)
+        for op, reply in (("pull", "params"), ("done", "bye")):
+            for h in waiting.pop(reply, []):
+                self._split(d, Message(op, {"have": -1} if op == "pull" else {}), [(h, reply)])
+        print(f"[ps worker{w.rank}] server {d} died; its keys are served by "
+              + ", ".join(f"server {by} ({sum(o == by for o in owner.values())} keys, version "
+                          f"{rows[by]['version']})" for by in sorted(index))
+              + f"; sent again {sum(len(g) for g in owed)} push frames", flush=True)
+
+    def version(self, s: int, versions: list[int]) -> None:
+        """Route s got parameters: a dead server's version is the oldest of its routes'."""
+        for d, keys in self.routes.items():
+            if s in keys.values():
+                self.w.set_version(d, min(versions[a] for a in set(keys.values())))
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()

@@ -1,0 +1,118 @@
+"""A parameter server SIGKILLed mid-run with replicas=2: its copies take over, nothing is lost.
+
+`disttrain run --workers 2 --servers S` (no --max-restarts): worker 0 kills a server from
+its loop (scripts/ps_failover.py), right after a push was sent (the round in flight,
+before its commit) or once it was acknowledged (after the commit). The job must end
+with rc 0, the takeover named in the output, and under Sync the final parameters
+bitwise equal to a single-process reference of the same training (which is also what
+an uninterrupted run ends with); under Async every push applied exactly once (the
+script's one-hot gradients count it). replicas=1 keeps the old behaviour: the job stops.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "ps_failover.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "digits_ps.py"
+TOOK = re.compile(r"\[ps server(\d)\] took over (\d+) keys \([\d.]+ MB\) of dead server (\d) at "
+                  r"version (\d+)")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["DISTTRAIN_PS_TIMEOUT"] = "5"
+    return env
+
+
+def launch(*args: str, servers: int = 2, script: Path = SCRIPT) -> tuple[int, str]:
+    """(exit code, output) of the job; a job that hangs is -1 with what it printed."""
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers",
+             str(servers), str(script), *args], capture_output=True, text=True, timeout=170,
+            env=_env())
+    except subprocess.TimeoutExpired as e:
+        return -1, f"{e}\n{e.stdout or ''}{e.stderr or ''}"
+    return res.returncode, res.stdout + res.stderr
+
+
+@cache
+def reference() -> str:
+    """The digest a single process computes for the script's Sync training."""
+    spec = importlib.util.spec_from_file_location("ps_failover_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.reference()
+
+
+def check_takeover(code: int, out: str, dead: int) -> None:
+    assert code == 0, out
+    assert f"server rank {2 + dead} killed (SIGKILL); its replicas take over" in out, out
+    took = TOOK.findall(out)
+    assert took and all(d == str(dead) for _, _, d, _ in took), out
+    assert re.search(rf"\[ps manager\] ring version \d+: server \d took over \d+ keys .* of "
+                     rf"dead server {dead} at version \d+, [\d.]+ s after its last heartbeat",
+                     out), out
+
+
+@pytest.mark.timeout(200)
+def test_sync_job_outlives_a_killed_server_bitwise():
+    code, out = launch("sync", "5", "1", "pushed")
+    check_takeover(code, out, dead=1)
+    assert sorted(re.findall(r"worker (\d) digest (\w+)", out)) == [
+        ("0", reference()), ("1", reference())], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("servers", [2, 3])
+@pytest.mark.parametrize("step,dead,when", [(1, 0, "pushed"), (4, 0, "acked"),
+                                            (7, 1, "pushed"), (11, 1, "acked")])
+def test_sync_kill_at_any_point_ends_bitwise_equal(servers, step, dead, when):
+    code, out = launch("sync", str(step), str(dead), when, servers=servers)
+    check_takeover(code, out, dead)
+    digests = set(re.findall(r"worker \d digest (\w+)", out))
+    assert digests == {reference()}, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("servers,step,dead,when", [(2, 5, 0, "pushed"), (2, 9, 1, "acked"),
+                                                    (3, 6, 2, "pushed")])
+def test_async_applies_every_push_exactly_once_across_a_kill(servers, step, dead, when):
+    code, out = launch("count", str(step), str(dead), when, servers=servers)
+    check_takeover(code, out, dead)
+    # each entry counts how often its push was applied: 0 lost, 2 applied twice
+    assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
+                                                                   ("1", "[1.0]")], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_with_one_replica_a_killed_server_still_stops_the_job():
+    res = subprocess.run(
+        [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", "2",
+         str(EXAMPLE), "--epochs", "1", "--kill-server-at", "5", "--kill-server", "1"],
+        capture_output=True, text=True, timeout=200, env=_env())
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert "take over" not in out and "took over" not in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_digits_example_kill_server_flag_matches_an_uninterrupted_run():
+    args = ["--epochs", "1", "--replicas", "2"]
+    code, plain = launch(*args, script=EXAMPLE)
+    assert code == 0, plain
+    code, killed = launch(*args, "--kill-server-at", "9", "--kill-server", "0", script=EXAMPLE)
+    check_takeover(code, killed, dead=0)
+    digest = re.compile(r"final parameters sha256 (\w+)")
+    assert digest.findall(killed) == digest.findall(plain) != [], killed
