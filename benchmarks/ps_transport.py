@@ -2,7 +2,7 @@
 
     python benchmarks/ps_transport.py [--sizes 1K,64K,1M,4M,16M,64M] [--reps 5] [--rpc-tcp]
         [--chunk 4M] [--tcp] [--compare-tcp] [--compare-mac] [--compare-socket] [--before REV]
-    python benchmarks/ps_transport.py --targets [--reps 5]   # issue 21's three rows
+    python benchmarks/ps_transport.py --targets [--reps 5]   # the three target rows
 
 `--targets` is `--sizes 1K,4M,16M,64M --compare-tcp --compare-mac --compare-socket
 --before c7c37ba` and ends with a table of the targets: loopback servers on ipc:// (the
@@ -348,7 +348,7 @@ def main() -> None:
     parser.add_argument("--save", default=None, metavar="JSON",
                         help="write the results so far to JSON after every repetition")
     parser.add_argument("--targets", action="store_true",
-                        help="issue 21's targets: 1K,4M,16M,64M, ipc vs tcp+MAC vs ipc+MAC "
+                        help="the targets: 1K,4M,16M,64M, ipc vs tcp+MAC vs ipc+MAC "
                              "vs rpc, 1K vs the HMAC wire (c7c37ba); a targets table at the end")
     parser.add_argument("--block-before", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
