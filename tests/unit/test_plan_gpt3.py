@@ -62,7 +62,11 @@ def test_the_planner_chooses_within_a_second_and_does_not_lose_to_their_layout()
           f" TFLOP/s, {days(GPT3, ours, 1536, 300e9):.1f} days ({took:.2f} s CPU)")
     assert ours.fits and ours.step <= theirs.step
     assert lay.pp * lay.dp * lay.tp == 1024 and lay.tp <= 8  # tensor parallel inside a node
-    assert took < 1.0  # NOTE: CPU time of this process, so other load on the machine counts less
+    # NOTE: what keeps a plan under a second (0.7-0.9 s of CPU here) is branch and bound
+    # pricing few layouts: 13 of 4,414 (a looser bound priced 60 and took 1.1-1.2 s); the
+    # CPU time itself only guards against a blow-up (this machine is shared: docs/benchmarks.md)
+    assert plan.visited <= 30, plan.visited
+    assert took < 3.0
 
 
 @pytest.mark.timeout(30)
