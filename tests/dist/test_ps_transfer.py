@@ -28,25 +28,11 @@ from disttrain.ps.replica import Replicas
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
 from disttrain.testing import spawn
+from tests.dist.test_ps_replicas import _model, _opt, _policy  # the same jobs' model
 
 W, S, B, STEPS, AT, CHUNK = 2, 3, 4, 8, 3, 64
 ENV = {"DISTTRAIN_SERVERS": str(S), "DISTTRAIN_SECRET": secrets.token_hex(32)}
 JOBS = [("sync", 2), ("async", 1)]
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _policy(mode):
-    return ps.Sync() if mode == "sync" else ps.Async()
-
-
-def _opt(mode):
-    if mode == "sync":
-        return lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
-    return lambda p: torch.optim.Adam(p, lr=0.01)
 
 
 def _plan():

@@ -55,6 +55,16 @@ def test_chains_start_at_the_plans_owner_and_bad_replicas_are_refused():
         check_replicas(2, 4, KBatchSync(3), 2)
 
 
+def read_reply(link: WorkerLink, timeout: float = 10.0) -> Message:
+    """The next message on `link` that is not a pong (blocks up to `timeout` s)."""
+    end = time.monotonic() + timeout
+    while link.sock.poll(max(1, int((end - time.monotonic()) * 1000))):
+        got = link.recv()
+        if got is not None and got.op != "pong":
+            return got
+    raise TimeoutError("no reply")
+
+
 class Tail:
     """A live server holding a copy of the one key "w" (the tail of its 2-server chain),
     its predecessor's link and a worker's link, all on real sockets."""
@@ -88,14 +98,7 @@ class Tail:
         assert self.read(link).op == "welcome"
         return link
 
-    @staticmethod
-    def read(link: WorkerLink) -> Message:
-        end = time.monotonic() + 10
-        while link.sock.poll(max(1, int((end - time.monotonic()) * 1000))):
-            got = link.recv()
-            if got is not None and got.op != "pong":
-                return got
-        raise TimeoutError("no reply")
+    read = staticmethod(read_reply)
 
     def copy(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         p = self.server.chain.params["w"]

@@ -32,6 +32,7 @@ from disttrain.ps.takeover import Takeover
 from disttrain.ps.transport import WorkerLink
 from tests.unit.test_ps_manager import KEY, Live, _register
 from tests.unit.test_ps_manager import secret_env as secret_env  # a fixture
+from tests.unit.test_ps_replica import read_reply
 
 SHARD0 = [["a", 400, [0, 1]], ["b", 100, [0, 1]]]
 SHARD1 = [["c", 300, [1, 0]]]
@@ -154,12 +155,7 @@ def _link(ctx, address: str, who: int, server: int, keys: list[str]) -> WorkerLi
 
 
 def _read(link: WorkerLink) -> Message:
-    end = time.monotonic() + 20
-    while link.sock.poll(max(1, int((end - time.monotonic()) * 1000))):
-        got = link.recv()
-        if got is not None and got.op != "pong":
-            return got
-    raise TimeoutError("no reply")
+    return read_reply(link, timeout=20.0)
 
 
 @pytest.mark.timeout(90)

@@ -11,7 +11,6 @@ nothing (nothing is installed before the last good part).
 """
 
 import threading
-import time
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
 from disttrain.ps.server import Server
 from disttrain.ps.transport import WorkerLink
+from tests.unit.test_ps_replica import read_reply
 
 KEY = bytes(range(32))
 CHUNK = 256  # bytes: one key of 64 float32 per frame
@@ -65,14 +65,7 @@ class NewTail:
         assert self.read(link).op == "welcome"
         return link
 
-    @staticmethod
-    def read(link: WorkerLink) -> Message:
-        end = time.monotonic() + 10
-        while link.sock.poll(max(1, int((end - time.monotonic()) * 1000))):
-            got = link.recv()
-            if got is not None and got.op != "pong":
-                return got
-        raise TimeoutError("no reply")
+    read = staticmethod(read_reply)
 
     def send(self, meta: dict, rows, link=None) -> Message:
         """rows: (key, value, momentum buffer or None); returns the reply."""
