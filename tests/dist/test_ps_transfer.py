@@ -28,7 +28,7 @@ from disttrain.ps.replica import Replicas
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
 from disttrain.testing import spawn
-from tests.dist.test_ps_replicas import _model, _opt, _policy  # the same jobs' model
+from tests.dist.test_ps_replicas import _model, _opt, _policy, _state  # the same jobs
 
 W, S, B, STEPS, AT, CHUNK = 2, 3, 4, 8, 3, 64
 ENV = {"DISTTRAIN_SERVERS": str(S), "DISTTRAIN_SECRET": secrets.token_hex(32)}
@@ -50,14 +50,6 @@ def moves(r: int) -> tuple[list[str], int, int]:
               for c in plan[0]}
     tail = Counter(ch[-1] for ch in chains.values()).most_common(1)[0][0]
     return [k for k, ch in chains.items() if ch[-1] == tail], tail, ({0, 1, 2} - {0, tail}).pop()
-
-
-def _state(params: dict, optimizer) -> dict:
-    out = {}
-    for k, p in params.items():
-        st = optimizer.state.get(p, {}) if optimizer is not None else {}
-        out[k] = [p.detach().clone()] + [torch.as_tensor(st[n]).clone() for n in sorted(st)]
-    return out
 
 
 def _serve(mode, r, name):
