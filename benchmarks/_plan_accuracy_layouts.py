@@ -33,6 +33,8 @@ MODEL = GPTSpec(layers=4, hidden=128, heads=4, seq=64, vocab=128)
 MICRO = 8
 """Sequences per micro-batch in every case (the profile measures this batch)."""
 WARMUP = 3
+RANKS = "2,4,8"
+"""Process counts the calibration also profiles at once (`plan profile --ranks`): the cases'."""
 """Steps left out at the start of each job (allocation, first-touch, gloo's setup)."""
 
 PROFILE_TARGET = f"""
@@ -62,13 +64,13 @@ class Calibration:
     lines: list[str] = field(default_factory=list)
 
     def run(self, steps: int = 20) -> None:
-        """Profile the model in one process (blocks for the run, ~10 s)."""
+        """Profile the model in one process, then at 2, 4 and 8 ranks at once (blocks ~60 s)."""
         target = os.path.join(self.workdir, "profile_target.py")
         with open(target, "w") as f:
             f.write(PROFILE_TARGET)
         self.profile = os.path.join(self.workdir, "profile.json")
         cmd = [sys.executable, "-m", "disttrain", "plan", "profile", target, "--out", self.profile,
-               "--steps", str(steps), "--threads", "1"]
+               "--steps", str(steps), "--threads", "1", "--ranks", RANKS]
         res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
         if res.returncode:
             raise RuntimeError(f"calibration `{' '.join(cmd)}` failed:\n{res.stdout}{res.stderr}")
@@ -88,6 +90,9 @@ class Calibration:
              f"{p.optimizer_params:,.0f} parameters (median)" if p.optimizer_s is not None
              else "optimizer: 30 B/param at devices.json cpu-here's copy rate (the profile has no step)"),
             "memory bandwidth (gradient accumulation): devices.json cpu-here (measured copy rate)",
+            "ranks sharing the machine: blocks " + ", ".join(
+                f"{k:.3g}x slower with {n} copies of the profile at once" for n, k in p.measured)
+            + " (plan profile --ranks); any other count: processor sharing",
         ]
 
     def device(self, rate_bps: float | None, per_node: int):

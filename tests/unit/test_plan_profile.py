@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from disttrain import cli
+from disttrain.plan.cost import UNITS, blocking_extra
 from disttrain.plan.devices import device
 from disttrain.plan.gpt import parse_gpt
 from disttrain.plan.layout import Pins, plan_layouts
@@ -123,3 +124,82 @@ def test_profile_errors_say_what_to_fix(tmp_path, capsys):
     assert cli.main([*base, "--device", "cpu-here", "--explain"]) == 0  # model: the profile's
     out = capsys.readouterr().out
     assert "GPT on 2 x cpu-here" in out and "layer compute (profiled)" in out
+
+
+def _with_ranks(path: str, shared: dict, collectives: dict) -> str:
+    data = json.loads(open(path).read())
+    data.update(shared=shared, collectives=collectives)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path
+
+
+def _terms(gpt, dev, n, pins):
+    est = plan_layouts(gpt, dev, n, 8, 8, pins, top=1).ranked[0]
+    return est, {t.name: t.value for t in est.time}
+
+
+@pytest.mark.timeout(30)
+def test_measured_sharing_and_blocking_collectives_replace_the_formula(tmp_path):
+    gpt = parse_gpt(TINY)
+    here = device("cpu-here")
+    plain = dataclasses.replace(here, profile=load_profile(_synthetic(tmp_path, 0.01, 0.02), gpt))
+    path = _with_ranks(_synthetic(tmp_path, 0.01, 0.02, "m.json"), {"2": 1.5},
+                       {"2": {"bytes": 262144, "inline_s": 0.004}})
+    measured = dataclasses.replace(here, profile=load_profile(path, gpt))
+    dp2 = Pins(micro_batch=2, tp=1, pp=1, zero=0)
+    # 1 thread on 1 CPU: processor sharing says 2 ranks run 2x slower; the file measured 1.5x
+    _, a = _terms(gpt, plain, 2, dp2)
+    _, b = _terms(gpt, measured, 2, dp2)
+    assert b["layer compute (profiled)"] == pytest.approx(a["layer compute (profiled)"] * 1.5 / 2)
+    assert "measured" in next(t.formula for t in plan_layouts(gpt, measured, 2, 8, 8, dp2, top=1)
+                              .ranked[0].time if t.name == "layer compute (profiled)")
+    # a count it did not measure (4 ranks) keeps the formula
+    dp4 = Pins(micro_batch=2, tp=1, pp=1, zero=0)
+    assert _terms(gpt, plain, 4, dp4)[1]["layer compute (profiled)"] == pytest.approx(
+        _terms(gpt, measured, 4, dp4)[1]["layer compute (profiled)"])
+    # tp = 2: every blocking all-reduce costs the measured 4 ms minus the model's price of
+    # the measured one more than the link model alone says
+    tp2 = Pins(micro_batch=2, tp=2, pp=1, zero=0)
+    _, a = _terms(gpt, plain, 2, tp2)
+    est, b = _terms(gpt, measured, 2, tp2)
+    extra = blocking_extra(measured.per_rank(2))
+    assert 0 < extra < 0.004
+    calls = est.layout.microbatches * 2 * 4  # micro-batches x 2 layers x 4 all-reduces each
+    assert b["tp all-reduce"] - a["tp all-reduce"] == pytest.approx(calls * extra)
+    # ZeRO-3 with the cores full: each layer's UNITS gathers block, none hidden by prefetch
+    z3 = Pins(micro_batch=2, tp=1, pp=1, zero=3)
+    _, a = _terms(gpt, plain, 2, z3)
+    est, b = _terms(gpt, measured, 2, z3)
+    mb = est.layout.microbatches  # x 2 layers x (forward + backward gather) x UNITS
+    assert b["ZeRO-3 gathers (exposed)"] - a["ZeRO-3 gathers (exposed)"] == pytest.approx(
+        mb * 2 * 2 * UNITS * extra)
+    assert a["ZeRO-3 gathers (exposed)"] > 0  # 1 CPU: nothing hides a gather
+
+
+def test_bad_measurements_in_a_profile_say_how_to_fix(tmp_path):
+    gpt = parse_gpt(TINY)
+    for shared, coll in (({"1": 2.0}, {}), ({"2": -1}, {}), ({}, {"2": {"bytes": 0, "inline_s": 1}}),
+                         ({}, {"2": {"inline_s": 1}}), ({"2": "x"}, {})):
+        path = _with_ranks(_synthetic(tmp_path, 0.01, 0.02, "bad.json"), shared, coll)
+        with pytest.raises(ValueError, match="plan profile --ranks"):
+            load_profile(path, gpt)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_profile_ranks_measures_sharing_and_a_blocking_all_reduce_here(tmp_path, capsys):
+    script, out = tmp_path / "tiny.py", tmp_path / "tiny.json"
+    script.write_text(SCRIPT)
+    argv = ["plan", "profile", str(script), "--out", str(out), "--steps", "3", "--threads", "1",
+            "--ranks", "2"]
+    assert cli.main(argv) == 0
+    prof = json.loads(out.read_text())
+    assert set(prof["shared"]) == {"2"} and prof["shared"]["2"] > 0
+    c = prof["collectives"]["2"]
+    assert c["bytes"] == 4 * 4 * 64 * 64 and c["inline_s"] >= 0 and c["alone_s"] > 0
+    text = capsys.readouterr().out
+    assert "2 copies at once" in text and "2 ranks in pairs" in text
+    assert load_profile(str(out), parse_gpt(TINY)).shared(2).inline == (c["bytes"], c["inline_s"])
+    assert cli.main([*argv[:-1], "1"]) == 2
+    assert "--ranks '1': each count must be 2..64" in capsys.readouterr().err

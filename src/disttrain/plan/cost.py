@@ -38,10 +38,10 @@ from disttrain.plan.compute import head_seconds, layer_seconds, optimizer_second
 from disttrain.plan.devices import Device
 from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, layer_cost
 from disttrain.plan.memory import model_state_bytes
-from disttrain.plan.terms import DTYPE, Term, time_terms, wire_terms
+from disttrain.plan.terms import DTYPE, UNITS, Term, time_terms, wire_terms
 
 __all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_bound",
-           "action_times", "layer_seconds", "BUCKET_BYTES"]
+           "action_times", "layer_seconds", "BUCKET_BYTES", "UNITS", "blocking_extra"]
 
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
@@ -130,15 +130,28 @@ def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     f, b, w = layer_seconds(c, dev)
     local = _group_local(lay.tp, 1, nodes_of)
     tp_bytes = c.tp_bytes * lay.wire / 2  # NOTE: LayerCost counts 2-byte activations
-    ar = _collective("all-reduce", tp_bytes, lay.tp, local, dev.links(nics=local))
+    blocking = blocking_extra(dev)
+    extra = blocking if lay.tp > 1 else 0.0
+    ar = _collective("all-reduce", tp_bytes, lay.tp, local, dev.links(nics=local)) + extra
     tp_f = 2 * ar  # 2 all-reduces (SP: 2 all-gathers + 2 reduce-scatters, the same bytes)
     tp_b = (3 if lay.sp else 2) * ar  # SP re-gathers the column inputs: 4 AG + 2 RS
     fwd = f + tp_f
     bwd = b + tp_b + (fwd if lay.recompute else 0.0)
     bound = collective_bound("all-reduce", tp_bytes, lay.tp, local,
                              dev.links(nics=local))[0] if lay.tp > 1 else ""
-    return {"f": f, "b": b, "w": w, "ar": ar, "tp_f": tp_f, "tp_b": tp_b, "fwd": fwd, "bwd": bwd,
+    return {"f": f, "b": b, "w": w, "ar": ar, "extra": extra, "blocking": blocking, "tp_f": tp_f, "tp_b": tp_b, "fwd": fwd, "bwd": bwd,
             "cost": c, "tp_local": local, "tp_bound": bound, "tp_bytes": tp_bytes}
+
+
+def blocking_extra(dev: Device) -> float:
+    """Seconds one blocking collective adds beyond the link model when ranks compute around
+    it: the measured pair all-reduce (`plan profile --ranks`, plan/profile_sync.py) minus
+    this model's price of it; 0 without that measurement (and on GPUs)."""
+    p = dev.profile
+    if p is None or p.inline is None:
+        return 0.0
+    nbytes, seconds = p.inline
+    return max(0.0, seconds - _collective("all-reduce", nbytes, 2, 2, dev.links()))
 
 
 def _stage_params(m: GPTSpec, lay: Layout) -> float:
@@ -176,18 +189,26 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     # per-token fp32 values (max; sum of exp with the target logit); SP halves the first two
     half = per["ar"] / 2 if lay.sp else per["ar"]
     loss = sum(_collective("all-reduce", k * 4 * b * s, t, per["tp_local"],
-                           dev.links(nics=per["tp_local"])) for k in (1, 2)) if t > 1 else 0.0
+                           dev.links(nics=per["tp_local"])) + per["extra"] for k in (1, 2)) if t > 1 else 0.0
     emb_f, head_f, head_b = half, head_f + loss, head_b + half
     act = lay.wire * b * s * h / (t if lay.sp else 1)
     remote = lay.dp * lay.tp >= nodes_of  # NOTE: pp is the outermost mesh axis
-    p2p = _collective("p2p", act, 2, 1 if remote else 2, dev.links()) if lay.pp > 1 else 0.0
+    p2p = (_collective("p2p", act, 2, 1 if remote else 2, dev.links()) + blocking_extra(dev)
+           if lay.pp > 1 else 0.0)
     z3_f = z3_b = z3_first = 0.0
     if lay.zero == 3:
         unit = lay.wire * m.layer_params / t
         local = _group_local(lay.dp, t, nodes_of)
         ag = _collective("all-gather", unit, lay.dp, local, dev.links(nics=local))
         rs = _collective("reduce-scatter", unit, lay.dp, local, dev.links(nics=local))
-        z3_f, z3_b, z3_first = max(0.0, ag - per["fwd"]), max(0.0, ag + rs - per["bwd"]), ag
+        if dev.profile is not None and dev.profile.full:
+            # NOTE: ranks fill the cores: the prefetched gather's CPU work cannot run beside
+            # the compute, so every unit's gather (UNITS per layer) is a blocking collective
+            units = UNITS * _collective("all-gather", unit / UNITS, lay.dp, local, dev.links(nics=local))
+            x = UNITS * blocking_extra(dev)
+            z3_f, z3_b, z3_first = units + x, units + rs + x, 0.0
+        else:
+            z3_f, z3_b, z3_first = max(0.0, ag - per["fwd"]), max(0.0, ag + rs - per["bwd"]), ag
     lc = m.layers // (lay.pp * lay.virtual)
     # NOTE: autograd accumulates each micro-batch's weight gradients into .grad (read it
     # and the new gradient, write it: 6 B/param in bf16) unless ZeRO-3 reduce-scatters them
@@ -255,7 +276,7 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
     op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
     algo = lay.algorithm if op == "all-reduce" and lay.algorithm != "native" else "ring"
     c = (_collective(op, grads / k, lay.dp, local, links) if algo == "ring"
-         else predict(algo, grads / k, lay.dp, local, links))
+         else predict(algo, grads / k, lay.dp, local, links)) + blocking_extra(dev)
     # NOTE: bucket i is ready at window * i / k and buckets go out one at a time, so the
     # last finishes at max(window / k + k c, window + c): the exposed part is that - window.
     # DataParallel syncs the last micro-batch only (no_sync); Zero 1-2 has no no_sync and
@@ -264,7 +285,7 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
     out.update(buckets=k, bucket=c, reduce=times * max(window / k + k * c - window, c), times=times,
                bound=collective_bound(op, grads / k, lay.dp, local, links, algo)[0])
     if lay.zero in (1, 2):
-        out["gather"] = _collective("all-gather", grads, lay.dp, local, links)
+        out["gather"] = _collective("all-gather", grads, lay.dp, local, links) + blocking_extra(dev)
     return out
 
 

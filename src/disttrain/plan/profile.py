@@ -15,7 +15,9 @@ children, containers expanded):
 - activation bytes: the storages autograd saves while the layer runs forward
   (`torch.autograd.graph.saved_tensors_hooks`), parameters left out;
 - the optimizer: after the layers' steps, one warm-up and `--steps` steps of
-  torch.optim.AdamW over the whole model's gradients (the step the examples take).
+  torch.optim.AdamW over the whole model's gradients (the step the examples take);
+- with `--ranks 2,4,8`, how much slower the blocks run when that many copies of this
+  profile run at once (plan/profile_shared.py): the ranks of a job sharing the machine.
 
 The median over the measured steps (and the minimum, for a loaded machine) goes to a JSON file (format "disttrain-plan-profile/1")
 that `disttrain plan layout --profile FILE` reads (plan/profiled.py). Torch is imported
@@ -33,6 +35,7 @@ import sys
 import time
 import warnings
 
+from disttrain.plan.profile_shared import inline_collectives, parse_ranks, shared_slowdowns
 from disttrain.plan.profiled import FORMAT
 
 __all__ = ["profile_script", "backward_seconds", "add_profile_parser"]
@@ -213,6 +216,8 @@ def add_profile_parser(sub) -> None:
                                                          "the median goes to the file (10)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default="profile.json", help="where to write (profile.json)")
+    p.add_argument("--ranks", help="also measure the blocks with N copies running at once, for "
+                                   "each N of e.g. 2,4,8 (ranks sharing this machine)")
     p.set_defaults(handler=_plan_profile)
 
 
@@ -221,7 +226,11 @@ def _plan_profile(args: argparse.Namespace) -> int:
         for name in ("steps", "threads"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+        ranks = parse_ranks(args.ranks) if args.ranks else []
         prof = profile_script(args.script, args.steps, args.threads)
+        if ranks:
+            prof["shared"] = shared_slowdowns(args.script, prof, ranks, args.steps, args.threads)
+            prof["collectives"] = inline_collectives(prof, ranks)
     except ValueError as err:
         print(f"disttrain plan profile: error: {err}", file=sys.stderr)
         return 2
@@ -233,6 +242,11 @@ def _plan_profile(args: argparse.Namespace) -> int:
     o = prof["optimizer"]
     print(f"{'optimizer':<16} {o['name']:<12} step {o['step_s'] * 1e3:7.3f} ms  "
           f"({o['params']:,} parameters)")
+    for n, k in prof.get("shared", {}).items():
+        print(f"{n} copies at once: blocks {k:.3g}x slower than alone")
+    for n, c in prof.get("collectives", {}).items():
+        print(f"{n} ranks in pairs: a blocking all-reduce of {c['bytes'] / 1e6:.3g} MB adds "
+              f"{c['inline_s'] * 1e3:.3g} ms between compute ({c['alone_s'] * 1e3:.3g} ms alone)")
     print(f"wrote {args.out} ({prof['steps']} steps, batch {prof['batch']} x {prof['seq']}, "
           f"{prof['threads']} threads)")
     return 0

@@ -52,10 +52,29 @@ class LayerProfile:
     optimizer_params: float = 0.0
     calibrated: bool = False
     """True when the seconds come from a traced run (`--calibrate DIR`), not `plan profile`."""
+    measured: tuple[tuple[int, float], ...] = ()
+    """(N, slowdown) measured with N copies at once (`plan profile --ranks`)."""
+    share_measured: bool = False
+    """True when `share` is one of `measured`, not the sharing formula."""
+    collectives: tuple[tuple[int, float, float], ...] = ()
+    """(N, bytes, seconds): what one blocking pair all-reduce of `bytes` adds between
+    compute with N ranks on the machine (`plan profile --ranks`, plan/profile_sync.py)."""
+    inline: tuple[float, float] | None = None
+    """(bytes, seconds) of `collectives` for the N of `shared(N)`, if measured."""
+    full: bool = False
+    """The ranks fill the CPUs (N x threads >= cpus): no core is left to overlap
+    communication's CPU work with compute."""
 
     def shared(self, n: int) -> LayerProfile:
-        """As one of `n` ranks on this machine sees it: slower once n x threads > cpus."""
-        return replace(self, share=max(1.0, n * self.threads / self.cpus))
+        """As one of `n` ranks on this machine sees it: the slowdown measured with `n`
+        copies at once (`--ranks`), else slower once n x threads > cpus (processor sharing)."""
+        k = dict(self.measured).get(n)
+        inline = next(((b, s) for m, b, s in self.collectives if m == n), None)
+        full = n * self.threads >= self.cpus
+        if k is not None:
+            return replace(self, share=max(1.0, k), share_measured=True, inline=inline, full=full)
+        return replace(self, share=max(1.0, n * self.threads / self.cpus), share_measured=False,
+                       inline=inline, full=full)
 
 
 def _read(path: str) -> dict:
@@ -110,4 +129,30 @@ def load_profile(path: str, m: GPTSpec) -> LayerProfile:
         head_bwd_s=sum(x["backward_s"] for x in after),
         flops=24 * b * s * h * h + 4 * b * s * s * h, head_flops=2 * b * s * h * m.vocab,
         batch=b, threads=data["threads"], cpus=data["cpus"],
-        optimizer_s=opt.get("step_s"), optimizer_params=opt.get("params", 0.0))
+        optimizer_s=opt.get("step_s"), optimizer_params=opt.get("params", 0.0),
+        measured=_measured(path, data.get("shared", {})),
+        collectives=_collectives(path, data.get("collectives", {})))
+
+
+def _collectives(path: str, rows) -> tuple[tuple[int, float, float], ...]:
+    """The file's "collectives" measurements, checked: {"N": {"bytes", "inline_s"}}."""
+    try:
+        out = tuple(sorted((int(n), float(r["bytes"]), float(r["inline_s"])) for n, r in rows.items()))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        out = ((0, 0.0, -1.0),)
+    if any(n < 2 or b <= 0 or s < 0 for n, b, s in out):
+        raise ValueError(f"--profile {path}: its \"collectives\" must be {{\"N\": {{\"bytes\": B, "
+                         f"\"inline_s\": s}}}}; write it again with `disttrain plan profile --ranks`")
+    return out
+
+
+def _measured(path: str, shared) -> tuple[tuple[int, float], ...]:
+    """The file's "shared" slowdowns, checked: {"N": k} with N >= 2 and k > 0."""
+    try:
+        rows = tuple(sorted((int(n), float(k)) for n, k in shared.items()))
+    except (AttributeError, TypeError, ValueError):
+        rows = ((0, 0.0),)
+    if any(n < 2 or not k > 0 for n, k in rows):
+        raise ValueError(f"--profile {path}: its \"shared\" slowdowns must be {{\"N\": k}} with "
+                         f"N >= 2 and k > 0; write it again with `disttrain plan profile --ranks`")
+    return rows

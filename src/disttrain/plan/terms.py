@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from disttrain.plan.gpt import KORTHIKANTI, NARAYANAN, GPTSpec
 
+UNITS = 6
+"""Modules with parameters in one GPT block (2 LayerNorms, QKV, attention output, MLP in
+and out: models/gpt.py, as Megatron's): ZeRO-3 gathers each as one unit."""
+
 __all__ = ["Term", "time_terms", "wire_terms"]
 
 DTYPE = "bf16"
@@ -52,6 +56,12 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
     return out
 
 
+def _share_how(p) -> str:
+    if p.share_measured:
+        return "measured: that many copies of the profile at once, plan profile --ranks"
+    return "ranks x threads over CPUs"
+
+
 def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
     """The layers' compute: matmul and elementwise terms, or the profiled block's seconds."""
     c, p = per["cost"], dev.profile
@@ -70,7 +80,7 @@ def _compute_terms(lay, dev, per, count: int, passes: int) -> list[Term]:
                      f"{recompute and ' + fwd again'} ms): the profiled {p.block}'s median "
                      f"{p.fwd_s * 1e3:.4g} / {p.bwd_s * 1e3:.4g} ms at batch {p.batch} on "
                      f"{p.threads} of {p.cpus} CPUs x b/{p.batch}/t"
-                     f"{f' x {p.share:.3g} (ranks x threads over CPUs)' if p.share > 1 else ''}",
+                     f"{f' x {p.share:.3g} ({_share_how(p)})' if p.share > 1 else ''}",
                      f"measured: {p.path} (disttrain plan profile)")]
     mm, el = per["w"], per["f"] - per["w"]
     rate = f"{dev.matmul_flops(DTYPE) / 1e12:.4g} TFLOP/s"
@@ -96,7 +106,9 @@ def _parallel_terms(lay, dev, per, d, mb: int, layers: int, bubble: float) -> li
                         mb * layers * n * per["ar"],
                         f"{mb} x {layers} layers x {n:g} x ring all-reduce of {lay.wire}bsh = "
                         f"{per['tp_bytes'] / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
-                        f"{per['tp_bound']}-bound)",
+                        f"{per['tp_bound']}-bound"
+                        + (f"; {per['extra'] * 1e3:.3g} ms of it measured per blocking collective "
+                           "between computing ranks" if per["extra"] else "") + ")",
                         f"comm/cost.py ring; {dev.sources.get(where)}"))
     if lay.tp > 1:
         out.append(Term("tp embedding, LM head and loss", mb * (d["emb_f"] + d["head_comm"]),
@@ -134,8 +146,13 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
     if lay.zero == 3:
         out.append(Term("ZeRO-3 gathers (exposed)", mb * (lc * lay.virtual) * (d["z3_f"] + d["z3_b"])
                         + 2 * mb * lay.virtual * d["z3_first"],
-                        "per layer max(0, all-gather [+ reduce-scatter] - compute), prefetching "
-                        "the next layer; the first layer's gather exposed", "comm/cost.py ring"))
+                        (f"the ranks fill the cores: every unit's gather blocks ({UNITS} units per "
+                         f"layer, each an all-gather + {per['blocking'] * 1e3:.3g} ms measured per "
+                         "blocking collective), + the reduce-scatter backward"
+                         if dev.profile is not None and dev.profile.full else
+                         "per layer max(0, all-gather [+ reduce-scatter] - compute), prefetching "
+                         "the next layer; the first layer's gather exposed"),
+                        "comm/cost.py ring; parallel/zero/stage3.py; plan profile --ranks"))
     if dp["buckets"]:
         op = "all-reduce" if lay.zero == 0 else "reduce-scatter"
         if lay.zero == 0 and lay.algorithm not in ("ring", "native"):
@@ -156,7 +173,7 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
         out.append(Term(f"optimizer step ({'traced' if p.calibrated else 'profiled'})", opt,
                         f"the {how} {p.optimizer_s * 1e3:.4g} ms at {p.optimizer_params:.4g} "
                         f"params, scaled by this shard's params"
-                        f"{f' x {p.share:.3g} (ranks sharing the CPUs)' if p.share > 1 else ''}",
+                        f"{f' x {p.share:.3g} ({_share_how(p)})' if p.share > 1 else ''}",
                         f"measured: {p.path}" + ("/trace.json (--calibrate)" if p.calibrated
                                                  else " (disttrain plan profile)")))
     else:
