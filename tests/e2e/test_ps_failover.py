@@ -82,6 +82,51 @@ def test_sync_kill_at_any_point_ends_bitwise_equal(servers, step, dead, when):
     assert digests == {reference()}, out
 
 
+COPIED = re.compile(r"\[ps manager\] ring version \d+: server (\d) holds a copy of \d+ keys "
+                    r"\([\d.]+ MB\) of server (\d) again, from server (\d) at version \d+")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["sync", "count"])
+def test_three_servers_copy_the_dead_servers_ranges_again(mode):
+    """replicas=2, 3 servers, server 1 killed: every range it held is extended to the
+    server that held no copy (the routes' and the heads' whose next server it was), the
+    manager records each, and the run still ends bitwise equal (Sync) or applies every
+    push exactly once (Async)."""
+    code, out = launch(mode, "5", "1", "pushed", servers=3)
+    check_takeover(code, out, dead=1)
+    copied = COPIED.findall(out)
+    assert copied and all(to != by and "1" not in (to, by) for to, _, by in copied), out
+    if mode == "sync":
+        assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    else:
+        assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [
+            ("0", "[1.0]"), ("1", "[1.0]")], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["sync", "count"])
+def test_the_server_that_took_over_dies_too_and_nothing_is_lost(mode):
+    """replicas=2, 3 servers: server 1 is killed at step 3, its ranges are copied again,
+    then at step 8 the server that took over its first key is killed too: the third
+    server serves everything (the second's own keys and the route it hosted, from the
+    copies made again), and the run still ends bitwise equal (Sync) or applies every
+    push exactly once (Async)."""
+    code, out = launch(mode, "3", "1", "acked", "2", "8", servers=3)
+    assert code == 0, out
+    second = re.search(r"worker 0 kills server (\d) too", out).group(1)
+    took = TOOK.findall(out)
+    assert {d for _, _, d, _ in took} == {"1", second}, out
+    assert COPIED.findall(out), out
+    if mode == "sync":
+        assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    else:
+        assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [
+            ("0", "[1.0]"), ("1", "[1.0]")], out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("servers,step,dead,when", [(2, 5, 0, "pushed"), (2, 9, 1, "acked"),

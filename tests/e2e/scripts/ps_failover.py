@@ -5,8 +5,10 @@ step's push was sent, before its ack; "acked": once it was acknowledged). Modes:
 "sync" trains an MLP with momentum SGD under Sync and worker 0 prints a digest of the
 final parameters; "count" runs Async with lr 1 and a constant step, each push a one-hot
 gradient at its own (worker, step) entry, so the final parameters count how often each
-push was applied. argv[5]: replicas (default 2). Server ranks publish their process id in the store; worker 0 kills
-one. `reference()` (imported by the test) is the same Sync training in one process, as
+push was applied. argv[5]: replicas (default 2); argv[6]: a step (default 0: none) at
+which, once its push was acknowledged, worker 0 also kills the server that took over
+the first one's first key (the first live server of its chain). Server ranks publish
+their process id in the store; worker 0 kills them. `reference()` (imported by the test) is the same Sync training in one process, as
 the servers compute it: the mean of the workers' gradients summed in worker order, one
 momentum step per round; it returns the digest the job must end with.
 """
@@ -72,7 +74,17 @@ def reference() -> str:
         torch.set_num_threads(threads)
 
 
-def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None:
+def heir(model: torch.nn.Module, servers: int, victim: int, replicas: int) -> int:
+    """The server that takes over `victim`'s first key (placement.py's chain)."""
+    from disttrain.ps.placement import plan_keys
+
+    plan = plan_keys([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
+                     servers)
+    chain = plan.chain(plan[victim][0].key, replicas)
+    return int(chain[1].removeprefix("server"))
+
+
+def main(mode: str, kill_at: int, victim: int, when: str, replicas: int, again: int) -> None:
     import disttrain
     from disttrain import ps
 
@@ -98,6 +110,10 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None
         handle.wait()
         if rank == 0 and step == kill_at and when == "acked":
             os.kill(int(store.get(f"failover/pid{victim}")), signal.SIGKILL)
+        if rank == 0 and step == again:
+            second = heir(model, disttrain.world_size() - WORKERS, victim, replicas)
+            print(f"worker 0 kills server {second} too", flush=True)
+            os.kill(int(store.get(f"failover/pid{second}")), signal.SIGKILL)
     store.add("failover/done", 1)  # NOTE: Async: read once every worker's pushes are acked
     while int(store.add("failover/done", 0)) < WORKERS:
         time.sleep(0.01)
@@ -113,4 +129,5 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-         int(sys.argv[5]) if len(sys.argv) > 5 else 2)
+         int(sys.argv[5]) if len(sys.argv) > 5 else 2,
+         int(sys.argv[6]) if len(sys.argv) > 6 else 0)
