@@ -5,14 +5,29 @@ Every server computes the moves alone, so they must follow from the plan and the
 set only: each key whose chain held the dead server gets one new copy, on a live server
 that holds none, from the server whose process holds the short chain's tail; two routes
 (which both speak as the dead server) never feed one server. The manager makes each
-reported copy one ring version and an event, kept across its restart.
+reported copy one ring version and an event, kept across its restart. A new copy that
+gets the state before its own heartbeat told it of the death holds it until it knows.
 """
 
-import pytest
+import tempfile
+import threading
+import time
 
+import pytest
+import torch
+import zmq
+
+from disttrain.ps.frame import Message
 from disttrain.ps.membership import Membership, Refused
 from disttrain.ps.placement import plan_keys
+from disttrain.ps.policy import Sync
 from disttrain.ps.recopy import moves
+from disttrain.ps.replica import Replicas
+from disttrain.ps.server import Server
+from disttrain.ps.takeover import Takeover
+from disttrain.ps.transport import WorkerLink
+from tests.unit.test_ps_replica import read_reply
+from tests.unit.test_ps_takeover import _Ring
 
 MODEL = [("emb", 5000, 4), ("w1", 3000, 4), ("b1", 30, 4), ("w2", 900, 4), ("b2", 4, 4)]
 
@@ -70,3 +85,65 @@ def test_a_copy_made_again_is_one_version_and_an_event_kept_across_a_restart(tmp
     again = Membership.from_json((tmp_path / "m.json").read_text(), now=0.0)
     assert again.copies == [ROW] and again.version == v + 1
     assert not again.recopied(2, [ROW]) and again.version == v + 1  # reports after a restart
+
+
+# ---- a new copy that hears of the death after the state came, on the real wire -------------
+@pytest.mark.timeout(60)
+def test_state_that_comes_before_the_death_is_known_waits_then_installs():
+    """Server y is the new copy of keys whose chain was [x, d]. x's transfer reaches y
+    before y's heartbeat told it d died: y holds the frames (no answer, nothing
+    installed); once its ring marks d dead it installs them, commits each frame, and
+    reports the copy for the manager."""
+    key, chunk = bytes(range(32)), 256
+    torch.manual_seed(0)
+    init = {"w": torch.randn(2048)}
+    plan = plan_keys([("w", 2048, 4)], 3, chunk_bytes=chunk)
+    d, m = next((d, m) for d in range(3) for m in moves(plan, 2, {d}, d) if m.chain != (d,))
+    x, y = m.host, m.target
+    keys = [n.key for n in moves(plan, 2, {d}, d) if (n.chain, n.target) == (m.chain, y)]
+    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    server = Server(y, plan[y], init, Sync(), opt, [0], key, timeout=60, chunk_bytes=chunk)
+    server.chain = Replicas(y, 1, plan, 2, init, opt, Sync(), server.ep, key, timeout=60,
+                            chunk_bytes=chunk)
+    ctx, folder = zmq.Context(), tempfile.mkdtemp()
+    ctx.setsockopt(zmq.LINGER, 0)
+    quiet = {}  # the other servers' addresses: nothing there ever answers
+    for j in set(range(3)) - {y}:
+        quiet[j] = ctx.socket(zmq.ROUTER)
+        quiet[j].bind(f"ipc://{folder}/s{j}")
+    server.chain.connect({j: f"ipc://{folder}/s{j}" for j in quiet})
+    beat = _Ring()
+    take = Takeover(server, beat, plan, init, Sync(), opt, key, host="127.0.0.1",
+                    chunk_bytes=chunk)
+    threading.Thread(target=server.serve, daemon=True).start()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.address)
+    tail = WorkerLink(sock, key, 1 + x, y)
+    tail.send(Message("hello", {"keys": [], "policy": "Sync()", "replicas": 2}))
+    assert read_reply(tail).op == "welcome"  # a link with no keys yet: welcomed
+    val = {k: torch.randn(64) for k in keys}
+    for i, k in enumerate(keys):
+        meta = {"origin": x, "version": 4, "part": i, "parts": len(keys), "fields": []}
+        if i + 1 == len(keys):
+            meta["clocks"] = [{"worker": 0, "clock": 3, "keys": keys}]
+        tail.send(Message("transfer", meta, [k], [val[k]]))
+    with pytest.raises(TimeoutError):
+        read_reply(tail, timeout=1.0)  # held: y does not know yet that d died
+    assert not any(k in server.chain.params for k in keys)
+    beat.ring = {"version": 3, "servers": [
+        {"server": j, "state": "dead" if j == d else "alive",
+         "address": server.address if j == y else f"ipc://{folder}/s{j}"} for j in range(3)]}
+    assert [read_reply(tail, timeout=10).meta for _ in keys] == [
+        {"frame": i + 1} for i in range(len(keys))]
+    assert all(torch.equal(server.chain.params[k].detach(), val[k]) for k in keys)
+    assert server.chain.clocks[x][0] == (3, set(keys))
+    end = time.monotonic() + 10
+    while not beat.__dict__.get("copied"):
+        assert time.monotonic() < end, "the copy was never reported"
+        time.sleep(0.05)
+    assert beat.copied[0] == {"server": x, "by": x, "to": y, "keys": len(keys),
+                              "bytes": 256 * len(keys), "version": 4}
+    assert take.recopy.early == {}
+    for sock in [tail, *quiet.values()]:
+        sock.close()
+    ctx.term()
