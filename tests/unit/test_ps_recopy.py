@@ -87,63 +87,126 @@ def test_a_copy_made_again_is_one_version_and_an_event_kept_across_a_restart(tmp
     assert not again.recopied(2, [ROW]) and again.version == v + 1  # reports after a restart
 
 
-# ---- a new copy that hears of the death after the state came, on the real wire -------------
+# ---- a new copy on the real wire ----------------------------------------------------------
+KEY, CHUNK = bytes(range(32)), 256
+
+
+def _opt(p):
+    return torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+class NewCopy:
+    """Server y of a 3-server replicas=2 job, live on a thread with its takeover watch; the
+    other servers' addresses answer nothing; `ring` plays its heartbeat's answers."""
+
+    def __init__(self, route: bool):
+        torch.manual_seed(0)
+        self.init = {"w": torch.randn(2048)}
+        self.plan = plan = plan_keys([("w", 2048, 4)], 3, chunk_bytes=CHUNK)
+        self.d, m = next((d, m) for d in range(3) for m in moves(plan, 2, {d}, d)
+                         if (m.chain == (d,)) == route)
+        self.host, y = m.host, m.target
+        self.keys = [n.key for n in moves(plan, 2, {self.d}, self.d)
+                     if (n.chain, n.host, n.target) == (m.chain, m.host, y)]
+        self.server = Server(y, plan[y], self.init, Sync(), _opt, [0], KEY, timeout=60,
+                             chunk_bytes=CHUNK)
+        self.server.chain = Replicas(y, 1, plan, 2, self.init, _opt, Sync(), self.server.ep,
+                                     KEY, timeout=60, chunk_bytes=CHUNK)
+        self.ctx, folder = zmq.Context(), tempfile.mkdtemp()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.at = {j: f"ipc://{folder}/s{j}" for j in set(range(3)) - {y}}
+        self.quiet = [self.ctx.socket(zmq.ROUTER) for _ in self.at]
+        for sock, address in zip(self.quiet, self.at.values()):
+            sock.bind(address)
+        self.server.chain.connect(self.at)
+        self.beat = _Ring()
+        self.take = Takeover(self.server, self.beat, plan, self.init, Sync(), _opt, KEY,
+                             host="127.0.0.1", chunk_bytes=CHUNK)
+        self.failure = None
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        try:
+            self.server.serve()
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            self.failure = e
+
+    def link(self, who: int) -> WorkerLink:
+        """A predecessor's link (worker id 1 + server `who`), welcomed with no keys."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.connect(self.server.address)
+        link = WorkerLink(sock, KEY, 1 + who, self.server.index)
+        link.send(Message("hello", {"keys": [], "policy": "Sync()", "replicas": 2}))
+        assert read_reply(link).op == "welcome"  # a link with no keys yet: welcomed
+        return link
+
+    def ring(self, version: int, dead: set[int]) -> None:
+        self.beat.ring = {"version": version, "servers": [
+            {"server": j, "state": "dead" if j in dead else "alive",
+             "address": self.at.get(j, self.server.address)} for j in range(3)]}
+
+    def close(self, *links) -> None:
+        for sock in [*links, *self.quiet]:
+            sock.close()
+        self.ctx.term()
+
+
+def _transfer(link, origin: int, keys: list[str], val: dict, parts=None) -> None:
+    for i, k in enumerate(keys[:parts]):
+        meta = {"origin": origin, "version": 4, "part": i, "parts": len(keys), "fields": []}
+        if i + 1 == len(keys):
+            meta["clocks"] = [{"worker": 0, "clock": 3, "keys": keys}]
+        link.send(Message("transfer", meta, [k], [val[k]]))
+
+
 @pytest.mark.timeout(60)
 def test_state_that_comes_before_the_death_is_known_waits_then_installs():
     """Server y is the new copy of keys whose chain was [x, d]. x's transfer reaches y
     before y's heartbeat told it d died: y holds the frames (no answer, nothing
     installed); once its ring marks d dead it installs them, commits each frame, and
     reports the copy for the manager."""
-    key, chunk = bytes(range(32)), 256
-    torch.manual_seed(0)
-    init = {"w": torch.randn(2048)}
-    plan = plan_keys([("w", 2048, 4)], 3, chunk_bytes=chunk)
-    d, m = next((d, m) for d in range(3) for m in moves(plan, 2, {d}, d) if m.chain != (d,))
-    x, y = m.host, m.target
-    keys = [n.key for n in moves(plan, 2, {d}, d) if (n.chain, n.target) == (m.chain, y)]
-    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
-    server = Server(y, plan[y], init, Sync(), opt, [0], key, timeout=60, chunk_bytes=chunk)
-    server.chain = Replicas(y, 1, plan, 2, init, opt, Sync(), server.ep, key, timeout=60,
-                            chunk_bytes=chunk)
-    ctx, folder = zmq.Context(), tempfile.mkdtemp()
-    ctx.setsockopt(zmq.LINGER, 0)
-    quiet = {}  # the other servers' addresses: nothing there ever answers
-    for j in set(range(3)) - {y}:
-        quiet[j] = ctx.socket(zmq.ROUTER)
-        quiet[j].bind(f"ipc://{folder}/s{j}")
-    server.chain.connect({j: f"ipc://{folder}/s{j}" for j in quiet})
-    beat = _Ring()
-    take = Takeover(server, beat, plan, init, Sync(), opt, key, host="127.0.0.1",
-                    chunk_bytes=chunk)
-    threading.Thread(target=server.serve, daemon=True).start()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(server.address)
-    tail = WorkerLink(sock, key, 1 + x, y)
-    tail.send(Message("hello", {"keys": [], "policy": "Sync()", "replicas": 2}))
-    assert read_reply(tail).op == "welcome"  # a link with no keys yet: welcomed
-    val = {k: torch.randn(64) for k in keys}
-    for i, k in enumerate(keys):
-        meta = {"origin": x, "version": 4, "part": i, "parts": len(keys), "fields": []}
-        if i + 1 == len(keys):
-            meta["clocks"] = [{"worker": 0, "clock": 3, "keys": keys}]
-        tail.send(Message("transfer", meta, [k], [val[k]]))
+    job = NewCopy(route=False)
+    x, y, server = job.host, job.server.index, job.server
+    tail = job.link(x)
+    val = {k: torch.randn(64) for k in job.keys}
+    _transfer(tail, x, job.keys, val)
     with pytest.raises(TimeoutError):
         read_reply(tail, timeout=1.0)  # held: y does not know yet that d died
-    assert not any(k in server.chain.params for k in keys)
-    beat.ring = {"version": 3, "servers": [
-        {"server": j, "state": "dead" if j == d else "alive",
-         "address": server.address if j == y else f"ipc://{folder}/s{j}"} for j in range(3)]}
-    assert [read_reply(tail, timeout=10).meta for _ in keys] == [
-        {"frame": i + 1} for i in range(len(keys))]
-    assert all(torch.equal(server.chain.params[k].detach(), val[k]) for k in keys)
-    assert server.chain.clocks[x][0] == (3, set(keys))
+    assert not any(k in server.chain.params for k in job.keys)
+    job.ring(3, {job.d})
+    assert [read_reply(tail, timeout=10).meta for _ in job.keys] == [
+        {"frame": i + 1} for i in range(len(job.keys))]
+    assert all(torch.equal(server.chain.params[k].detach(), val[k]) for k in job.keys)
+    assert server.chain.clocks[x][0] == (3, set(job.keys))
     end = time.monotonic() + 10
-    while not beat.__dict__.get("copied"):
+    while not job.beat.__dict__.get("copied"):
         assert time.monotonic() < end, "the copy was never reported"
         time.sleep(0.05)
-    assert beat.copied[0] == {"server": x, "by": x, "to": y, "keys": len(keys),
-                              "bytes": 256 * len(keys), "version": 4}
-    assert take.recopy.early == {}
-    for sock in [tail, *quiet.values()]:
-        sock.close()
-    ctx.term()
+    assert job.beat.copied[0] == {"server": x, "by": x, "to": y, "keys": len(job.keys),
+                                  "bytes": 256 * len(job.keys), "version": 4}
+    assert job.take.recopy.early == {} and job.failure is None
+    job.close(tail)
+
+
+@pytest.mark.timeout(60)
+def test_a_route_host_that_dies_mid_copy_is_named_by_the_new_copy():
+    """Server d died; the route d@s sends its range's state to y and s dies after the
+    first part: no live server holds those keys whole. y stops with an error naming s
+    (and its peers hear it), instead of serving half a copy or waiting."""
+    job = NewCopy(route=True)
+    assert len(job.keys) >= 2, job.keys
+    job.ring(3, {job.d})
+    route = job.link(job.d)  # NOTE: a route speaks as the dead server d
+    val = {k: torch.randn(64) for k in job.keys}
+    _transfer(route, job.d, job.keys, val, parts=1)
+    assert read_reply(route, timeout=10).meta == {"frame": 1}
+    job.ring(4, {job.d, job.host})
+    reply = read_reply(route, timeout=10)
+    assert reply.op == "error" and f"server {job.host} died" in reply.meta["message"], reply
+    end = time.monotonic() + 10
+    while job.failure is None:
+        assert time.monotonic() < end, "y went on"
+        time.sleep(0.05)
+    assert f"server {job.host} died" in str(job.failure)
+    assert not any(k in job.server.chain.params for k in job.keys)
+    job.close(route)

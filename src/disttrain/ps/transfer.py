@@ -7,8 +7,9 @@ consistent state of them between two updates it applies, and sends it to Y in ch
 `transfer` frames on the server-to-server link (replica.py's: authenticated, sequenced,
 schema-checked, shared memory on one host): every key's value, every optimizer tensor,
 the head's version, and per worker the latest push clock the state holds with the keys
-it stepped (so a later takeover on Y applies a re-sent push at most once). In the same instant T makes Y the next server of those keys'
-chains, so every later update goes to Y *after* the state on the same FIFO session: Y
+it stepped (so a later takeover on Y applies a re-sent push at most once). In the same
+instant T makes Y the next server of those keys' chains, so every later update goes to
+Y *after* the state on the same FIFO session: Y
 needs no log and no buffering, it installs the state and then applies the forwarded
 updates in order. From the cut on, T's commits of those keys (and, if T is the head, its
 acks and pulls) wait for Y's commit too. Workers go on training: the moved keys pause
