@@ -47,6 +47,8 @@ def test_every_short_chain_gets_one_copy_on_a_server_without_one(servers, r):
         assert {m.key for m in got} <= short and len({m.key for m in got}) == len(got)
         if servers == 3 and r == 2:
             assert {m.key for m in got} == short  # three servers: always a third one
+        assert {k for k in short if chains[k][0] != d} <= {m.key for m in got}  # only a
+        # route's keys may find every candidate taken by another route
         routes = {}
         for m in got:
             ch = chains[m.key]

@@ -67,7 +67,8 @@ def moves(plan, r: int, dead: set[int], d: int) -> list[Move]:
         short = (d,) if chain[0] == d else tuple(chain[:chain.index(d)])
         host = chain[1] if chain[0] == d else short[-1]
         target = next((j for j in _ints(plan.chain(c.key, len(plan))) if j != d
-                       and j not in (host, *short) and routes.get(j, host) == host), None)
+                       and j not in (host, *short)
+                       and (short != (d,) or routes.get(j, host) == host)), None)
         if target is None:
             continue
         if short == (d,):  # NOTE: every route speaks as d: two may not feed one server
