@@ -213,11 +213,12 @@ class Membership:
     def recopied(self, to: int, rows: list[dict]) -> bool:
         """Server `to` holds a copy again of a range a death left short (its report's
         `copied` rows); True (a new version, an event each) for every row not known yet."""
-        new = [r for r in rows if r not in self.copies]
-        for r in new:
+        for r in rows:
             if r["to"] != to or to not in self.members or self.members[to].state != ALIVE:
                 raise Refused(f"server {to} reports a copy held by server {r['to']}: only a "
                               "live server reports the copies it holds itself")
+        new = [r for r in rows if r not in self.copies]
+        for r in new:
             self.copies.append(r)
             self._change(f"server {to} holds a copy of {r['keys']} keys ({r['bytes'] / 1e6:.2f} "
                          f"MB) of server {r['server']} again, from server {r['by']} at version "

@@ -338,7 +338,7 @@ class Replicas:
                     f"frames uncommitted: with replicas={self.r} every update waits for every "
                     "replica" + (", and no manager marked it dead" if self.patience > 1 else ""))
         for peer, seen in self._seen.items():
-            feeds = {(self.chains[k][0], peer - self.base) for k in self.expect[peer]}
+            feeds = {(self.chains[k][0], peer - self.base) for k in self.expect.get(peer, {})}
             if not feeds <= self.finals and now - seen > self.timeout * self.patience:
                 raise PSError(f"server {self.index}: server {peer - self.base}, which sends it "
                               f"the updates of keys it copies, silent for {now - seen:.1f}s "
