@@ -81,7 +81,7 @@ def test_a_copy_made_again_is_one_version_and_an_event_kept_across_a_restart(tmp
                             "of server 1 again, from server 0 at version 7: the range has its "
                             "replicas again")
     assert not m.recopied(2, [ROW]) and m.version == v + 1  # every report repeats it
-    with pytest.raises(Refused, match="reports a copy held by server 2"):
+    with pytest.raises(Refused, match="reports a copy held by server 2: a server reports only"):
         m.recopied(0, [ROW])
     m.save(str(tmp_path / "m.json"))
     again = Membership.from_json((tmp_path / "m.json").read_text(), now=0.0)

@@ -187,7 +187,9 @@ class Membership:
             m.state = DEAD
             lost = self.only_copies(m.server)
             self._change(f"server {m.server} at {m.address} {why}: marked dead"
-                         + (f"; {len(lost)} keys have no other live copy" if lost else ""))
+                         + (f"; {len(lost)} keys have no other live copy" if lost else "")
+                         + (" on the chains servers registered (not counting copies made "
+                            "again)" if lost and self.copies else ""))
             out.append(self.events[-1])
         return out
 
@@ -213,10 +215,10 @@ class Membership:
     def recopied(self, to: int, rows: list[dict]) -> bool:
         """Server `to` holds a copy again of a range a death left short (its report's
         `copied` rows); True (a new version, an event each) for every row not known yet."""
-        for r in rows:
-            if r["to"] != to or to not in self.members or self.members[to].state != ALIVE:
-                raise Refused(f"server {to} reports a copy held by server {r['to']}: only a "
-                              "live server reports the copies it holds itself")
+        for r in rows:  # NOTE: its last report (final) comes after it exited: still its own
+            if r["to"] != to or to not in self.members:
+                raise Refused(f"server {to} reports a copy held by server {r['to']}: a server "
+                              "reports only the copies it holds itself")
         new = [r for r in rows if r not in self.copies]
         for r in new:
             self.copies.append(r)
