@@ -124,6 +124,8 @@ class Recopy:
         for (short, target), keys in sorted(tails.items()):
             self._extend(d, route, short, target, at.get(target), keys)
         for (short, host), keys in sorted(news.items()):  # NOTE: the order tails cut them in
+            if short == (d,):  # NOTE: the route's link numbers its frames from 1, as d's did
+                self.chain.received[self.chain.base + d] = 0
             _reshape(self.chain, keys, short)
             intake = transfer.accept(self.server, t.plan, t.init, t.optimizer, short[-1], keys,
                                      **self._kw(self.chain.r))
