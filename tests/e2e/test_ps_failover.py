@@ -12,6 +12,7 @@ script's one-hot gradients count it). replicas=1 keeps the old behaviour: the jo
 import importlib.util
 import os
 import re
+import secrets
 import subprocess
 import sys
 from functools import cache
@@ -161,3 +162,50 @@ def test_digits_example_kill_server_flag_matches_an_uninterrupted_run():
     check_takeover(code, killed, dead=0)
     digest = re.compile(r"final parameters sha256 (\w+)")
     assert digest.findall(killed) == digest.findall(plain) != [], killed
+
+
+def _manager(state: str, env: dict) -> tuple[subprocess.Popen, str]:
+    """A standing manager (`disttrain ps manager`) on `state`, and its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "manager", "--state", state,
+                             "--timeout", "5"], env=env, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    return proc, re.search(r" at (\S+), state in", first).group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_manager_killed_and_restarted_while_a_range_is_copied_again_loses_nothing(tmp_path):
+    """3 servers, replicas=2, Sync, a standing manager: server 1 is killed at step 3, and
+    the moment a server starts copying a range again the manager is SIGKILLed and started
+    again on its state file. The takeover and the copies go on (servers and workers
+    reconnect by themselves), the restarted manager records the copies once each, and
+    the job ends bitwise equal to the reference."""
+    env = dict(_env(), DISTTRAIN_SECRET=secrets.token_hex(32))
+    state = str(tmp_path / "manager.json")
+    manager, address = _manager(state, env)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", "3",
+         str(SCRIPT), "sync", "3", "1", "acked"], env=dict(env, DISTTRAIN_PS_MANAGER=address),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, restarted = [], None
+    try:
+        for line in job.stdout:
+            out.append(line)
+            if restarted is None and re.search(r"\[ps server\d\] copies \d+ keys", line):
+                manager.kill()
+                manager.wait()
+                restarted, again = _manager(state, env)
+                assert again == address
+        code = job.wait(timeout=200)
+    finally:
+        job.kill()
+        for m in (manager, restarted):
+            if m is not None:
+                m.terminate()
+    text = "".join(out)
+    events = restarted.communicate(timeout=30)[1] if restarted else ""
+    assert restarted is not None, text
+    assert code == 0, text + events
+    assert set(re.findall(r"worker \d digest (\w+)", text)) == {reference()}, text
+    copied = COPIED.findall(events)
+    assert copied and len(copied) == len(set(copied)), events
