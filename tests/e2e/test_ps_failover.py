@@ -164,6 +164,23 @@ def test_digits_example_kill_server_flag_matches_an_uninterrupted_run():
     assert digest.findall(killed) == digest.findall(plain) != [], killed
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_new_copy_killed_while_a_range_moves_to_it_is_named_and_nothing_hangs():
+    """3 servers, replicas=2, Sync: server 1 is killed at step 3; the first server a range
+    is copied to again SIGKILLs itself on the first `transfer` frame it reads. Either the
+    job goes on (the sender drops it, the third server serves what it held) and ends
+    bitwise equal, or, when it also hosted a route whose copy it had not finished
+    sending, the receiver stops naming it: never a hang, never a wrong result."""
+    code, out = launch("sync", "3", "1", "acked", "2", "0", "die", servers=3)
+    dead = re.search(r"server (\d) dies on a transfer frame", out)
+    assert dead, out
+    if code == 0:
+        assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    else:
+        assert re.search(rf"server {dead.group(1)} died before it finished copying \d+ keys", out), out
+
+
 def _manager(state: str, env: dict) -> tuple[subprocess.Popen, str]:
     """A standing manager (`disttrain ps manager`) on `state`, and its address."""
     proc = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "manager", "--state", state,

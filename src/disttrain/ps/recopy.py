@@ -169,8 +169,8 @@ class Recopy:
                 if row["by"] != x or not of_route:
                     continue
                 if intake.stats is None:
-                    raise PSError(f"server {self.server.index}: server {x} died while it "
-                                  f"copied {len(intake.chunks)} keys of dead server "
+                    raise PSError(f"server {self.server.index}: server {x} died before it "
+                                  f"finished copying {len(intake.chunks)} keys of dead server "
                                   f"{row['server']} here: no live server holds them whole")
                 out.append((row["server"], list(intake.chunks)))
         return out
