@@ -123,6 +123,7 @@ class Recopy:
                 news[(m.chain, m.host)].append(m.key)
         for (short, target), keys in sorted(tails.items()):
             self._extend(d, route, short, target, at.get(target), keys)
+        before = self.chain.intake  # NOTE: another transfer's (a join's) keeps its handler
         for (short, host), keys in sorted(news.items()):  # NOTE: the order tails cut them in
             if short == (d,):  # NOTE: the route's link numbers its frames from 1, as d's did
                 self.chain.received[self.chain.base + d] = 0
@@ -131,7 +132,7 @@ class Recopy:
                                      **self._kw(self.chain.r))
             self.intakes[self.chain.base + short[-1]].append(
                 (intake, {"server": short[0], "by": host, "to": me}, short == (d,)))
-        self.chain.intake = None  # NOTE: transfers reach the intakes through `hold`
+        self.chain.intake = before  # NOTE: transfers reach these intakes through `hold`
         for peer in [p for p in self.early if p in self.intakes]:
             for session, msg, _ in self.early.pop(peer):
                 self.chain.handle(session, msg)
@@ -191,6 +192,8 @@ class Recopy:
         if msg.op != "transfer":
             return False
         if peer not in self.intakes:
+            if self.chain.intake is not None:  # NOTE: another transfer this server expects
+                return False
             self.early[peer] = [(session, msg, time.monotonic())]
             return True
         intake = next((i for i, *_ in self.intakes[peer] if i.stats is None), None)
