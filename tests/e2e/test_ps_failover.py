@@ -12,6 +12,7 @@ script's one-hot gradients count it). replicas=1 keeps the old behaviour: the jo
 import importlib.util
 import os
 import re
+import secrets
 import subprocess
 import sys
 from functools import cache
@@ -82,6 +83,51 @@ def test_sync_kill_at_any_point_ends_bitwise_equal(servers, step, dead, when):
     assert digests == {reference()}, out
 
 
+COPIED = re.compile(r"\[ps manager\] ring version \d+: server (\d) holds a copy of \d+ keys "
+                    r"\([\d.]+ MB\) of server (\d) again, from server (\d) at version \d+")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["sync", "count"])
+def test_three_servers_copy_the_dead_servers_ranges_again(mode):
+    """replicas=2, 3 servers, server 1 killed: every range it held is extended to the
+    server that held no copy (the routes' and the heads' whose next server it was), the
+    manager records each, and the run still ends bitwise equal (Sync) or applies every
+    push exactly once (Async)."""
+    code, out = launch(mode, "5", "1", "pushed", servers=3)
+    check_takeover(code, out, dead=1)
+    copied = COPIED.findall(out)
+    assert copied and all(to != by and "1" not in (to, by) for to, _, by in copied), out
+    if mode == "sync":
+        assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    else:
+        assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [
+            ("0", "[1.0]"), ("1", "[1.0]")], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["sync", "count"])
+def test_the_server_that_took_over_dies_too_and_nothing_is_lost(mode):
+    """replicas=2, 3 servers: server 1 is killed at step 3, its ranges are copied again,
+    then at step 8 the server that took over its first key is killed too: the third
+    server serves everything (the second's own keys and the route it hosted, from the
+    copies made again), and the run still ends bitwise equal (Sync) or applies every
+    push exactly once (Async)."""
+    code, out = launch(mode, "3", "1", "acked", "2", "8", servers=3)
+    assert code == 0, out
+    second = re.search(r"worker 0 kills server (\d) too", out).group(1)
+    took = TOOK.findall(out)
+    assert {d for _, _, d, _ in took} == {"1", second}, out
+    assert COPIED.findall(out), out
+    if mode == "sync":
+        assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    else:
+        assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [
+            ("0", "[1.0]"), ("1", "[1.0]")], out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("servers,step,dead,when", [(2, 5, 0, "pushed"), (2, 9, 1, "acked"),
@@ -116,3 +162,67 @@ def test_digits_example_kill_server_flag_matches_an_uninterrupted_run():
     check_takeover(code, killed, dead=0)
     digest = re.compile(r"final parameters sha256 (\w+)")
     assert digest.findall(killed) == digest.findall(plain) != [], killed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_new_copy_killed_while_a_range_moves_to_it_is_named_and_nothing_hangs():
+    """3 servers, replicas=2, Sync: server 1 is killed at step 3; the first server a range
+    is copied to again SIGKILLs itself on the first `transfer` frame it reads. Either the
+    job goes on (the sender drops it, the third server serves what it held) and ends
+    bitwise equal, or, when it also hosted a route whose copy it had not finished
+    sending, the receiver stops naming it: never a hang, never a wrong result."""
+    code, out = launch("sync", "3", "1", "acked", "2", "0", "die", servers=3)
+    dead = re.search(r"server (\d) dies on a transfer frame", out)
+    assert dead, out
+    if code == 0:
+        assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    else:
+        assert re.search(rf"server {dead.group(1)} died before it finished copying \d+ keys", out), out
+
+
+def _manager(state: str, env: dict) -> tuple[subprocess.Popen, str]:
+    """A standing manager (`disttrain ps manager`) on `state`, and its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "manager", "--state", state,
+                             "--timeout", "5"], env=env, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    return proc, re.search(r" at (\S+), state in", first).group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_manager_killed_and_restarted_while_a_range_is_copied_again_loses_nothing(tmp_path):
+    """3 servers, replicas=2, Sync, a standing manager: server 1 is killed at step 3, and
+    the moment a server starts copying a range again the manager is SIGKILLed and started
+    again on its state file. The takeover and the copies go on (servers and workers
+    reconnect by themselves), the restarted manager records the copies once each, and
+    the job ends bitwise equal to the reference."""
+    env = dict(_env(), DISTTRAIN_SECRET=secrets.token_hex(32))
+    state = str(tmp_path / "manager.json")
+    manager, address = _manager(state, env)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", "3",
+         str(SCRIPT), "sync", "3", "1", "acked"], env=dict(env, DISTTRAIN_PS_MANAGER=address),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, restarted = [], None
+    try:
+        for line in job.stdout:
+            out.append(line)
+            if restarted is None and re.search(r"\[ps server\d\] copies \d+ keys", line):
+                manager.kill()
+                manager.wait()
+                restarted, again = _manager(state, env)
+                assert again == address
+        code = job.wait(timeout=200)
+    finally:
+        job.kill()
+        for m in (manager, restarted):
+            if m is not None:
+                m.terminate()
+    text = "".join(out)
+    events = restarted.communicate(timeout=30)[1] if restarted else ""
+    assert restarted is not None, text
+    assert code == 0, text + events
+    assert set(re.findall(r"worker \d digest (\w+)", text)) == {reference()}, text
+    copied = COPIED.findall(events)
+    assert copied and len(copied) == len(set(copied)), events

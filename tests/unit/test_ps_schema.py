@@ -194,7 +194,8 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     # the server manager's (ps/manager.py)
     "register": {"server": 0, "address": "ipc://x", "fingerprint": "f", "expected": 1,
                  "ring": -1, "attempt": 0, "shard": _SHARD, "pid": 4242},
-    "report": {"server": 0, "ring": 1, "version": 3, "pushes": 9, "final": 0, "adopted": _TAKEN},
+    "report": {"server": 0, "ring": 1, "version": 3, "pushes": 9, "final": 0, "adopted": _TAKEN,
+               "copied": [{"server": 1, "by": 0, "to": 2, "keys": 1, "bytes": 16, "version": 3}]},
     "lookup": {"ring": -1}, "status": {}, "leave": {"server": 0, "ring": 1},
     "join": {"server": 1, "address": "ipc://y", "fingerprint": "f", "ring": 1},
     "ring": {"version": 1, "expected": 1, "complete": 1, "stale": 0, "servers": _RING,
@@ -204,7 +205,8 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
                                                      version=3, pushes=9, rate=1.5, silent=0)]},
     "replicate": {"origin": 0, "version": 1, "lr": 1.0, "final": 0, "pushes": [[0, 3]]},
     "commit": {"frame": 1}, "transfer": {"origin": 0, "version": 1, "part": 0, "parts": 1,
-                                         "fields": []}}
+                                         "fields": [], "clocks": [
+                                             {"worker": 0, "clock": 3, "keys": ["k"]}]}}
 
 
 def _wrong(f):

@@ -1,16 +1,19 @@
 """A live server taking a key range's state as its new tail (ps/transfer.py `accept`).
 
 The server runs on a thread; a hand-made link plays the range's tail on the real
-authenticated wire, its tensors through a shared-memory segment. Good `transfer` frames, part by part, install the values and the
-optimizer state (bitwise what was sent) and the head's version; a following `replicate`
-frame then steps the new copy exactly as the head's SGD-momentum step. Frames out of
-order, of keys not being moved, of another dtype, with more than a chunk of values, a
-repeated key, a part count out of range, from a worker or from another server are each
-refused, counted by reason, answered with an error naming op and field, and change
-nothing (nothing is installed before the last good part).
+authenticated wire, its tensors through a shared-memory segment. Good `transfer` frames,
+part by part, install the values and the optimizer state (bitwise what was sent) and the
+head's version; a following `replicate` frame then steps the new copy exactly as the
+head's SGD-momentum step. Frames out of order, of keys not being moved, of another dtype,
+with more than a chunk of values, a repeated key, a part count out of range, clocks on
+another part than the last, from a worker or from another server are each refused,
+counted by reason, answered with an error naming op and field, and change nothing
+(nothing is installed before the last good part). A real tail's transfer carries each
+worker's push clock: a new tail that takes over skips a push re-sent across the switch.
 """
 
 import threading
+import time
 
 import pytest
 import torch
@@ -91,6 +94,10 @@ def test_a_new_tail_installs_the_state_part_by_part_and_refuses_bad_frames():
         ({}, [(a, val[a], buf[a]), (b, val[b], buf[b])], "schema:transfer.keys"),  # > a chunk
         ({"parts": 1 << 21}, [(a, val[a], buf[a])], "schema:transfer.parts"),  # out of range
         ({"fields": ["momentum_buffer", "x"]}, [(a, val[a], buf[a])], "schema:transfer.keys"),
+        ({"clocks": [{"worker": 0, "clock": 1, "keys": [a]}]}, [(a, val[a], buf[a])],
+         "schema:transfer.clocks"),  # clocks on a part that is not the last
+        ({"clocks": [{"worker": 0, "clock": 1}]}, [(a, val[a], buf[a])],
+         "schema:transfer.clocks"),  # a row without its keys
     ]
     for meta, rows, reason in bad:
         reply = job.send(meta, rows)
@@ -136,3 +143,77 @@ def test_a_new_tail_installs_the_state_part_by_part_and_refuses_bad_frames():
     job.tail.close()
     job.worker.close()
     job.ctx.term()
+
+
+@pytest.mark.timeout(90)
+def test_a_new_tail_that_takes_over_applies_a_push_resent_across_the_switch_once():
+    """Async, replicas=1: server X heads 'w' and is extended to Y after the worker's
+    pushes 0 and 1 (acknowledged). X dies; Y takes over from its transferred copy. The
+    worker sends push 1 again (say its ack was lost): the route acknowledges it without
+    applying it, because the transfer carried the worker's clock; push 2 is applied."""
+    from disttrain.ps.policy import Async
+    from disttrain.ps.takeover import Takeover
+    from tests.unit.test_ps_takeover import _Ring
+
+    torch.manual_seed(0)
+    init = {"w": torch.randn(256)}
+    plan = plan_keys([("w", 256, 4)], 2, chunk_bytes=CHUNK)
+    x = max(range(2), key=lambda i: len(plan[i]))
+    y, keys = 1 - x, [c.key for c in plan[x]]
+    pol = repr(Async())
+    servers = {i: Server(i, plan[i], init, Async(), _opt, [0], KEY, timeout=60,
+                         chunk_bytes=CHUNK) for i in (x, y)}
+    ext = transfer.extend(servers[x], plan, init, _opt, keys, y, servers[y].address,
+                          replicas=1, secret=KEY, chunk_bytes=CHUNK, at_version=2)
+    intake = transfer.accept(servers[y], plan, init, _opt, x, keys, replicas=1, secret=KEY,
+                             chunk_bytes=CHUNK)
+    threads = [threading.Thread(target=s.serve, daemon=True) for s in servers.values()]
+    for t in threads:
+        t.start()
+    ctx = zmq.Context()
+
+    def link(address, server, ks):
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        out = WorkerLink(sock, KEY, 0, server)
+        out.send(Message("hello", {"keys": ks, "policy": pol, "replicas": 1}))
+        assert read_reply(out, timeout=20).op == "welcome"
+        return out
+
+    to_x = link(servers[x].address, x, keys)
+    to_y = link(servers[y].address, y, [c.key for c in plan[y]])
+    grads = {c: [torch.randn(64) for _ in keys] for c in range(3)}
+    for c in (0, 1):
+        to_x.send(Message("push", {"clock": c, "version": c, "ack": 1}, keys, grads[c]))
+        assert read_reply(to_x, timeout=20).op == "ack"
+    end = time.monotonic() + 20
+    while intake.stats is None:
+        assert time.monotonic() < end, f"no transfer: {ext.stats}"
+        time.sleep(0.02)
+    cut = {k: servers[x].params[k].detach().clone() for k in keys}
+    beat = _Ring()
+    take = Takeover(servers[y], beat, plan, init, Async(), _opt, KEY, host="127.0.0.1",
+                    chunk_bytes=CHUNK)
+    beat.ring = {"version": 3, "servers": [{"server": x, "state": "dead"},
+                                           {"server": y, "state": "alive"}]}
+    while not beat.adopted:
+        assert time.monotonic() < end, "Y never took over"
+        time.sleep(0.02)
+    route = take.routes[0][0]
+    to_route = link(beat.adopted[0]["address"], x, keys)
+    to_route.send(Message("push", {"clock": 1, "version": 1, "ack": 1}, keys, grads[1]))
+    assert read_reply(to_route, timeout=20).op == "ack"
+    assert route.policy.applied == 0, "a push the copy held was applied twice"
+    assert all(torch.equal(route.params[k].detach(), cut[k]) for k in keys)
+    to_route.send(Message("push", {"clock": 2, "version": 2, "ack": 1}, keys, grads[2]))
+    assert read_reply(to_route, timeout=20).op == "ack"
+    assert route.policy.applied == 1 and route.policy.version == 3
+    assert servers[y].chain.clocks[x] == {0: (1, set(keys))}
+    for out in (to_route, to_x, to_y):
+        out.send(Message("done", {}))
+        assert read_reply(out, timeout=20).op == "bye"
+        out.close()
+    for t in [*threads, take.routes[0][1]]:
+        t.join(20)
+        assert not t.is_alive()
+    ctx.term()

@@ -102,6 +102,7 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
         elif msg.op == "report":
             members.beat(m["server"], m["version"], m["pushes"], bool(m["final"]), now)
             members.adopt(m["server"], m.get("adopted") or [], now)
+            members.recopied(m["server"], m.get("copied") or [])
         elif msg.op == "join":
             members.join(m["server"], m["address"], m["fingerprint"], held, now)
         elif msg.op == "leave":

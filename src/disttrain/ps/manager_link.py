@@ -150,6 +150,7 @@ class Heartbeat(threading.Thread):
         self._quit = threading.Event()
         self.failed = False
         self.adopted: list[dict] = []  # NOTE: replaced whole by the server loop, never mutated
+        self.copied: list[dict] = []  # the same: ranges copied here again (recopy.py)
 
     @property
     def ring(self) -> dict:
@@ -170,7 +171,7 @@ class Heartbeat(threading.Thread):
 
     def _beat(self, final: bool) -> None:
         version, pushes = self.read()
-        extra = {"adopted": self.adopted} if self.adopted else {}
+        extra = {n: v for n, v in (("adopted", self.adopted), ("copied", self.copied)) if v}
         try:
             self.link.request("report", timeout=max(self.interval, 1.0), server=self.server,
                               version=version, pushes=pushes, final=int(final), **extra)

@@ -91,6 +91,8 @@ class Membership:
     takeovers: list[dict] = field(default_factory=list)
     """a dead server's keys a copy serves now (schema.TAKEOVER_ROW): the `ring` carries them,
     so a worker finds where a dead server's keys went (takeover.py)."""
+    copies: list[dict] = field(default_factory=list)
+    """ranges copied again after a takeover (schema.COPY_ROW, recopy.py)."""
 
     # ---- changes ------------------------------------------------------------------------
     def register(self, server: int, address: str, fingerprint: str, expected: int,
@@ -185,15 +187,18 @@ class Membership:
             m.state = DEAD
             lost = self.only_copies(m.server)
             self._change(f"server {m.server} at {m.address} {why}: marked dead"
-                         + (f"; {len(lost)} keys have no other live copy" if lost else ""))
+                         + (f"; {len(lost)} keys have no other live copy" if lost else "")
+                         + (" on the chains servers registered (not counting copies made "
+                            "again)" if lost and self.copies else ""))
             out.append(self.events[-1])
         return out
 
     def adopt(self, by: int, rows: list[dict], now: float) -> bool:
         """Server `by` serves dead servers' keys now (its report's `adopted` rows); True (a
         new version, an event each) for every row not known yet."""
-        new = [dict(r, by=by) for r in rows if not any(
-            (t["server"], t["by"]) == (r["server"], by) for t in self.takeovers)]
+        new = [dict(r, by=by) for r in rows if not any(  # NOTE: a route of a route: same pair
+            (t["server"], t["by"], t["address"]) == (r["server"], by, r["address"])
+            for t in self.takeovers)]
         for r in new:
             dead = self.members.get(r["server"])
             if dead is None or dead.state != DEAD or r["by"] != by:
@@ -205,6 +210,21 @@ class Membership:
             self._change(f"server {by} took over {r['keys']} keys ({r['bytes'] / 1e6:.2f} MB) "
                          f"of dead server {r['server']} at version {r['version']}{since}; "
                          f"workers reach them at {r['address']}")
+        return bool(new)
+
+    def recopied(self, to: int, rows: list[dict]) -> bool:
+        """Server `to` holds a copy again of a range a death left short (its report's
+        `copied` rows); True (a new version, an event each) for every row not known yet."""
+        for r in rows:  # NOTE: its last report (final) comes after it exited: still its own
+            if r["to"] != to or to not in self.members:
+                raise Refused(f"server {to} reports a copy held by server {r['to']}: a server "
+                              "reports only the copies it holds itself")
+        new = [r for r in rows if r not in self.copies]
+        for r in new:
+            self.copies.append(r)
+            self._change(f"server {to} holds a copy of {r['keys']} keys ({r['bytes'] / 1e6:.2f} "
+                         f"MB) of server {r['server']} again, from server {r['by']} at version "
+                         f"{r['version']}: the range has its replicas again")
         return bool(new)
 
     # ---- views --------------------------------------------------------------------------
@@ -230,7 +250,7 @@ class Membership:
         members = [dict(asdict(m), beat=None) for _, m in sorted(self.members.items())]
         return json.dumps({"format": FORMAT, "expected": self.expected, "version": self.version,
                            "fingerprint": self.fingerprint, "members": members,
-                           "takeovers": self.takeovers,
+                           "takeovers": self.takeovers, "copies": self.copies,
                            "events": self.events[-200:]}, indent=1)
 
     @classmethod
@@ -242,7 +262,7 @@ class Membership:
                              "written by another disttrain version; move the file away")
         members = {m["server"]: Member(**dict(m, beat=now)) for m in d["members"]}
         return cls(d["expected"], d["version"], d["fingerprint"], members, d["events"],
-                   d.get("takeovers", []))
+                   d.get("takeovers", []), d.get("copies", []))
 
     def save(self, path: str, extra: dict | None = None) -> None:
         """Write the state to `path` atomically (blocks for an fsync): a reader sees the old

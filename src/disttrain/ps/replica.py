@@ -76,9 +76,11 @@ class Replicas:
         self._seen = dict.fromkeys(self.expect, time.monotonic())
         self._next_beat, self.final_sent = 0.0, False
         self.intake = None  # transfer.Intake.handle while this server takes keys' state
+        self.hold = None  # recopy.Recopy.hold: sees a predecessor's frame first (True: taken)
         # takeover.py: [worker, clock] of the pushes in the update being forwarded; head ->
-        # worker -> (latest clock copied here, its keys applied); x timeout before a silent
-        # peer stops this server; the servers the manager's ring marks dead (`drop`)
+        # worker -> (latest clock applied here, its keys applied: a head's own too, which a
+        # transfer carries); x timeout before a silent peer stops this server; the servers
+        # the manager's ring marks dead (`drop`)
         self.pushes, self.clocks, self.patience, self.dead = [], defaultdict(dict), 1.0, set()
 
     # ---- links ----------------------------------------------------------------------
@@ -159,6 +161,11 @@ class Replicas:
             meta["momentum"] = float(momentum)
         if update and (pushes := self.pushes if via is None else pushes):
             meta["pushes"] = [list(p) for p in pushes]
+            for w, clock in pushes:  # NOTE: what a takeover (or a new tail) must not redo
+                have = self.clocks[origin].get(w)
+                keys = have[1] if have is not None and have[0] == clock else set()
+                if have is None or clock >= have[0]:
+                    self.clocks[origin][w] = (clock, keys | set(update))
         per: dict[int, list[str]] = defaultdict(list)
         for k in update:
             if self.hop[k] is not None:
@@ -226,10 +233,13 @@ class Replicas:
         """A frame of a predecessor's link (schema checked): hello, replicate or beat."""
         peer = session.worker
         self._seen[peer] = time.monotonic()
-        if msg.op == "hello":
+        if self.hold is not None and self.hold(session, msg):
+            return
+        if msg.op == "hello":  # NOTE: a link with no keys yet (a transfer's) carries nothing
             want = (list(self.expect.get(peer, {})), self.policy_repr, self.r)
             got = (msg.meta["keys"], msg.meta["policy"], msg.meta["replicas"])
-            self.ep.send(session, Message("welcome", {"version": 0}) if got == want else Message(
+            ok = got == want or not got[0] and got[1:] == want[1:]
+            self.ep.send(session, Message("welcome", {"version": 0}) if ok else Message(
                 "error", {"message": f"server {self.index} expects from server {peer - self.base} "
                           f"{len(want[0])} keys under {want[1]}, replicas={want[2]}; it offers "
                           f"{len(got[0])} under {got[1]}, replicas={got[2]}: build the same "
@@ -266,11 +276,6 @@ class Replicas:
         if update:
             self.stepper.replay(msg.meta["lr"], msg.meta.get("momentum"))
         self.version[o] = max(self.version[o], msg.meta["version"])
-        for w, clock in msg.meta.get("pushes") or []:  # NOTE: what a takeover must not redo
-            have = self.clocks[o].get(w)
-            keys = have[1] if have is not None and have[0] == clock else set()
-            if have is None or clock >= have[0]:
-                self.clocks[o][w] = (clock, keys | set(update))
         if msg.meta["final"]:
             self.finals.add((o, peer - self.base))
         self.received[peer] += 1
@@ -333,7 +338,7 @@ class Replicas:
                     f"frames uncommitted: with replicas={self.r} every update waits for every "
                     "replica" + (", and no manager marked it dead" if self.patience > 1 else ""))
         for peer, seen in self._seen.items():
-            feeds = {(self.chains[k][0], peer - self.base) for k in self.expect[peer]}
+            feeds = {(self.chains[k][0], peer - self.base) for k in self.expect.get(peer, {})}
             if not feeds <= self.finals and now - seen > self.timeout * self.patience:
                 raise PSError(f"server {self.index}: server {peer - self.base}, which sends it "
                               f"the updates of keys it copies, silent for {now - seen:.1f}s "

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from disttrain.ps.frame import Message
 from disttrain.ps.manager_link import ManagerError, ManagerLink
+from disttrain.ps.recopy import moves
 from disttrain.ps.takeover import first_live
 
 __all__ = ["Routes"]
@@ -42,6 +43,10 @@ class Routes:
         self._link: ManagerLink | None = None
         self._asked = 0.0
         self.dead_since: dict[int, float] = {}
+        self.first: int | None = None  # the first dead server: its chains got a copy again
+        self._again: dict[str, int] | None = None  # key -> that copy's server (recopy.py)
+        self.hosts: dict[int, tuple[int, int]] = {}  # route -> (dead server, its host)
+        self.moved: set[int] = set()  # routes whose host died too: their keys moved on
 
     # ---- sending ----------------------------------------------------------------------
     def send(self, s: int, msg: Message, replies: list) -> None:
@@ -117,7 +122,8 @@ class Routes:
         the manager whether it is dead and re-route if its keys were taken over. Returns
         an error text when the job cannot go on, else None. Blocks for at most one
         lookup (about a second)."""
-        if not self.manager or s >= len(self.plan) or s in self.routes or quiet < 2 * beat:
+        if (not self.manager or s in self.routes or s in self.moved or quiet < 2 * beat
+                or s >= len(self.plan) and s not in self.hosts):
             return None
         now = time.monotonic()
         if now - self._asked < _ASK_EVERY:
@@ -130,37 +136,54 @@ class Routes:
         except ManagerError:
             return None  # NOTE: a slow or restarting manager: the worker's own timeout decides
         dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"}
-        if s not in dead:
+        d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
+        if host not in dead:
             return None
         self.dead_since.setdefault(s, now)
         where = self.w.addresses[s]
+        name = f"server {s}" if s == d else f"server {d}'s route on server {host}"
         if self.r == 1:
             return (f"server {s} at {where} died (the manager's ring version {ring['version']} "
                     "marks it dead) and with replicas=1 no other server holds its keys: "
                     "start the job with replicas >= 2 (ps.connect(..., replicas=2)) so a copy "
                     "takes over, or with snapshot= and `disttrain run --max-restarts N` to "
                     "restart from a snapshot")
-        owner = {c.key: first_live([int(x.removeprefix("server")) for x in
-                                    self.plan.chain(c.key, self.r)], dead) for c in self.plan[s]}
+        keys = [c.key for c in self.plan[s]] if s == d else [
+            k for k, a in self.routes[d].items() if a == s]
+        owner = {k: first_live(self._chain(k), dead) for k in keys}
         orphan = [k for k, o in owner.items() if o is None]
         if orphan:
-            return (f"server {s} at {where} died and every copy of {len(orphan)} of its keys "
+            return (f"{name} at {where} died and every copy of {len(orphan)} of its keys "
                     f"(e.g. {orphan[0]!r}) is dead too (replicas={self.r}): the job cannot go "
                     "on; start it with more replicas, or restart it from a snapshot")
-        rows = {t["by"]: t for t in ring.get("takeovers", []) if t["server"] == s}
+        rows = {t["by"]: t for t in ring.get("takeovers", [])
+                if t["server"] == d and t["address"] not in self.w.addresses}
         if set(owner.values()) <= set(rows):
-            self._reroute(s, owner, rows)
+            self._reroute(s, d, owner, rows)
         return None
 
-    def _reroute(self, d: int, owner: dict[str, int], rows: dict[int, dict]) -> None:
-        """Open a route per server that took over d's keys; send again what d owed."""
+    def _chain(self, key: str) -> list[int]:
+        """`key`'s servers as they hold it: its chain, then the server it was copied to
+        again after the first death (recopy.py computes the same on every server)."""
+        if self._again is None and self.first is not None:
+            self._again = {m.key: m.target for m in moves(self.plan, self.r, {self.first},
+                                                          self.first)}
+        chain = [int(x.removeprefix("server")) for x in self.plan.chain(key, self.r)]
+        return chain + [t for t in [(self._again or {}).get(key)] if t is not None]
+
+    def _reroute(self, s: int, d: int, owner: dict[str, int], rows: dict[int, dict]) -> None:
+        """Open a route per server that took over d's keys (s: server d, or a route of
+        d's keys whose host died); send again what s owed."""
         w, index = self.w, {}
         for by in sorted(set(owner.values())):
             keys = [k for k, o in owner.items() if o == by]
             n = index[by] = w.open_route(d, rows[by]["address"], keys, self.r)
             self.waiting_welcome[n] = []
-        self.routes[d] = {k: index[o] for k, o in owner.items()}
-        owed, waiting = self.unacked.pop(d, [[]]), w.owed(d)
+            self.hosts[n] = (d, by)
+        self.first = d if self.first is None else self.first
+        self.routes.setdefault(d, {}).update({k: index[o] for k, o in owner.items()})
+        self.moved |= {s} if s != d else set()
+        owed, waiting = self.unacked.pop(s, [[]]), w.owed(s)
         acks = list(waiting.pop("ack", []))
         for group in owed:
             for msg in group:
@@ -168,9 +191,15 @@ class Routes:
                 handle = [(acks.pop(0), "ack")] if msg.meta.get("ack") and acks else []
                 self._split(d, msg, handle)
         for op, reply in (("pull", "params"), ("done", "bye")):
-            for h in waiting.pop(reply, []):
-                self._split(d, Message(op, {"have": -1} if op == "pull" else {}), [(h, reply)])
-        print(f"[ps worker{w.rank}] server {d} died; its keys are served by "
+            for h in waiting.pop(reply, []):  # NOTE: a route's: asked of its successors only
+                for n, a in enumerate(sorted(index.values()) if s != d else []):
+                    self._put(a, Message(op, {"have": -1} if op == "pull" else {}),
+                              self._share([(h, reply)], n))
+                if s == d:
+                    self._split(d, Message(op, {"have": -1} if op == "pull" else {}),
+                                [(h, reply)])
+        print(f"[ps worker{w.rank}] {'server' if s == d else 'the route of server'} {d} "
+              f"died{'' if s == d else ' with its host'}; its keys are served by "
               + ", ".join(f"server {by} ({sum(o == by for o in owner.values())} keys, version "
                           f"{rows[by]['version']})" for by in sorted(index))
               + f"; sent again {sum(len(g) for g in owed)} push frames", flush=True)

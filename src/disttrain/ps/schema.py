@@ -74,6 +74,11 @@ RING_ROW = {"server": SERVER, "address": Field("str"), "state": Field("str"),
 # a dead server's keys that a copy serves now (takeover.py): who, where, how many, from what
 TAKEOVER_ROW = {"server": SERVER, "by": SERVER, "address": Field("str"), "keys": Field("int"),
                 "bytes": Field("int"), "version": VERSION, "after": Field("num")}
+# a range copied again after a takeover (recopy.py): whose keys, from where, to where
+COPY_ROW = {"server": SERVER, "by": SERVER, "to": SERVER, "keys": Field("int"),
+            "bytes": Field("int"), "version": VERSION}
+# a worker's latest push a key range's copy holds (transfer.py): its clock, the keys stepped
+CLOCK_ROW = {"worker": WORKER, "clock": Field("int"), "keys": Field("strs")}
 STATE_ROW = dict(RING_ROW, fingerprint=Field("str"), keys=Field("int"), bytes=Field("int"),
                  version=Field("int"), pushes=Field("int"), rate=Field("num"),
                  silent=Field("num"))
@@ -108,11 +113,12 @@ SCHEMA: dict[str, Op] = {
                                "pushes": Field("pairs", required=False)}, tensors=(0, MAX)),
     # the tail of a chain -> its new tail (transfer.py): part `part` of `parts` of the
     # state of keys headed by `origin`, cut at its `version`; per key its value, then one
-    # tensor per optimizer field in `fields` (named key|field)
+    # tensor per optimizer field in `fields` (named key|field); the last part: `clocks`
     "transfer": Op("server", {"worker": WORKER, "origin": Field("int", 0, 2**31 - 1),
                               "version": VERSION, "part": Field("int", 0, 1 << 20),
                               "parts": Field("int", 1, 1 << 20), "fields": Field("strs"),
-                              "shm": SHM}, tensors=(1, MAX)),
+                              "shm": SHM, "clocks": Field("rows", row=CLOCK_ROW,
+                                                          required=False)}, tensors=(1, MAX)),
     # server -> worker, and a successor -> its predecessor's link
     "welcome": Op("worker", {"version": VERSION, "plain": FLAG, "mapped": FLAG}),
     "ack": Op("worker"),
@@ -136,7 +142,9 @@ SCHEMA: dict[str, Op] = {
     "report": Op("manager", {"worker": WORKER, "server": SERVER, "ring": KNOWN,
                              "version": VERSION, "pushes": Field("int"), "final": FLAG,
                              # dead servers' keys it serves now (takeover.py)
-                             "adopted": Field("rows", row=TAKEOVER_ROW, required=False)}),
+                             "adopted": Field("rows", row=TAKEOVER_ROW, required=False),
+                             # ranges it holds a copy of again (recopy.py)
+                             "copied": Field("rows", row=COPY_ROW, required=False)}),
     "lookup": Op("manager", {"worker": WORKER, "ring": KNOWN}),
     "join": Op("manager", {"worker": WORKER, "server": SERVER, "address": Field("str"),
                            "fingerprint": Field("str"), "ring": KNOWN}),

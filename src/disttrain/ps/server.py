@@ -232,6 +232,8 @@ class Server:
             return False
         self.sparse_pushes += bool(sparse)
         if clock <= self.done_clock.get(w, -1):  # NOTE: applied before a takeover: not again
+            if self.chain is not None and msg.meta["ack"] and session is not None:
+                self._ack_later([session])  # NOTE: a route with a copy again (recopy.py)
             return True
         have = self.partial.get(w)
         if have is None or have.clock != clock:

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from disttrain.ps.recopy import Recopy
 from disttrain.ps.server import PartialPush, PSError, Server
 
 __all__ = ["Takeover", "first_live"]
@@ -53,16 +54,19 @@ class Takeover:
         self.host, self.chunk_bytes = host, chunk_bytes
         self.policy = copy.deepcopy(policy)  # NOTE: before the server steps: a fresh instance
         self.dead: set[int] = set()
+        self.dead_now: frozenset[int] = frozenset()
         self.seen = -1
         self.routes: list[tuple[Server, threading.Thread, dict]] = []
         self.failure: BaseException | None = None
         self.chain.patience = 2.0  # NOTE: the manager's verdict comes first, not a link's timeout
+        self.recopy = Recopy(self)
         server.watch = self
 
     def __call__(self) -> None:
         if self.failure is not None:
             raise PSError(f"server {self.server.index}: a route it took over failed: "
                           f"{self.failure}")
+        self.recopy.tick()
         ring = self.beat.ring
         if ring.get("version", -1) <= self.seen:
             return
@@ -70,6 +74,7 @@ class Takeover:
         dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"}
         for d in sorted(dead - self.dead):
             self.dead.add(d)
+            self.dead_now = frozenset(self.dead)  # NOTE: what the routes' threads read
             self._take(d, ring["version"])
 
     def _take(self, d: int, ring: int) -> None:
@@ -84,15 +89,23 @@ class Takeover:
                 del self.chain.params[k]
         keys = [c.key for c in self.plan[d]
                 if first_live(self.chain.chains[c.key], self.dead) == index]
-        if not keys:
-            return
         missing = [k for k in keys if k not in self.chain.params]
         if missing:  # NOTE: not a copy here (several deaths): serving it would lose updates
             raise PSError(f"server {index}: server {d} died and this server is the first live "
                           f"one of the chain of {missing[0]!r}, but holds no copy of it")
-        route = self._route(d, keys)
+        route = self._route(d, keys) if keys else None
+        self.recopy.start(d, route)  # NOTE: before the route serves: it extends at once
+        if route is not None:
+            self._start(d, route, ring, t0)
+        for head, copied in self.recopy.orphans(d):  # NOTE: a route d hosted, copied here
+            self.chain.drop(head)  # NOTE: forgets that route's link, as d's
+            self._start(head, self._route(head, copied), ring, t0)
+
+    def _start(self, d: int, route: Server, ring: int, t0: float) -> None:
+        """Serve `route` (d's keys) on a thread of its own; report it to the manager."""
+        index, n = self.server.index, len(route.params)
         nbytes = sum(p.numel() * p.element_size() for p in route.params.values())
-        row = {"server": d, "by": index, "address": route.address, "keys": len(keys),
+        row = {"server": d, "by": index, "address": route.address, "keys": n,
                "bytes": nbytes, "version": route.policy.version,
                "after": time.monotonic() - t0}
         thread = threading.Thread(target=self._serve, args=(route, row), daemon=True,
@@ -100,7 +113,7 @@ class Takeover:
         self.routes.append((route, thread, row))
         thread.start()
         self.beat.adopted = [dict(r) for _, _, r in self.routes]  # NOTE: copies: stats come later
-        print(f"[ps server{index}] took over {len(keys)} keys ({nbytes / 1e6:.2f} MB) of dead "
+        print(f"[ps server{index}] took over {n} keys ({nbytes / 1e6:.2f} MB) of dead "
               f"server {d} at version {row['version']} (ring version {ring}); workers reach "
               f"them at {route.address}", file=sys.stderr, flush=True)
 

@@ -6,8 +6,10 @@ extension"). The current tail T of the keys' chains (T = X with replicas=1) cuts
 consistent state of them between two updates it applies, and sends it to Y in chunked
 `transfer` frames on the server-to-server link (replica.py's: authenticated, sequenced,
 schema-checked, shared memory on one host): every key's value, every optimizer tensor,
-and the head's version. In the same instant T makes Y the next server of those keys'
-chains, so every later update goes to Y *after* the state on the same FIFO session: Y
+the head's version, and per worker the latest push clock the state holds with the keys
+it stepped (so a later takeover on Y applies a re-sent push at most once). In the same
+instant T makes Y the next server of those keys' chains, so every later update goes to
+Y *after* the state on the same FIFO session: Y
 needs no log and no buffering, it installs the state and then applies the forwarded
 updates in order. From the cut on, T's commits of those keys (and, if T is the head, its
 acks and pulls) wait for Y's commit too. Workers go on training: the moved keys pause
@@ -121,6 +123,8 @@ class Extension:
         for i, (fields, group) in enumerate(frames):
             meta = {"origin": self.origin, "version": version, "part": i,
                     "parts": len(frames), "fields": fields}
+            if i + 1 == len(frames):  # NOTE: cut with the state: what a takeover must not redo
+                meta["clocks"] = self._clocks()
             names = [n for k, _, ts in group for n in [k] + [k + SEP + f for f in fields]]
             self.chain.send(self.target, Message("transfer", meta, names,
                                                   [t for _, _, ts in group for t in ts]))
@@ -129,6 +133,13 @@ class Extension:
                       "frames": len(frames), "link_reused": link is not None,
                       "bytes": sum(t.numel() * t.element_size() for *_, ts in rows for t in ts),
                       "pause_s": time.perf_counter() - t0}
+
+    def _clocks(self) -> list[dict]:
+        """Per worker, the latest push the moved keys' state holds and which of them it
+        stepped (a later takeover on the target applies a re-sent push at most once)."""
+        moved = set(self.keys)
+        return [{"worker": w, "clock": c, "keys": sorted(ks & moved)}
+                for w, (c, ks) in sorted(self.chain.clocks.get(self.origin, {}).items())]
 
     def _open(self, rows) -> None:
         """A link to the target (none carried keys to it yet); returns None."""
@@ -220,7 +231,7 @@ class Intake:
         self.staged.update(rows)
         self.part, self.parts, self.version = self.part + 1, msg.meta["parts"], msg.meta["version"]
         if self.part == self.parts:
-            self._install(msg.meta["origin"])
+            self._install(msg.meta["origin"], msg.meta.get("clocks") or [])
         self.chain.received[self.peer] += 1
         self.server.ep.send(session, Message("commit", {"frame": self.chain.received[self.peer]}))
 
@@ -265,10 +276,30 @@ class Intake:
         if m["part"] + 1 == m["parts"] and set(self.staged) | set(rows) != set(self.shape):
             raise SchemaError("transfer", "parts", f"the last part came with "
                               f"{len(self.shape) - len(self.staged) - len(rows)} keys missing")
+        self._check_clocks(m)
         return {k: (ts, fields) for k, ts in rows.items()}
 
-    def _install(self, origin: int) -> None:
-        """Make the staged copies live (values, optimizer state, version, chains)."""
+    def _check_clocks(self, m: dict) -> None:
+        """Raise SchemaError unless `clocks` (the last part's only) names workers, once
+        each, and keys this transfer moves."""
+        rows = m.get("clocks")
+        if rows is None:
+            return
+        if m["part"] + 1 != m["parts"]:
+            raise SchemaError("transfer", "clocks", f"part {m['part']} of {m['parts']} carries "
+                              "clocks: only the last part does")
+        workers = [r["worker"] for r in rows]
+        if len(set(workers)) != len(workers) or any(w >= self.chain.base for w in workers):
+            raise SchemaError("transfer", "clocks", f"workers {workers[:8]}: each a worker of "
+                              f"the job (< {self.chain.base}), once")
+        odd = next((k for r in rows for k in r["keys"] if k not in self.shape), None)
+        if odd is not None:
+            raise SchemaError("transfer", "clocks", f"key {odd[:80]!r} is not one this "
+                              "transfer moves")
+
+    def _install(self, origin: int, clocks: list[dict]) -> None:
+        """Make the staged copies live (values, optimizer state, version, chains, the
+        workers' push clocks)."""
         ch, t0 = self.chain, time.perf_counter()
         new = {k: torch.nn.Parameter(ts[0]) for k, (ts, _) in self.staged.items()}
         if ch.optimizer is None:  # NOTE: built by the job's factory, as every copy's is
@@ -288,6 +319,11 @@ class Intake:
             ch.ranges[tuple(ch.chains[k])].append(self.chunks[k])
         ch.origins.add(origin)
         ch.version[origin] = max(ch.version.get(origin, 0), self.version)
+        for row in clocks:  # NOTE: merged with what this server holds of the head's other keys
+            w, c, have = row["worker"], row["clock"], ch.clocks[origin].get(row["worker"])
+            if have is None or c >= have[0]:
+                ch.clocks[origin][w] = (c, set(row["keys"]) | (have[1] if have and have[0] == c
+                                                                else set()))
         ch.feeds.add((origin, self.source))
         self.stats = {"from": self.source, "keys": len(new), "version": self.version,
                       "frames": self.parts, "install_s": time.perf_counter() - t0,

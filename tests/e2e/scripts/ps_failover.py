@@ -5,8 +5,12 @@ step's push was sent, before its ack; "acked": once it was acknowledged). Modes:
 "sync" trains an MLP with momentum SGD under Sync and worker 0 prints a digest of the
 final parameters; "count" runs Async with lr 1 and a constant step, each push a one-hot
 gradient at its own (worker, step) entry, so the final parameters count how often each
-push was applied. argv[5]: replicas (default 2). Server ranks publish their process id in the store; worker 0 kills
-one. `reference()` (imported by the test) is the same Sync training in one process, as
+push was applied. argv[5]: replicas (default 2); argv[6]: a step (default 0: none) at
+which, once its push was acknowledged, worker 0 also kills the server that took over
+the first one's first key (the first live server of its chain); argv[7] "die": the
+server that gets the first range copied again after the kill SIGKILLs itself on the
+first `transfer` frame it reads. Server ranks publish their process id in the store;
+worker 0 kills them. `reference()` (imported by the test) is the same Sync training in one process, as
 the servers compute it: the mean of the workers' gradients summed in worker order, one
 momentum step per round; it returns the digest the job must end with.
 """
@@ -72,7 +76,40 @@ def reference() -> str:
         torch.set_num_threads(threads)
 
 
-def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None:
+def heir(model: torch.nn.Module, servers: int, victim: int, replicas: int) -> int:
+    """The server that takes over `victim`'s first key (placement.py's chain)."""
+    from disttrain.ps.placement import plan_keys
+
+    plan = plan_keys([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
+                     servers)
+    chain = plan.chain(plan[victim][0].key, replicas)
+    return int(chain[1].removeprefix("server"))
+
+
+def die_on_copy(model: torch.nn.Module, servers: int, victim: int, replicas: int,
+                index: int) -> None:
+    """Make this server SIGKILL itself on the first transfer frame it reads, if it is the
+    first new copy after `victim` dies (recopy.moves)."""
+    from disttrain.ps import recopy
+    from disttrain.ps.placement import plan_keys
+
+    plan = plan_keys([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
+                     servers)
+    if recopy.moves(plan, replicas, {victim}, victim)[0].target != index:
+        return
+    hold = recopy.Recopy.hold
+
+    def dying(self, session, msg):
+        if msg.op == "transfer":
+            print(f"server {index} dies on a transfer frame", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return hold(self, session, msg)
+
+    recopy.Recopy.hold = dying
+
+
+def main(mode: str, kill_at: int, victim: int, when: str, replicas: int, again: int,
+         die: bool) -> None:
     import disttrain
     from disttrain import ps
 
@@ -86,6 +123,9 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None
         policy, opt = ps.Async(step="constant"), lambda p: torch.optim.SGD(p, lr=1.0)
     if disttrain.role() == "server":
         store.set(f"failover/pid{disttrain.rank() - WORKERS}", str(os.getpid()))
+        if die:
+            die_on_copy(model, disttrain.world_size() - WORKERS, victim, replicas,
+                        disttrain.rank() - WORKERS)
     conn = ps.connect(model, policy, optimizer=opt, replicas=replicas)  # servers exit here
     rank = disttrain.rank()
     gen = torch.Generator().manual_seed(rank)
@@ -98,6 +138,10 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None
         handle.wait()
         if rank == 0 and step == kill_at and when == "acked":
             os.kill(int(store.get(f"failover/pid{victim}")), signal.SIGKILL)
+        if rank == 0 and step == again:
+            second = heir(model, disttrain.world_size() - WORKERS, victim, replicas)
+            print(f"worker 0 kills server {second} too", flush=True)
+            os.kill(int(store.get(f"failover/pid{second}")), signal.SIGKILL)
     store.add("failover/done", 1)  # NOTE: Async: read once every worker's pushes are acked
     while int(store.add("failover/done", 0)) < WORKERS:
         time.sleep(0.01)
@@ -113,4 +157,5 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int) -> None
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-         int(sys.argv[5]) if len(sys.argv) > 5 else 2)
+         int(sys.argv[5]) if len(sys.argv) > 5 else 2,
+         int(sys.argv[6]) if len(sys.argv) > 6 else 0, sys.argv[7:8] == ["die"])
