@@ -150,6 +150,7 @@ class Heartbeat(threading.Thread):
         self._quit = threading.Event()
         self.failed = False
         self.adopted: list[dict] = []  # NOTE: replaced whole by the server loop, never mutated
+        self.accepting, self.drained = -1, False  # a drain's moves: whose keys, done (move.py)
 
     @property
     def ring(self) -> dict:
@@ -171,6 +172,7 @@ class Heartbeat(threading.Thread):
     def _beat(self, final: bool) -> None:
         version, pushes = self.read()
         extra = {"adopted": self.adopted} if self.adopted else {}
+        extra.update(accepting=self.accepting, drained=int(self.drained))
         try:
             self.link.request("report", timeout=max(self.interval, 1.0), server=self.server,
                               version=version, pushes=pushes, final=int(final), **extra)

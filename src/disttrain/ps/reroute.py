@@ -22,6 +22,8 @@ from collections import defaultdict
 
 from disttrain.ps.frame import Message
 from disttrain.ps.manager_link import ManagerError, ManagerLink
+from disttrain.ps.membership import LEFT
+from disttrain.ps.move import gone, owners_after
 from disttrain.ps.takeover import first_live
 
 __all__ = ["Routes"]
@@ -34,7 +36,7 @@ class Routes:
 
     def __init__(self, worker, plan, replicas: int, manager: str | None):
         self.w, self.plan, self.r, self.manager = worker, plan, replicas, manager
-        self.on = replicas > 1 and bool(manager)
+        self.on = bool(manager)  # NOTE: replicas=1 too: a drained server's keys move (move.py)
         self.routes: dict[int, dict[str, int]] = {}  # dead server -> key -> its route index
         self.unacked: dict[int, list[list[Message]]] = defaultdict(lambda: [[]])
         self.waiting_welcome: dict[int, list] = {}  # new route -> what waits for its welcome
@@ -42,6 +44,8 @@ class Routes:
         self._link: ManagerLink | None = None
         self._asked = 0.0
         self.dead_since: dict[int, float] = {}
+        self.why: dict[int, str] = {}  # a server that left, not died: the re-route says so
+        self._told: dict[int, int] = {}  # server that said its keys moved -> the drain's ring
 
     # ---- sending ----------------------------------------------------------------------
     def send(self, s: int, msg: Message, replies: list) -> None:
@@ -117,7 +121,8 @@ class Routes:
         the manager whether it is dead and re-route if its keys were taken over. Returns
         an error text when the job cannot go on, else None. Blocks for at most one
         lookup (about a second)."""
-        if not self.manager or s >= len(self.plan) or s in self.routes or quiet < 2 * beat:
+        if not self.manager or s >= len(self.plan) or s in self.routes or (
+                quiet < 2 * beat and s not in self._told):
             return None
         now = time.monotonic()
         if now - self._asked < _ASK_EVERY:
@@ -129,19 +134,28 @@ class Routes:
             ring = self._link.request("lookup", timeout=1.0).meta
         except ManagerError:
             return None  # NOTE: a slow or restarting manager: the worker's own timeout decides
-        dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"}
-        if s not in dead:
+        states = gone(ring)
+        dead = {x for x, st in states.items() if st == "dead"}
+        if s not in states:
             return None
         self.dead_since.setdefault(s, now)
         where = self.w.addresses[s]
-        if self.r == 1:
+        if states[s] == LEFT:  # NOTE: drained: its keys went to the placement without it
+            self.why[s] = "left (drained" + (f", it answered moved at ring version "
+                                             f"{self._told[s]}" if s in self._told else "") + ")"
+            keys = [c.key for c in self.plan[s]]
+            spec = [(n, p.numel(), p.element_size()) for n, p in self.w.params.items()]
+            owner = owners_after(spec, ring, s, keys, self.w.chunk_bytes)
+        elif self.r == 1:
             return (f"server {s} at {where} died (the manager's ring version {ring['version']} "
                     "marks it dead) and with replicas=1 no other server holds its keys: "
                     "start the job with replicas >= 2 (ps.connect(..., replicas=2)) so a copy "
                     "takes over, or with snapshot= and `disttrain run --max-restarts N` to "
                     "restart from a snapshot")
-        owner = {c.key: first_live([int(x.removeprefix("server")) for x in
-                                    self.plan.chain(c.key, self.r)], dead) for c in self.plan[s]}
+        else:
+            owner = {c.key: first_live([int(x.removeprefix("server")) for x in
+                                        self.plan.chain(c.key, self.r)], dead)
+                     for c in self.plan[s]}
         orphan = [k for k, o in owner.items() if o is None]
         if orphan:
             return (f"server {s} at {where} died and every copy of {len(orphan)} of its keys "
@@ -151,6 +165,11 @@ class Routes:
         if set(owner.values()) <= set(rows):
             self._reroute(s, owner, rows)
         return None
+
+    def told(self, s: int, ring: int) -> None:
+        """Server s answered `moved` (drained at ring version `ring`): ask the manager now,
+        without waiting for it to fall silent."""
+        self._told[s] = ring
 
     def _reroute(self, d: int, owner: dict[str, int], rows: dict[int, dict]) -> None:
         """Open a route per server that took over d's keys; send again what d owed."""
@@ -170,7 +189,7 @@ class Routes:
         for op, reply in (("pull", "params"), ("done", "bye")):
             for h in waiting.pop(reply, []):
                 self._split(d, Message(op, {"have": -1} if op == "pull" else {}), [(h, reply)])
-        print(f"[ps worker{w.rank}] server {d} died; its keys are served by "
+        print(f"[ps worker{w.rank}] server {d} {self.why.get(d, 'died')}; its keys are served by "
               + ", ".join(f"server {by} ({sum(o == by for o in owner.values())} keys, version "
                           f"{rows[by]['version']})" for by in sorted(index))
               + f"; sent again {sum(len(g) for g in owed)} push frames", flush=True)
