@@ -81,9 +81,10 @@ def test_sync_drain_at_any_point_ends_bitwise_equal(servers, step, victim, when)
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("servers,step,victim,when", [(2, 5, 0, "pushed"), (3, 8, 1, "acked")])
-def test_async_drain_applies_every_push_exactly_once(servers, step, victim, when):
-    code, out = launch("count", str(step), str(victim), when, servers=servers)
+@pytest.mark.parametrize("mode,servers,step,victim,when", [
+    ("count", 2, 5, 0, "pushed"), ("count", 3, 8, 1, "acked"), ("count-ssp", 3, 4, 2, "pushed")])
+def test_async_and_ssp_drain_apply_every_push_exactly_once(mode, servers, step, victim, when):
+    code, out = launch(mode, str(step), str(victim), when, servers=servers)
     check_drain(code, out, victim)
     # each entry counts how often its push was applied: 0 lost, 2 applied twice
     assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),

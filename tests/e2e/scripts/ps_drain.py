@@ -1,6 +1,7 @@
 """A parameter-server job (replicas=1) one of whose servers is drained mid-run (disttrain run).
 
-argv: mode ("sync" or "count", as scripts/ps_failover.py), drain step (0: none), server
+argv: mode ("sync" or "count", as scripts/ps_failover.py; "count-ssp": "count" under
+SSP(2)), drain step (0: none), server
 to drain, when ("pushed": right after the step's push was sent, before its ack;
 "acked": once it was acknowledged). Worker 0 asks the job's server manager to drain the
 server (`ps.drain`): its keys move to the others while both workers train on, then it
@@ -29,11 +30,14 @@ def main(mode: str, drain_at: int, victim: int, when: str) -> None:
     torch.set_num_threads(1)
     disttrain.init()
     store = torch.distributed.distributed_c10d._get_default_store()
+    policy = {"sync": ps.Sync(), "count": ps.Async(step="constant"),
+              "count-ssp": ps.SSP(2, step="constant")}[mode]
+    mode = "count" if mode.startswith("count") else mode
     model = build(mode)
     if mode == "sync":
-        policy, opt = ps.Sync(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)
+        opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     else:
-        policy, opt = ps.Async(step="constant"), lambda p: torch.optim.SGD(p, lr=1.0)
+        opt = lambda p: torch.optim.SGD(p, lr=1.0)  # noqa: E731
     conn = ps.connect(model, policy, optimizer=opt)  # servers exit here
     rank = disttrain.rank()
     gen = torch.Generator().manual_seed(rank)
