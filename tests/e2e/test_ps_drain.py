@@ -89,3 +89,17 @@ def test_async_and_ssp_drain_apply_every_push_exactly_once(mode, servers, step, 
     # each entry counts how often its push was applied: 0 lost, 2 applied twice
     assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
                                                                    ("1", "[1.0]")], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_digits_example_drain_server_flag_matches_an_uninterrupted_run():
+    args = ["--epochs", "4"]
+    code, plain = launch(*args, script=EXAMPLE)
+    assert code == 0, plain
+    code, drained = launch(*args, "--drain-server-at", "20", "--drain-server", "2",
+                           script=EXAMPLE)
+    assert code == 0, drained
+    assert re.search(r"\[ps server2\] handed \d+ keys .* over at version \d+", drained), drained
+    digest = re.compile(r"final parameters sha256 (\w+)")
+    assert digest.findall(drained) == digest.findall(plain) != [], drained
