@@ -111,6 +111,10 @@ def test_a_drain_is_refused_while_another_is_under_way_and_with_chains_of_copies
     assert m.leave(0, ring=3) and m.members[0].state == "leaving"
     with pytest.raises(Refused, match="server 0 is still leaving: drain one server at a time"):
         m.leave(1, ring=4)
+    assert m.beat(0, 1, 1, False, 1.0, drained=True) and m.members[0].state == "left"
+    with pytest.raises(Refused, match="server 0's keys moved already: a second drain that "
+                                      "moves keys is not built yet"):
+        m.leave(1, ring=5)
     m = Membership()
     m.register(0, "ipc://s0", "fp", 3, [["a", 8, [0, 1]]], 0.0)
     m.register(1, "ipc://s1", "fp", 3, [["a", 8, [0, 1]]], 0.0)

@@ -143,11 +143,15 @@ class Membership:
         last = self.only_copies(server)
         others = sorted(i for i, x in self.members.items() if i != server and x.state == ALIVE)
         moving = [i for i, x in self.members.items() if x.state == LEAVING]
-        if last and (not others or moving or any(len(c) > 1 for _, _, c in m.shard)):
+        moved = [i for i, x in self.members.items() if x.state == LEFT and x.shard
+                 and all(len(c) == 1 for _, _, c in x.shard)]  # NOTE: drained with key moves
+        if last and (not others or moving or moved or any(len(c) > 1 for _, _, c in m.shard)):
             nbytes = sum(n for key, n, _chain in m.shard if key in last)
             why = ("no other server is alive to take them" if not others else
                    f"server {moving[0]} is still leaving: drain one server at a time"
-                   if moving else "with replicas >= 2 keys do not move yet (re-linking the "
+                   if moving else f"server {moved[0]}'s keys moved already: a second drain "
+                   "that moves keys is not built yet (the moved keys are served as routes)"
+                   if moved else "with replicas >= 2 keys do not move yet (re-linking the "
                    "chains is not built): drain a server whose copies are all elsewhere")
             raise Refused(
                 f"server {server} holds the last live copy of {len(last)} keys "
