@@ -7,6 +7,7 @@
     disttrain run --workers 2 --servers 1 examples/digits_ps.py --topk 0.01
     disttrain run --workers 2 --servers 3 examples/digits_ps.py --replicas 2
     disttrain run --workers 2 --servers 2 examples/digits_ps.py --replicas 2 --kill-server-at 30
+    disttrain run --workers 2 --servers 3 examples/digits_ps.py --drain-server-at 30
 
 One script, both roles (as ps-lite's one binary): on a server rank `ps.connect` serves
 its shard until the workers are done, prints its report (staleness histogram, dropped
@@ -26,6 +27,9 @@ every copy applied it (chain replication); each server's report names its roles.
 With --replicas >= 2,
 --kill-server-at STEP has worker 0 SIGKILL a server mid-run: its copies take over, the
 job goes on, and under sync it ends with the same parameters as a run without the kill.
+With --replicas 1, --drain-server-at STEP has worker 0 drain a server mid-run (`ps.drain`,
+as `disttrain ps drain`): its keys move to the other servers while the workers train,
+then it leaves; under sync the final parameters are those of a run without the drain.
 Worker 0 ends with `final test accuracy: 0.9xxx` and a sha256 of the final parameters.
 """
 
@@ -89,6 +93,13 @@ parser.add_argument("--kill-server-at", type=int, default=0, metavar="STEP",
 parser.add_argument("--kill-server", type=int, default=0, metavar="I", help="the server to kill")
 parser.add_argument("--kill-when", choices=("pushed", "acked"), default="pushed",
                     help="kill right after the step's push was sent, or once it was acknowledged")
+# live membership (docs/design/parameter-server.md, "Live membership")
+parser.add_argument("--drain-server-at", type=int, default=0, metavar="STEP",
+                    help="worker 0 drains a server at this step (0: never): its keys move to "
+                         "the other servers while the workers train, then it leaves")
+parser.add_argument("--drain-server", type=int, default=0, metavar="I", help="the server to drain")
+parser.add_argument("--step-times", default=None, metavar="PATH",
+                    help="worker 0 appends {step, time} after every step here (benchmarks)")
 args = parser.parse_args()
 
 # -----------------------------------------------------------------------------
@@ -113,6 +124,13 @@ def kill_server(step: int, when: str) -> None:
     if rank == 0 and step == args.kill_server_at and when == args.kill_when:
         print(f"worker 0: killing server {args.kill_server} (SIGKILL) at step {step}", flush=True)
         os.kill(int(store.get(f"digits/pid{args.kill_server}")), signal.SIGKILL)
+
+
+def drain_server(step: int) -> None:
+    """--drain-server-at: ask the job's server manager to drain server --drain-server."""
+    if rank == 0 and step == args.drain_server_at:
+        print(f"worker 0: draining server {args.drain_server} at step {step}", flush=True)
+        ps.drain(args.drain_server)
 
 # -----------------------------------------------------------------------------
 # model: the servers hold it in shards, the workers a working copy
@@ -142,6 +160,7 @@ loader = disttrain.data.shard_loader(torch.utils.data.TensorDataset(x_train, y_t
 # -----------------------------------------------------------------------------
 # training loop: pull, forward, (straggle), backward (pushes start from the grad hooks), push
 log = open(args.log_json, "a") if args.log_json and rank == 0 else None
+times = open(args.step_times, "a") if args.step_times and rank == 0 else None
 start, step, done = time.perf_counter(), 0, 0
 for _ in range(args.epochs):
     for x, y in loader:  # (B, 64), (B,)
@@ -160,9 +179,12 @@ for _ in range(args.epochs):
             loss.backward()
             pushed = conn.push()
             kill_server(step, "pushed")
+            drain_server(step)
             pushed.wait()  # blocks until every server has the gradient
             kill_server(step, "acked")
             done += 1
+            if times:
+                times.write(json.dumps({"step": step, "time": time.perf_counter() - start}) + "\n")
         except ps.Cancelled:
             continue  # the round closed without us: drop the step, pull the new version
 
@@ -175,6 +197,8 @@ if log:
     log.write(json.dumps({"time": time.perf_counter() - start, "step": step,
                           "train_loss": train_loss}) + "\n")
     log.close()
+if times:
+    times.close()
 stats = conn.close()
 pushed = conn.wire_stats()["sent_bytes"].get("push", 0)
 print(f"worker {rank}: {done} steps pushed, {conn.cancelled_steps} cancelled "

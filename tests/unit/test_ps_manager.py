@@ -68,9 +68,11 @@ def test_refusals_name_the_reason_and_the_fix():
         m.register(5, "ipc://x", "fp", 2, [], 0.0)
     with pytest.raises(Refused, match="manager is not a server of the ring"):
         m.leave(MANAGER_INDEX, ring=2)
+    one = Membership()
+    one.register(0, "ipc://s0", "fp", 1, SHARD0, 0.0)
     with pytest.raises(Refused, match=r"server 0 holds the last live copy of 2 keys \(0.00 MB, "
-                                      r"e.g. 'a'\).*replicas >= 2"):
-        m.leave(0, ring=2)
+                                      r"e.g. 'a'\) and no other server is alive to take them"):
+        one.leave(0, ring=1)
     with pytest.raises(Refused, match="another model or policy"):
         m.join(3, "ipc://y", "other", ring=2, now=0.0)
     with pytest.raises(Refused, match="already a member.*e.g. 2"):
@@ -80,6 +82,48 @@ def test_refusals_name_the_reason_and_the_fix():
     with pytest.raises(Refused, match="not registered with this manager"):
         m.beat(7, 0, 0, False, 0.0)
     assert m.version == 2  # nothing refused changed anything
+
+
+def test_a_drain_with_replicas_1_moves_the_keys_first_then_the_server_leaves():
+    m = _two()
+    assert m.leave(0, ring=2) and m.members[0].state == "leaving" and m.version == 3
+    assert ("server 0 at ipc://s0 is leaving: its 2 keys move to the placement without it "
+            "(servers [1])") in m.events[-1]
+    with pytest.raises(Refused, match="no other server is alive to take them"):
+        m.leave(1, ring=3)  # the only server left to take them
+    assert not m.beat(1, 5, 10, False, 1.0, accepting=0)  # ready to take server 0's keys
+    assert m.accepting() == [[1, 0]] and m.version == 3
+    assert m.beat(0, 5, 10, False, 1.0, drained=True)  # handed everything over
+    assert m.members[0].state == "left" and m.version == 4
+    assert "server 0 at ipc://s0 left: its keys moved" in m.events[-1]
+    assert not m.beat(0, 5, 10, True, 2.0, drained=True)  # its last report: it stays left
+    assert m.members[0].state == "left" and m.version == 4
+    row = {"server": 0, "by": 1, "address": "ipc://r", "keys": 2, "bytes": 500, "version": 5,
+           "after": 0.1}
+    assert m.adopt(1, [row], 3.0) and m.version == 5
+    assert "server 1 took over 2 keys (0.00 MB) of left server 0 at version 5" in m.events[-1]
+
+
+def test_a_drain_is_refused_while_another_is_under_way_and_with_chains_of_copies():
+    m = Membership()
+    for i in range(3):
+        m.register(i, f"ipc://s{i}", "fp", 3, [[f"k{i}", 8, [i]]], 0.0)
+    assert m.leave(0, ring=3) and m.members[0].state == "leaving"
+    with pytest.raises(Refused, match="server 0 is still leaving: drain one server at a time"):
+        m.leave(1, ring=4)
+    assert m.beat(0, 1, 1, False, 1.0, drained=True) and m.members[0].state == "left"
+    with pytest.raises(Refused, match="server 0's keys moved already: a second drain that "
+                                      "moves keys is not built yet"):
+        m.leave(1, ring=5)
+    m = Membership()
+    m.register(0, "ipc://s0", "fp", 3, [["a", 8, [0, 1]]], 0.0)
+    m.register(1, "ipc://s1", "fp", 3, [["a", 8, [0, 1]]], 0.0)
+    m.register(2, "ipc://s2", "fp", 3, [["b", 8, [2]]], 0.0)
+    m.expire(20.0, 10.0)  # every server silent: all dead
+    m.register(1, "ipc://s1b", "fp", 3, [["a", 8, [0, 1]]], 21.0)
+    m.register(2, "ipc://s2b", "fp", 3, [["b", 8, [2]]], 21.0)
+    with pytest.raises(Refused, match="with replicas >= 2 keys do not move yet"):
+        m.leave(1, ring=m.version)  # its copy's other holder is dead
 
 
 def test_a_key_with_a_live_copy_elsewhere_may_be_drained():
@@ -174,13 +218,15 @@ def test_a_worker_holding_an_old_ring_version_is_told_and_gets_the_new_ring(live
     ring = worker.request("lookup", ring=2).meta
     assert ring["stale"] == 1 and ring["version"] == 3 and worker.ring["version"] == 3
     assert ring["servers"][1]["address"] == "ipc://s1-new"
-    with pytest.raises(ManagerError, match="last live copy of 2 keys"):
+    ring = worker.request("leave", server=0).meta  # its keys move to server 1 first
+    assert ring["version"] == 4 and ring["servers"][0]["state"] == "leaving"
+    with pytest.raises(ManagerError, match="server 0 is not an alive member of ring version 4"):
         worker.request("leave", server=0)
     with pytest.raises(ManagerError, match="manager is not a server"):
         worker.request("leave", server=MANAGER_INDEX)
     state = live.link(1 << 30).request("status").meta
     text = format_status(state, live.address)
-    assert "ring version 3: 2 of 2 servers alive" in text
+    assert "ring version 4: 1 of 2 servers alive" in text and " leaving " in text
     assert "a                                            0.000 MB  server 0  chain 0" in text
     assert "ring version 3: server 1 came back (alive at ipc://s1) at ipc://s1-new" in text
 
@@ -338,3 +384,19 @@ def test_disttrain_ps_status_and_drain_through_the_command_line(live, secret_env
     ds.refresh({"DISTTRAIN_SECRET": bytes(32).hex()})  # another job's secret
     assert cli.main(["ps", "status", live.address, "--timeout", "0.5"]) == 1
     assert "another DISTTRAIN_SECRET" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_disttrain_ps_drain_of_a_server_holding_keys_says_they_move_first(live, secret_env,
+                                                                          capsys):
+    _register(live.link(SERVER_PARTY), 0, SHARD0)
+    _register(live.link(SERVER_PARTY + 1), 1, SHARD1)
+    assert cli.main(["ps", "drain", live.address, "--server", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "server 1 is leaving: ring version 3; its keys move to the other servers" in out
+    assert cli.main(["ps", "status", live.address]) == 0
+    out = capsys.readouterr().out
+    assert "ring version 3: 1 of 2 servers alive" in out and "leaving" in out
+    assert "server 1 at ipc://s1 is leaving: its 1 keys move to the placement without it" in out
+    assert cli.main(["ps", "drain", live.address, "--server", "0"]) == 1  # the only one left
+    assert "no other server is alive to take them" in capsys.readouterr().err

@@ -11,13 +11,15 @@ loads over the `HashRing` (placement.py, ring.py); the wire is transport.py (soc
 sessions) and frame.py (message layout); top-k pushes with error feedback are compress.py;
 `Straggler` delays make stragglers reproducible on one machine. The server manager
 (manager.py, membership.py, manager_link.py) owns the server group's membership and ring
-version; `disttrain ps status` (cli.py) shows it.
+version; `disttrain ps status` (cli.py) shows it; `drain(i)` moves a server's keys to
+the others while workers train, then it leaves (move.py).
 """
 
 from disttrain.deprecation import moved
 from disttrain.ps.compress import TopK
 from disttrain.ps.connect import attach, connect, serve
 from disttrain.ps.handle import Cancelled, Handle
+from disttrain.ps.move import drain
 from disttrain.ps.policy import (
     SSP,
     Async,
@@ -39,6 +41,7 @@ __all__ = [
     "serve",
     "attach",
     "connect",
+    "drain",
     "Worker",
     "Handle",
     "Cancelled",

@@ -3,8 +3,9 @@
 `disttrain ps status ADDR` prints the ring (version, servers, their keys, bytes, load,
 replica chains, membership events); `disttrain ps manager --state FILE` runs a manager by
 hand (or again after it died: same file, same address, same ring version); `disttrain
-ps drain ADDR --server i` asks it to take a server off the ring (refused while the server
-holds the last copy of a key). ADDR is the manager's address, as `disttrain run
+ps drain ADDR --server i` asks it to take a server off the ring: with replicas=1 its keys
+move to the other servers while workers train, then it leaves (move.py); refused for the
+last server, a second drain under way, or replicas >= 2 where its copies are gone. ADDR is the manager's address, as `disttrain run
 --servers` prints it, or its state file. Every request goes over the job's authenticated
 wire: DISTTRAIN_SECRET must be the job's.
 """
@@ -30,7 +31,8 @@ def add_ps_parser(subparsers) -> None:
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     s.add_argument("--keys", type=int, default=40, help="keys to list (default 40; 0: none)")
     s.set_defaults(handler=_status)
-    d = sub.add_parser("drain", help="take a server off the ring (refused for the last copy)")
+    d = sub.add_parser("drain", help="take a server off the ring; with replicas=1 "
+                           "its keys move to the others first (refused for the last copy)")
     d.add_argument("addr", metavar="ADDR")
     d.add_argument("--server", type=int, required=True, help="the server's index")
     d.add_argument("--timeout", type=float, default=5.0)
@@ -83,7 +85,11 @@ def _drain(args) -> int:
     reply, code = _ask(args, "leave", server=args.server)
     if reply is None:
         return code
-    print(f"server {args.server} left the ring: ring version {reply.meta['version']}")
+    state = next((r["state"] for r in reply.meta["servers"] if r["server"] == args.server), "")
+    print(f"server {args.server} left the ring: ring version {reply.meta['version']}"
+          if state != "leaving" else f"server {args.server} is leaving: ring version "
+          f"{reply.meta['version']}; its keys move to the other servers while workers train, "
+          "then it leaves (`disttrain ps status` shows it)")
     return 0
 
 

@@ -41,6 +41,7 @@ from disttrain.ps.manager_link import (
     lookup_addresses,
     register_server,
 )
+from disttrain.ps.move import Moves
 from disttrain.ps.placement import Plan, plan_keys
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.replica import Replicas
@@ -152,7 +153,8 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
                                                        server.address)
     take = _replicate(server, model, plan, replicas, optimizer, policy, beat, host,
                       _addresses(group, name, len(plan)) if replicas > 1 else [],
-                      len(workers), chunk_bytes) if replicas > 1 else None
+                      len(workers), chunk_bytes) if replicas > 1 else _moves(
+        server, beat, model, plan, policy, optimizer, host, chunk_bytes)
     keep_freed_memory()  # NOTE: before the first receive, so every buffer is kept for reuse
     try:
         stats = server.serve()
@@ -224,6 +226,18 @@ def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, poli
     _tell_supervisor(replicas)
     return Takeover(server, beat, plan, init, policy, optimizer, job_secret(),
                     host=host or settings.current().ps_host, chunk_bytes=chunk_bytes)
+
+
+def _moves(server: Server, beat, model, plan: Plan, policy: Policy, optimizer,
+           host: str | None, chunk_bytes: int) -> Moves | None:
+    """With a manager and replicas=1: the watch that moves keys when a server is drained
+    (move.py)."""
+    if beat is None:
+        return None
+    return Moves(server, beat, [(n, p.numel(), p.element_size()) for n, p in
+                                model.named_parameters()], plan, dict(model.named_parameters()),
+                 policy, optimizer, job_secret(), host=host or settings.current().ps_host,
+                 chunk_bytes=chunk_bytes)
 
 
 def _tell_supervisor(replicas: int) -> None:

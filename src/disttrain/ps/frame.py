@@ -22,7 +22,7 @@ import torch
 __all__ = ["Message", "FrameError", "Limits", "DEFAULT_LIMITS", "OPS", "PROTOCOL", "pack",
            "unpack", "read_header", "build", "header_sizes", "check_sizes", "group_keys"]
 
-PROTOCOL = 6
+PROTOCOL = 7
 """The wire protocol version a hello carries; a peer of another one is refused, naming
 both (docs/design/parameter-server.md, "Header schema and protocol version"). Bump it
 whenever what a frame means changes: ops, meta fields (schema.py), envelope, keys."""
@@ -32,6 +32,8 @@ OPS = ("hello", "welcome", "push", "ack", "pull", "params", "cancel", "beat", "d
        "replicate", "commit",
        # chain extension (transfer.py): a key range's state to its new tail
        "transfer",
+       # a drained server to its workers: its keys moved, ask the manager (move.py)
+       "moved",
        # the server manager's (manager.py): requests to it, its two answers
        "register", "report", "lookup", "join", "leave", "status", "ring", "state")
 DTYPES = {str(d).removeprefix("torch."): d for d in (

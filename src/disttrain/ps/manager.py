@@ -100,7 +100,8 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
                              [[r["key"], r["bytes"], r["chain"]] for r in m["shard"]], now,
                              m["attempt"], m["pid"])
         elif msg.op == "report":
-            members.beat(m["server"], m["version"], m["pushes"], bool(m["final"]), now)
+            members.beat(m["server"], m["version"], m["pushes"], bool(m["final"]), now,
+                         m["accepting"], bool(m["drained"]))
             members.adopt(m["server"], m.get("adopted") or [], now)
             members.recopied(m["server"], m.get("copied") or [])
         elif msg.op == "join":
@@ -111,7 +112,8 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
         return Message("error", {"message": f"server manager refused {msg.op}: {e}"})
     return Message("ring", {"version": members.version, "expected": members.expected,
                             "complete": int(members.complete()), "stale": int(held < members.version),
-                            "servers": members.ring_rows(), "takeovers": members.takeovers})
+                            "servers": members.ring_rows(), "takeovers": members.takeovers,
+                            "accepting": members.accepting()})
 
 
 def serve_manager(state: str, *, host: str = "127.0.0.1", timeout: float = 10.0,

@@ -151,6 +151,7 @@ class Heartbeat(threading.Thread):
         self.failed = False
         self.adopted: list[dict] = []  # NOTE: replaced whole by the server loop, never mutated
         self.copied: list[dict] = []  # the same: ranges copied here again (recopy.py)
+        self.accepting, self.drained = -1, False  # a drain's moves: whose keys, done (move.py)
 
     @property
     def ring(self) -> dict:
@@ -172,6 +173,7 @@ class Heartbeat(threading.Thread):
     def _beat(self, final: bool) -> None:
         version, pushes = self.read()
         extra = {n: v for n, v in (("adopted", self.adopted), ("copied", self.copied)) if v}
+        extra.update(accepting=self.accepting, drained=int(self.drained))
         try:
             self.link.request("report", timeout=max(self.interval, 1.0), server=self.server,
                               version=version, pushes=pushes, final=int(final), **extra)

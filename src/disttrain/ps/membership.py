@@ -25,10 +25,11 @@ import os
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["Member", "Membership", "Refused", "Stale", "MANAGER_INDEX", "ALIVE", "DEAD",
-           "LEFT", "EXITED"]
+           "LEFT", "EXITED", "LEAVING"]
 
 MANAGER_INDEX = 2**31 - 1  # the manager's own "server index" on the wire; never a ring member
 ALIVE, DEAD, LEFT, EXITED = "alive", "dead", "left", "exited"
+LEAVING = "leaving"  # drained with keys: they move to the other servers first (move.py)
 FORMAT = 1  # of the saved file; bump when its meaning changes
 
 
@@ -49,7 +50,8 @@ class Member:
     address: str
     """where workers reach it (`ipc://...` or `tcp://host:port`)."""
     state: str = ALIVE
-    """ALIVE, DEAD (missed heartbeats), LEFT (drained) or EXITED (its job ended)."""
+    """ALIVE, LEAVING (drained, its keys moving), DEAD (missed heartbeats), LEFT (drained)
+    or EXITED (its job ended)."""
     attempt: int = 0
     """the launch attempt it registered in (`disttrain run --max-restarts` restarts)."""
     shard: list = field(default_factory=list)
@@ -65,6 +67,8 @@ class Member:
     pid: int = 0
     """its process id (0: not given); a server on the manager's host whose process is gone
     is dead at once, not after the whole timeout (`expire`)."""
+    accepting: int = -1
+    """the leaving server whose keys it is ready to take (move.py), -1: none."""
 
     def row(self, fingerprint: str, now: float) -> dict:
         """This member as a `state` message row (schema.STATE_ROW)."""
@@ -139,27 +143,48 @@ class Membership:
             raise Refused(f"server {server} is not an alive member of ring version "
                           f"{self.version} (members: {self._names()})")
         last = self.only_copies(server)
-        if last:
+        others = sorted(i for i, x in self.members.items() if i != server and x.state == ALIVE)
+        moving = [i for i, x in self.members.items() if x.state == LEAVING]
+        moved = [i for i, x in self.members.items() if x.state == LEFT and x.shard
+                 and all(len(c) == 1 for _, _, c in x.shard)]  # NOTE: drained with key moves
+        if last and (not others or moving or moved or any(len(c) > 1 for _, _, c in m.shard)):
             nbytes = sum(n for key, n, _chain in m.shard if key in last)
+            why = ("no other server is alive to take them" if not others else
+                   f"server {moving[0]} is still leaving: drain one server at a time"
+                   if moving else f"server {moved[0]}'s keys moved already: a second drain "
+                   "that moves keys is not built yet (the moved keys are served as routes)"
+                   if moved else "with replicas >= 2 keys do not move yet (re-linking the "
+                   "chains is not built): drain a server whose copies are all elsewhere")
             raise Refused(
                 f"server {server} holds the last live copy of {len(last)} keys "
-                f"({nbytes / 1e6:.2f} MB, e.g. {last[0]!r}): draining it would lose them. "
-                "Start the job with replicas >= 2 so the next servers of the ring hold "
-                "copies, or wait until its keys have moved to other servers")
+                f"({nbytes / 1e6:.2f} MB, e.g. {last[0]!r}) and {why}; draining it would lose "
+                "them. Wait and try again, or start the job with replicas >= 2")
+        if last:  # NOTE: replicas=1: its keys move to the others, then it leaves (move.py)
+            m.state = LEAVING
+            return self._change(f"server {server} at {m.address} is leaving: its {len(last)} "
+                                f"keys move to the placement without it (servers {others})")
         m.state = LEFT
         return self._change(f"server {server} at {m.address} left (drained)")
 
-    def beat(self, server: int, version: int, pushes: int, final: bool, now: float) -> bool:
-        """A server's heartbeat (load counters); final: its job ended (no version change).
-        True if the version changed (a server marked dead that beats again is back).
-        Raises Refused for a server that never registered."""
+    def beat(self, server: int, version: int, pushes: int, final: bool, now: float,
+             accepting: int = -1, drained: bool = False) -> bool:
+        """A server's heartbeat (load counters); final: its job ended (no version change);
+        accepting: the leaving server whose keys it is ready to take; drained: a
+        leaving server handed all its keys over (LEFT: a new version). True if the version
+        changed (a server marked dead that beats again is back). Raises Refused for a
+        server that never registered."""
         m = self.members.get(server)
         if m is None:
             raise Refused(f"server {server} is not registered with this manager (members: "
                           f"{self._names()}): register first")
         if now > m.beat and pushes >= m.pushes:
             m.rate = (pushes - m.pushes) / (now - m.beat)
-        m.version, m.pushes, m.beat = version, pushes, now
+        m.version, m.pushes, m.beat, m.accepting = version, pushes, now, accepting
+        if drained and m.state == LEAVING:
+            m.state = LEFT
+            return self._change(f"server {server} at {m.address} left: its keys moved")
+        if final and m.state == LEFT:
+            return False
         if final:
             m.state = EXITED
             self.events.append(f"server {server} exited (its job ended) at ring version "
@@ -177,7 +202,7 @@ class Membership:
         out = []
         for m in sorted(self.members.values(), key=lambda m: m.server):
             silent = now - m.beat
-            if m.state != ALIVE or silent <= min(timeout, soon or timeout):
+            if m.state not in (ALIVE, LEAVING) or silent <= min(timeout, soon or timeout):
                 continue
             why = (f"missed its heartbeats for {silent:.1f} s (timeout {timeout:g} s)"
                    if silent > timeout else (f"process {m.pid} is gone (silent {silent:.1f} s)"
@@ -201,14 +226,14 @@ class Membership:
             for t in self.takeovers)]
         for r in new:
             dead = self.members.get(r["server"])
-            if dead is None or dead.state != DEAD or r["by"] != by:
+            if dead is None or dead.state not in (DEAD, LEFT) or r["by"] != by:
                 raise Refused(f"server {by} reports taking over server {r['server']}'s keys, "
                               f"which ring version {self.version} does not mark dead (members: "
                               f"{self._names()}): only a dead server's keys are taken over")
             self.takeovers.append(r)
             since = f", {now - dead.beat:.1f} s after its last heartbeat"
             self._change(f"server {by} took over {r['keys']} keys ({r['bytes'] / 1e6:.2f} MB) "
-                         f"of dead server {r['server']} at version {r['version']}{since}; "
+                         f"of {dead.state} server {r['server']} at version {r['version']}{since}; "
                          f"workers reach them at {r['address']}")
         return bool(new)
 
@@ -228,6 +253,10 @@ class Membership:
         return bool(new)
 
     # ---- views --------------------------------------------------------------------------
+    def accepting(self) -> list[list[int]]:
+        """[server, leaving server] of every server ready to take a leaving one's keys."""
+        return [[i, m.accepting] for i, m in sorted(self.members.items()) if m.accepting >= 0]
+
     def complete(self) -> bool:
         """Every server the job was launched with has registered and is alive."""
         return self.expected > 0 and all(

@@ -22,6 +22,8 @@ from collections import defaultdict
 
 from disttrain.ps.frame import Message
 from disttrain.ps.manager_link import ManagerError, ManagerLink
+from disttrain.ps.membership import LEFT
+from disttrain.ps.move import gone, owners_after
 from disttrain.ps.recopy import moves
 from disttrain.ps.takeover import first_live
 
@@ -35,7 +37,7 @@ class Routes:
 
     def __init__(self, worker, plan, replicas: int, manager: str | None):
         self.w, self.plan, self.r, self.manager = worker, plan, replicas, manager
-        self.on = replicas > 1 and bool(manager)
+        self.on = bool(manager)  # NOTE: replicas=1 too: a drained server's keys move (move.py)
         self.routes: dict[int, dict[str, int]] = {}  # dead server -> key -> its route index
         self.unacked: dict[int, list[list[Message]]] = defaultdict(lambda: [[]])
         self.waiting_welcome: dict[int, list] = {}  # new route -> what waits for its welcome
@@ -47,6 +49,8 @@ class Routes:
         self._again: dict[str, int] | None = None  # key -> that copy's server (recopy.py)
         self.hosts: dict[int, tuple[int, int]] = {}  # route -> (dead server, its host)
         self.moved: set[int] = set()  # routes whose host died too: their keys moved on
+        self.why: dict[int, str] = {}  # a server that left, not died: the re-route says so
+        self._told: dict[int, int] = {}  # server that said its keys moved -> the drain's ring
 
     # ---- sending ----------------------------------------------------------------------
     def send(self, s: int, msg: Message, replies: list) -> None:
@@ -122,7 +126,8 @@ class Routes:
         the manager whether it is dead and re-route if its keys were taken over. Returns
         an error text when the job cannot go on, else None. Blocks for at most one
         lookup (about a second)."""
-        if (not self.manager or s in self.routes or s in self.moved or quiet < 2 * beat
+        if (not self.manager or s in self.routes or s in self.moved
+                or quiet < 2 * beat and s not in self._told
                 or s >= len(self.plan) and s not in self.hosts):
             return None
         now = time.monotonic()
@@ -135,22 +140,30 @@ class Routes:
             ring = self._link.request("lookup", timeout=1.0).meta
         except ManagerError:
             return None  # NOTE: a slow or restarting manager: the worker's own timeout decides
-        dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"}
+        states = gone(ring)
+        dead = {x for x, st in states.items() if st == "dead"}
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
-        if host not in dead:
+        if host not in states:
             return None
         self.dead_since.setdefault(s, now)
         where = self.w.addresses[s]
         name = f"server {s}" if s == d else f"server {d}'s route on server {host}"
-        if self.r == 1:
+        if s == d and states[s] == LEFT:  # NOTE: drained: its keys went to the placement without it
+            self.why[s] = "left (drained" + (f", it answered moved at ring version "
+                                             f"{self._told[s]}" if s in self._told else "") + ")"
+            keys = [c.key for c in self.plan[s]]
+            spec = [(n, p.numel(), p.element_size()) for n, p in self.w.params.items()]
+            owner = owners_after(spec, ring, s, keys, self.w.chunk_bytes)
+        elif self.r == 1:
             return (f"server {s} at {where} died (the manager's ring version {ring['version']} "
                     "marks it dead) and with replicas=1 no other server holds its keys: "
                     "start the job with replicas >= 2 (ps.connect(..., replicas=2)) so a copy "
                     "takes over, or with snapshot= and `disttrain run --max-restarts N` to "
                     "restart from a snapshot")
-        keys = [c.key for c in self.plan[s]] if s == d else [
-            k for k, a in self.routes[d].items() if a == s]
-        owner = {k: first_live(self._chain(k), dead) for k in keys}
+        else:
+            keys = [c.key for c in self.plan[s]] if s == d else [
+                k for k, a in self.routes[d].items() if a == s]
+            owner = {k: first_live(self._chain(k), dead) for k in keys}
         orphan = [k for k, o in owner.items() if o is None]
         if orphan:
             return (f"{name} at {where} died and every copy of {len(orphan)} of its keys "
@@ -161,6 +174,11 @@ class Routes:
         if set(owner.values()) <= set(rows):
             self._reroute(s, d, owner, rows)
         return None
+
+    def told(self, s: int, ring: int) -> None:
+        """Server s answered `moved` (drained at ring version `ring`): ask the manager now,
+        without waiting for it to fall silent."""
+        self._told[s] = ring
 
     def _chain(self, key: str) -> list[int]:
         """`key`'s servers as they hold it: its chain, then the server it was copied to
@@ -198,8 +216,9 @@ class Routes:
                 if s == d:
                     self._split(d, Message(op, {"have": -1} if op == "pull" else {}),
                                 [(h, reply)])
-        print(f"[ps worker{w.rank}] {'server' if s == d else 'the route of server'} {d} "
-              f"died{'' if s == d else ' with its host'}; its keys are served by "
+        what = (f"server {d} {self.why.get(d, 'died')}" if s == d
+                else f"the route of server {d} died with its host")
+        print(f"[ps worker{w.rank}] {what}; its keys are served by "
               + ", ".join(f"server {by} ({sum(o == by for o in owner.values())} keys, version "
                           f"{rows[by]['version']})" for by in sorted(index))
               + f"; sent again {sum(len(g) for g in owed)} push frames", flush=True)

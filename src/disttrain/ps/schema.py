@@ -127,6 +127,8 @@ SCHEMA: dict[str, Op] = {
                  tensors=(0, MAX)),
     "cancel": Op("worker", {"version": VERSION}),
     "pong": Op("worker"),
+    # a drained server whose keys moved (move.py): the ring version of the drain
+    "moved": Op("worker", {"ring": VERSION}),
     # replicate frame number `frame` (1, 2, ...) of this session is on every later replica
     "commit": Op("worker", {"frame": Field("int", 1)}),
     "bye": Op("worker", {"stats": Field("map"), "staleness": Field("pairs")}),
@@ -144,7 +146,11 @@ SCHEMA: dict[str, Op] = {
                              # dead servers' keys it serves now (takeover.py)
                              "adopted": Field("rows", row=TAKEOVER_ROW, required=False),
                              # ranges it holds a copy of again (recopy.py)
-                             "copied": Field("rows", row=COPY_ROW, required=False)}),
+                             "copied": Field("rows", row=COPY_ROW, required=False),
+                             # a drain (move.py): the leaving server whose keys it is
+                             # ready to take; a leaving server handed all its keys over
+                             "accepting": Field("int", -1, required=False, default=-1),
+                             "drained": FLAG}),
     "lookup": Op("manager", {"worker": WORKER, "ring": KNOWN}),
     "join": Op("manager", {"worker": WORKER, "server": SERVER, "address": Field("str"),
                            "fingerprint": Field("str"), "ring": KNOWN}),
@@ -154,7 +160,9 @@ SCHEMA: dict[str, Op] = {
     "ring": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                           "complete": FLAG, "stale": FLAG,
                           "servers": Field("rows", row=RING_ROW),
-                          "takeovers": Field("rows", row=TAKEOVER_ROW, required=False)}),
+                          "takeovers": Field("rows", row=TAKEOVER_ROW, required=False),
+                          # [server, leaving server]: ready to take its keys (move.py)
+                          "accepting": Field("pairs", required=False)}),
     "state": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                            "servers": Field("rows", row=STATE_ROW),
                            "shard": Field("rows", row=dict(SHARD_ROW, server=SERVER)),

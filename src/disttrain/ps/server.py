@@ -110,6 +110,7 @@ class Server:
         self.done_clock: dict[int, int] = {}  # worker -> clocks up to it applied (takeover.py)
         self.watch: Callable[[], None] | None = None  # called every loop (takeover.py)
         self.replicas = 1  # what workers must say without a chain (a takeover's: the job's)
+        self.gone: Message | None = None  # the answer to every frame once drained (move.py)
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -173,6 +174,8 @@ class Server:
             return self.chain.handle(session, msg)
         self.last_seen[w] = time.monotonic()
         if w in self.finished and msg.op != "done":
+            if self.gone is not None:  # NOTE: its keys moved away (move.py): say where to ask
+                self.ep.send(session, self.gone)
             return
         if msg.op == "hello":
             self._hello(session, msg)

@@ -47,6 +47,8 @@ class Takeover:
     """Server `server`'s watch on the ring: starts a route for every dead head whose keys
     it is now the first live copy of. Never blocks; raises PSError if a route failed."""
 
+    gone_as = "dead"  # how the report names the server whose keys it serves (move.py: drained)
+
     def __init__(self, server: Server, beat, plan, init: dict, policy, optimizer, secret: bytes,
                  *, host: str, chunk_bytes: int):
         self.server, self.chain, self.beat, self.plan = server, server.chain, beat, plan
@@ -113,8 +115,8 @@ class Takeover:
         self.routes.append((route, thread, row))
         thread.start()
         self.beat.adopted = [dict(r) for _, _, r in self.routes]  # NOTE: copies: stats come later
-        print(f"[ps server{index}] took over {n} keys ({nbytes / 1e6:.2f} MB) of dead "
-              f"server {d} at version {row['version']} (ring version {ring}); workers reach "
+        print(f"[ps server{index}] took over {n} keys ({nbytes / 1e6:.2f} MB) of "
+              f"{self.gone_as} server {d} at version {row['version']} (ring version {ring}); workers reach "
               f"them at {route.address}", file=sys.stderr, flush=True)
 
     def _route(self, d: int, keys: list[str]) -> Server:

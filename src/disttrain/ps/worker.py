@@ -447,6 +447,9 @@ class Worker:
             self._floor[s] = max(self._floor[s], msg.meta["version"])
             self._cancel_event.set()
             return
+        if msg.op == "moved":  # NOTE: drained: its keys moved; the manager says where
+            self.routes.told(s, msg.meta["ring"])
+            return
         if msg.op == "commit":  # NOTE: only a server's replica link receives these
             self._fail(f"server {s} at {self.addresses[s]} sent a commit frame to a worker")
             return

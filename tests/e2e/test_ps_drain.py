@@ -1,0 +1,105 @@
+"""A server drained mid-run with replicas=1: its keys move to the others while workers train.
+
+`disttrain run --workers 2 --servers S` (S = 2 or 3): worker 0 asks the manager to drain
+a server (scripts/ps_drain.py) right after a push was sent (the round in flight) or once
+it was acknowledged. The job must end with rc 0, the hand-over named in the output (the
+drained server's keys and who serves them), and under Sync the final parameters bitwise
+equal to a single-process reference of the same training (what a run without the drain
+ends with); under Async every push applied exactly once (one-hot gradients count it).
+"""
+
+import importlib.util
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_ps_failover import _env
+
+SCRIPT = Path(__file__).parent / "scripts" / "ps_drain.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "digits_ps.py"
+
+
+@cache
+def reference() -> str:
+    """The digest a single process computes for the script's Sync training."""
+    sys.path.insert(0, str(SCRIPT.parent))  # NOTE: the script imports ps_failover beside it
+    try:
+        spec = importlib.util.spec_from_file_location("ps_drain_script", SCRIPT)
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        return script.reference()
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def launch(*args: str, servers: int = 3, script: Path = SCRIPT) -> tuple[int, str]:
+    """(exit code, output) of the job; a job that hangs is -1 with what it printed."""
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers",
+             str(servers), str(script), *args], capture_output=True, text=True, timeout=170,
+            env=_env())
+    except subprocess.TimeoutExpired as e:
+        return -1, f"{e}\n{e.stdout or ''}{e.stderr or ''}"
+    return res.returncode, res.stdout + res.stderr
+
+
+def check_drain(code: int, out: str, victim: int) -> None:
+    assert code == 0, out
+    assert re.search(rf"\[ps server{victim}\] handed \d+ keys .* over at version \d+", out), out
+    assert re.search(rf"ring version \d+: server {victim} at \S+ left: its keys moved", out), out
+    took = re.findall(rf"\[ps server(\d)\] took over (\d+) keys \([\d.]+ MB\) of \w+ server "
+                      rf"{victim} at", out)
+    assert took and all(int(by) != victim for by, _ in took), out
+    # each worker was told by the drained server (`moved`, it held the old ring) and moved on
+    for w in (0, 1):
+        assert re.search(rf"\[ps worker{w}\] server {victim} left \(drained, it answered moved "
+                         r"at ring version \d+\); its keys are served by", out), out
+
+
+@pytest.mark.timeout(200)
+def test_sync_drain_mid_run_ends_bitwise_equal():
+    code, out = launch("sync", "4", "1", "pushed")
+    check_drain(code, out, victim=1)
+    assert sorted(re.findall(r"worker (\d) digest (\w+)", out)) == [
+        ("0", reference()), ("1", reference())], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("servers,step,victim,when", [
+    (2, 1, 0, "pushed"), (2, 7, 1, "acked"), (3, 3, 0, "acked"), (3, 10, 2, "pushed")])
+def test_sync_drain_at_any_point_ends_bitwise_equal(servers, step, victim, when):
+    code, out = launch("sync", str(step), str(victim), when, servers=servers)
+    check_drain(code, out, victim)
+    assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode,servers,step,victim,when", [
+    ("count", 2, 5, 0, "pushed"), ("count", 3, 8, 1, "acked"), ("count-ssp", 3, 4, 2, "pushed")])
+def test_async_and_ssp_drain_apply_every_push_exactly_once(mode, servers, step, victim, when):
+    code, out = launch(mode, str(step), str(victim), when, servers=servers)
+    check_drain(code, out, victim)
+    # each entry counts how often its push was applied: 0 lost, 2 applied twice
+    assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
+                                                                   ("1", "[1.0]")], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_digits_example_drain_server_flag_matches_an_uninterrupted_run():
+    args = ["--epochs", "4"]
+    code, plain = launch(*args, script=EXAMPLE)
+    assert code == 0, plain
+    code, drained = launch(*args, "--drain-server-at", "20", "--drain-server", "2",
+                           script=EXAMPLE)
+    assert code == 0, drained
+    assert re.search(r"\[ps server2\] handed \d+ keys .* over at version \d+", drained), drained
+    digest = re.compile(r"final parameters sha256 (\w+)")
+    assert digest.findall(drained) == digest.findall(plain) != [], drained
