@@ -10,11 +10,12 @@ one spreads over the three), `Async()` (default) or `Sync()`, server-side SGD. O
 iteration = `push()` and `pull()` queued at once, then `wait()` on both (as
 benchmarks/ps_transport.py): with r > 1 the push is acknowledged and the pull answered only
 once the update is on every copy, so the time includes the chain. 2 untimed warm-up
-iterations, then `_iters(size)` timed ones; per repetition every r runs once, in an order
-rotated between repetitions (interleaved), in one fresh set of processes (on one host) or
-one cluster job (4 nodes, one rank each, each node's link to the switch at `--link`).
-Prints medians over repetitions and the ratio to r = 1 (the issue's targets: r = 2 at most
-1.5x r = 1 at 1 Gbit/s, 2.0x on one host, from 4 MB up).
+iterations, then `iters(size)` timed ones (benchmarks/_ps_timing.py, shared with
+ps_transport.py); per repetition every r runs once, in an order rotated between
+repetitions (interleaved), in one fresh set of processes (on one host) or one cluster job
+(4 nodes, one rank each, each node's link to the switch at `--link`). Prints medians
+over repetitions and the ratio to r = 1 (the issue's targets: r = 2 at most 1.5x r = 1
+at 1 Gbit/s, 2.0x on one host, from 4 MB up).
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ import secrets
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 import disttrain
 from disttrain import ps
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # NOTE: run as a script or imported from elsewhere
+    sys.path.insert(0, HERE)
+from _ps_timing import time_push_pull  # noqa: E402
+
 WORKERS, SERVERS = 1, 3
-
-
-def _iters(nbytes: int) -> int:
-    return max(5, min(200, (256 << 20) // max(nbytes, 1) // 4))
 
 
 def _bench(numel: int, r: int, tag: str, policy: str, chunk: int) -> float | None:
@@ -52,16 +53,7 @@ def _bench(numel: int, r: int, tag: str, policy: str, chunk: int) -> float | Non
     conn = ps.attach(model, pol, timeout=120, name=tag, overlap=False, replicas=r,
                      chunk_bytes=chunk)
     model.w.grad = torch.randn(numel)
-    n = _iters(numel * 4)
-    for i in range(n + 2):
-        if i == 2:
-            t0 = time.perf_counter()
-        pushed = conn.push()
-        conn.pull().wait()
-        pushed.wait()
-    dt = (time.perf_counter() - t0) / n
-    conn.close()
-    return dt
+    return time_push_pull(conn, numel * 4)
 
 
 def block(sizes: list[int], order: list[int], rep: int, policy: str, chunk: int) -> dict:

@@ -75,7 +75,12 @@ import disttrain
 from disttrain import ps
 from disttrain.testing import spawn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # NOTE: run as a script or imported from elsewhere
+    sys.path.insert(0, HERE)
+from _ps_timing import WARMUP, iters, seconds_per_iter, time_push_pull  # noqa: E402
+
+ROOT = os.path.dirname(HERE)
 HMAC_WIRE = "c7c37ba"  # the last revision with the HMAC-SHA256 hash-then-MAC wire
 
 
@@ -90,10 +95,6 @@ class RpcParameterServer:
         self = ps_rref.local_value()
         self.param.add_(grad, alpha=-0.01)
         return self.param
-
-
-def _iters(nbytes: int) -> int:
-    return max(5, min(200, (256 << 20) // max(nbytes, 1) // 4))
 
 
 def _join(model, tag: str, chunk: int):
@@ -114,35 +115,19 @@ def _bench_ps(numel: int, tag: str, chunk: int) -> float | None:
     if disttrain.role() == "server":
         return None
     model.w.grad = torch.randn(numel)
-    n = _iters(numel * 4)
-    for i in range(n + 2):
-        if i == 2:
-            t0 = time.perf_counter()
-        # NOTE: the pull queues behind the push on the same socket, so it answers with
-        # the version that includes this gradient (what update_and_fetch returns).
-        pushed = conn.push()
-        conn.pull().wait()
-        pushed.wait()
-    dt = (time.perf_counter() - t0) / n
-    conn.close()
-    return dt
+    return time_push_pull(conn, numel * 4)  # the pull answers what update_and_fetch returns
 
 
 def _bench_rpc(numel: int, rref) -> float | None:
     if rref is None:
         return None
     grad = torch.randn(numel)
-    n = _iters(numel * 4)
-    for i in range(n + 2):
-        if i == 2:
-            t0 = time.perf_counter()
-        rpc.rpc_sync("server", RpcParameterServer.update_and_fetch, args=(rref, grad))
-    return (time.perf_counter() - t0) / n
+    return seconds_per_iter(lambda: rpc.rpc_sync(
+        "server", RpcParameterServer.update_and_fetch, args=(rref, grad)), numel * 4)
 
 
 def _bench_zmq(numel: int, tag: str, chunk: int) -> float | None:
     store = dist.distributed_c10d._get_default_store()
-    n = _iters(numel * 4)
     ctx = zmq.Context()
     folder = tempfile.mkdtemp(prefix="ps-bench-")
     try:
@@ -154,7 +139,7 @@ def _bench_zmq(numel: int, tag: str, chunk: int) -> float | None:
                 addr = f"ipc://{folder}/echo.sock"
                 sock.bind(addr)
             store.set(f"zmq/{tag}", addr)
-            for _ in range(n + 2):
+            for _ in range(iters(numel * 4) + WARMUP):
                 parts = sock.recv_multipart(copy=False)
                 sock.send_multipart(parts, copy=False)
             sock.close(linger=1000)
@@ -164,13 +149,14 @@ def _bench_zmq(numel: int, tag: str, chunk: int) -> float | None:
         flat = memoryview(torch.randn(numel).numpy()).cast("B")
         step = chunk  # the parts a ps push of this size has
         parts = [flat[i:i + step] for i in range(0, len(flat), step)] or [flat]
-        for i in range(n + 2):
-            if i == 2:
-                t0 = time.perf_counter()
+
+        def echo():
             sock.send_multipart(parts, copy=len(flat) < (64 << 10))
             sock.recv_multipart(copy=False)
+
+        dt = seconds_per_iter(echo, numel * 4)
         sock.close(linger=0)
-        return (time.perf_counter() - t0) / n
+        return dt
     finally:
         ctx.term()
         shutil.rmtree(folder, ignore_errors=True)

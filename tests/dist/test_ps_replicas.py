@@ -80,12 +80,11 @@ def _serve(mode, r, name):
             "copies": copies, "line": format_stats(stats)}
 
 
-def _work(mode, r, name):
-    model = _model()
-    conn = ps.attach(model, _policy(mode), chunk_bytes=64, timeout=20, name=name, replicas=r)
-    xs, ys = _data()
+def _train(conn, model, xs, ys) -> list[torch.Tensor]:
+    """Pull, step on this worker's slice of batch t, push, for every t of `xs`; then a last
+    pull; closes `conn`; blocks on every pull and push. The final parameters (cloned)."""
     i = disttrain.rank()
-    for t in range(STEPS):
+    for t in range(len(xs)):
         conn.pull().wait()
         model.zero_grad()
         x, y = xs[t, i * B:(i + 1) * B], ys[t, i * B:(i + 1) * B]
@@ -93,7 +92,13 @@ def _work(mode, r, name):
         conn.push().wait()
     conn.pull().wait()
     conn.close()
-    return {"role": "worker", "params": [p.detach().clone() for p in model.parameters()]}
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _work(mode, r, name):
+    model = _model()
+    conn = ps.attach(model, _policy(mode), chunk_bytes=64, timeout=20, name=name, replicas=r)
+    return {"role": "worker", "params": _train(conn, model, *_data())}
 
 
 def run_all():

@@ -28,7 +28,13 @@ from disttrain.ps.replica import Replicas
 from disttrain.ps.server import Server
 from disttrain.ps.transport import job_secret
 from disttrain.testing import spawn
-from tests.dist.test_ps_replicas import _model, _opt, _policy, _state  # the same jobs
+from tests.dist.test_ps_replicas import (  # the same jobs
+    _model,
+    _opt,
+    _policy,
+    _state,
+    _train,
+)
 
 W, S, B, STEPS, AT, CHUNK = 2, 3, 4, 8, 3, 64
 ENV = {"DISTTRAIN_SERVERS": str(S), "DISTTRAIN_SECRET": secrets.token_hex(32)}
@@ -84,16 +90,7 @@ def _work(mode, r, name):
                      replicas=r, manager="")
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(STEPS, W * B, 8, generator=g), torch.randn(STEPS, W * B, 3, generator=g)
-    i = disttrain.rank()
-    for t in range(STEPS):
-        conn.pull().wait()
-        model.zero_grad()
-        x, y = xs[t, i * B:(i + 1) * B], ys[t, i * B:(i + 1) * B]
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        conn.push().wait()
-    conn.pull().wait()
-    conn.close()
-    return {"params": [p.detach().clone() for p in model.parameters()], "xs": xs, "ys": ys}
+    return {"params": _train(conn, model, xs, ys), "xs": xs, "ys": ys}
 
 
 def run_all():

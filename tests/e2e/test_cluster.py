@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from disttrain import settings
 from disttrain.cluster import net
 
 ROOT_CAPS = os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
@@ -36,7 +37,8 @@ def name(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTTRAIN_CLUSTER_DIR", str(tmp_path))
     n = "t" + uuid.uuid4().hex[:8]
     yield n
-    cluster("down", n)
+    settings.refresh()  # NOTE: reads the DISTTRAIN_CLUSTER_DIR set above
+    net.down(n)  # in-process (no torch import): the tests run the CLI's own `down` themselves
 
 
 def talk(name, src, dst, addr):
