@@ -104,6 +104,15 @@ def test_a_drain_with_replicas_1_moves_the_keys_first_then_the_server_leaves():
     assert "server 1 took over 2 keys (0.00 MB) of left server 0 at version 5" in m.events[-1]
 
 
+def test_a_job_that_ends_before_the_drain_finished_says_so():
+    m = _two()
+    assert m.leave(0, ring=2) and m.members[0].state == "leaving"
+    assert not m.beat(0, 9, 30, True, 1.0)  # its last report, nothing handed over
+    assert m.members[0].state == "exited"
+    assert m.events[-1] == ("server 0 exited (its job ended) at ring version 3: its drain had "
+                            "not finished, its keys stayed on it to the end")
+
+
 def test_a_drain_is_refused_while_another_is_under_way_and_with_chains_of_copies():
     m = Membership()
     for i in range(3):

@@ -186,9 +186,11 @@ class Membership:
         if final and m.state == LEFT:
             return False
         if final:
+            unfinished = m.state == LEAVING
             m.state = EXITED
             self.events.append(f"server {server} exited (its job ended) at ring version "
-                               f"{self.version}")
+                               f"{self.version}" + (": its drain had not finished, its keys "
+                                                    "stayed on it to the end" if unfinished else ""))
             return False
         if m.state == DEAD:
             m.state = ALIVE
