@@ -10,14 +10,13 @@ ends with); under Async every push applied exactly once (one-hot gradients count
 
 import importlib.util
 import re
-import subprocess
 import sys
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_ps_failover import _env
+from tests.e2e import test_ps_failover as failover
 
 SCRIPT = Path(__file__).parent / "scripts" / "ps_drain.py"
 EXAMPLE = Path(__file__).parents[2] / "examples" / "digits_ps.py"
@@ -36,16 +35,8 @@ def reference() -> str:
         sys.path.remove(str(SCRIPT.parent))
 
 
-def launch(*args: str, servers: int = 3, script: Path = SCRIPT) -> tuple[int, str]:
-    """(exit code, output) of the job; a job that hangs is -1 with what it printed."""
-    try:
-        res = subprocess.run(
-            [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers",
-             str(servers), str(script), *args], capture_output=True, text=True, timeout=170,
-            env=_env())
-    except subprocess.TimeoutExpired as e:
-        return -1, f"{e}\n{e.stdout or ''}{e.stderr or ''}"
-    return res.returncode, res.stdout + res.stderr
+launch = partial(failover.launch, servers=3, script=SCRIPT)
+"""(exit code, output) of a job of this script (3 servers unless told); -1 if it hangs."""
 
 
 def check_drain(code: int, out: str, victim: int) -> None:

@@ -216,6 +216,8 @@ class Routes:
                 if s == d:
                     self._split(d, Message(op, {"have": -1} if op == "pull" else {}),
                                 [(h, reply)])
+        for h in waiting.pop("welcome", []):  # NOTE: a worker still attaching when s died: its
+            h.finish_one()  # routes welcome it instead, and frames wait for that (waiting_welcome)
         what = (f"server {d} {self.why.get(d, 'died')}" if s == d
                 else f"the route of server {d} died with its host")
         print(f"[ps worker{w.rank}] {what}; its keys are served by "

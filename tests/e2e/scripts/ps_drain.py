@@ -54,17 +54,7 @@ def main(mode: str, drain_at: int, victim: int, when: str) -> None:
             ps.drain(victim)
         if rank == 0 and drain_at and step >= drain_at and victim not in conn.routes.routes:
             time.sleep(PACE)
-    store.add("drain/done", 1)  # NOTE: Async: read once every worker's pushes are acked
-    while int(store.add("drain/done", 0)) < WORKERS:
-        time.sleep(0.01)
-    conn.pull().wait()
-    if mode == "sync":
-        print(f"worker {rank} digest {digest(model)}", flush=True)
-    else:
-        counts = (-torch.cat([p.detach() for p in model.parameters()])).tolist()
-        print(f"worker {rank} counts {sorted(set(counts))}", flush=True)
-    conn.close()
-    disttrain.shutdown()
+    base.finish(conn, model, store, "drain", mode, rank)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ push was applied. argv[5]: replicas (default 2); argv[6]: a step (default 0: non
 which, once its push was acknowledged, worker 0 also kills the server that took over
 the first one's first key (the first live server of its chain); argv[7] "die": the
 server that gets the first range copied again after the kill SIGKILLs itself on the
-first `transfer` frame it reads. Server ranks publish their process id in the store;
+first `transfer` frame it reads; "late": worker 1 attaches only once the server was
+killed (its hello to the dead server is answered by the routes). Server ranks publish their process id in the store;
 worker 0 kills them. `reference()` (imported by the test) is the same Sync training in one process, as
 the servers compute it: the mean of the workers' gradients summed in worker order, one
 momentum step per round; it returns the digest the job must end with.
@@ -109,7 +110,7 @@ def die_on_copy(model: torch.nn.Module, servers: int, victim: int, replicas: int
 
 
 def main(mode: str, kill_at: int, victim: int, when: str, replicas: int, again: int,
-         die: bool) -> None:
+         die: bool, late: bool = False) -> None:
     import disttrain
     from disttrain import ps
 
@@ -126,6 +127,8 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int, again: 
         if die:
             die_on_copy(model, disttrain.world_size() - WORKERS, victim, replicas,
                         disttrain.rank() - WORKERS)
+    if late and disttrain.role() == "worker" and disttrain.rank() == 1:
+        store.wait(["failover/killed"])  # NOTE: attaches only once the server is dead
     conn = ps.connect(model, policy, optimizer=opt, replicas=replicas)  # servers exit here
     rank = disttrain.rank()
     gen = torch.Generator().manual_seed(rank)
@@ -135,15 +138,25 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int, again: 
         handle = conn.push()
         if rank == 0 and step == kill_at and when == "pushed":
             os.kill(int(store.get(f"failover/pid{victim}")), signal.SIGKILL)
+            store.set("failover/killed", "1")
         handle.wait()
         if rank == 0 and step == kill_at and when == "acked":
             os.kill(int(store.get(f"failover/pid{victim}")), signal.SIGKILL)
+            store.set("failover/killed", "1")
         if rank == 0 and step == again:
             second = heir(model, disttrain.world_size() - WORKERS, victim, replicas)
             print(f"worker 0 kills server {second} too", flush=True)
             os.kill(int(store.get(f"failover/pid{second}")), signal.SIGKILL)
-    store.add("failover/done", 1)  # NOTE: Async: read once every worker's pushes are acked
-    while int(store.add("failover/done", 0)) < WORKERS:
+    finish(conn, model, store, "failover", mode, rank)
+
+
+def finish(conn, model: torch.nn.Module, store, name: str, mode: str, rank: int) -> None:
+    """Wait for every worker's last push, pull, print the digest (Sync) or the counts
+    every parameter saw (Async: one-hot gradients), and leave."""
+    import disttrain
+
+    store.add(f"{name}/done", 1)  # NOTE: Async: read once every worker's pushes are acked
+    while int(store.add(f"{name}/done", 0)) < WORKERS:
         time.sleep(0.01)
     conn.pull().wait()
     if mode == "sync":
@@ -158,4 +171,5 @@ def main(mode: str, kill_at: int, victim: int, when: str, replicas: int, again: 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
          int(sys.argv[5]) if len(sys.argv) > 5 else 2,
-         int(sys.argv[6]) if len(sys.argv) > 6 else 0, sys.argv[7:8] == ["die"])
+         int(sys.argv[6]) if len(sys.argv) > 6 else 0, sys.argv[7:8] == ["die"],
+         sys.argv[7:8] == ["late"])
