@@ -180,7 +180,9 @@ def test_measured_sharing_and_blocking_collectives_replace_the_formula(tmp_path)
 def test_bad_measurements_in_a_profile_say_how_to_fix(tmp_path):
     gpt = parse_gpt(TINY)
     for shared, coll in (({"1": 2.0}, {}), ({"2": -1}, {}), ({}, {"2": {"bytes": 0, "inline_s": 1}}),
-                         ({}, {"2": {"inline_s": 1}}), ({"2": "x"}, {})):
+                         ({}, {"2": {"inline_s": 1}}), ({"2": "x"}, {}), ({"2": "nan"}, {}),
+                         ({}, {"2": {"bytes": 8, "inline_s": "nan"}}),
+                         ({}, {"2": {"bytes": "inf", "inline_s": 0.001}})):
         path = _with_ranks(_synthetic(tmp_path, 0.01, 0.02, "bad.json"), shared, coll)
         with pytest.raises(ValueError, match="plan profile --ranks"):
             load_profile(path, gpt)

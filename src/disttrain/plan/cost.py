@@ -193,7 +193,7 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     emb_f, head_f, head_b = half, head_f + loss, head_b + half
     act = lay.wire * b * s * h / (t if lay.sp else 1)
     remote = lay.dp * lay.tp >= nodes_of  # NOTE: pp is the outermost mesh axis
-    p2p = (_collective("p2p", act, 2, 1 if remote else 2, dev.links()) + blocking_extra(dev)
+    p2p = (_collective("p2p", act, 2, 1 if remote else 2, dev.links()) + per["blocking"]
            if lay.pp > 1 else 0.0)
     z3_f = z3_b = z3_first = 0.0
     if lay.zero == 3:
@@ -205,7 +205,7 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
             # NOTE: ranks fill the cores: the prefetched gather's CPU work cannot run beside
             # the compute, so every unit's gather (UNITS per layer) is a blocking collective
             units = UNITS * _collective("all-gather", unit / UNITS, lay.dp, local, dev.links(nics=local))
-            x = UNITS * blocking_extra(dev)
+            x = UNITS * per["blocking"]
             z3_f, z3_b, z3_first = units + x, units + rs + x, 0.0
         else:
             z3_f, z3_b, z3_first = max(0.0, ag - per["fwd"]), max(0.0, ag + rs - per["bwd"]), ag

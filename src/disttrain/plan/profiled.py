@@ -12,6 +12,7 @@ in place of FLOPs over the device's matmul rate. Pure Python over JSON: no torch
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -69,12 +70,9 @@ class LayerProfile:
         """As one of `n` ranks on this machine sees it: the slowdown measured with `n`
         copies at once (`--ranks`), else slower once n x threads > cpus (processor sharing)."""
         k = dict(self.measured).get(n)
-        inline = next(((b, s) for m, b, s in self.collectives if m == n), None)
-        full = n * self.threads >= self.cpus
-        if k is not None:
-            return replace(self, share=max(1.0, k), share_measured=True, inline=inline, full=full)
-        return replace(self, share=max(1.0, n * self.threads / self.cpus), share_measured=False,
-                       inline=inline, full=full)
+        return replace(self, share=max(1.0, n * self.threads / self.cpus if k is None else k),
+                       share_measured=k is not None, full=n * self.threads >= self.cpus,
+                       inline=next(((b, s) for m, b, s in self.collectives if m == n), None))
 
 
 def _read(path: str) -> dict:
@@ -140,7 +138,7 @@ def _collectives(path: str, rows) -> tuple[tuple[int, float, float], ...]:
         out = tuple(sorted((int(n), float(r["bytes"]), float(r["inline_s"])) for n, r in rows.items()))
     except (AttributeError, KeyError, TypeError, ValueError):
         out = ((0, 0.0, -1.0),)
-    if any(n < 2 or b <= 0 or s < 0 for n, b, s in out):
+    if any(n < 2 or not (0 < b < math.inf and 0 <= s < math.inf) for n, b, s in out):
         raise ValueError(f"--profile {path}: its \"collectives\" must be {{\"N\": {{\"bytes\": B, "
                          f"\"inline_s\": s}}}}; write it again with `disttrain plan profile --ranks`")
     return out
@@ -152,7 +150,7 @@ def _measured(path: str, shared) -> tuple[tuple[int, float], ...]:
         rows = tuple(sorted((int(n), float(k)) for n, k in shared.items()))
     except (AttributeError, TypeError, ValueError):
         rows = ((0, 0.0),)
-    if any(n < 2 or not k > 0 for n, k in rows):
+    if any(n < 2 or not 0 < k < math.inf for n, k in rows):
         raise ValueError(f"--profile {path}: its \"shared\" slowdowns must be {{\"N\": k}} with "
                          f"N >= 2 and k > 0; write it again with `disttrain plan profile --ranks`")
     return rows
