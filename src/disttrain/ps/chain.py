@@ -48,7 +48,7 @@ def chains(plan: Plan, replicas: int) -> dict[str, list[int]]:
     out = {}
     for owner, chunks in enumerate(plan):
         for c in chunks:
-            out[c.key] = [int(s.removeprefix("server")) for s in plan.chain(c.key, replicas)]
+            out[c.key] = plan.indices(c.key, replicas)
             if out[c.key][0] != owner:
                 raise RuntimeError(f"key {c.key!r}: the plan puts it on server {owner}, the "
                                    f"ring's chain starts at server {out[c.key][0]}")

@@ -281,7 +281,7 @@ def _shard(model: torch.nn.Module, plan: Plan, index: int,
     """(key, bytes, replica chain) of each key server `index` holds."""
     sizes = {n: p.element_size() for n, p in model.named_parameters()}
     return [(c.key, c.numel * sizes[c.name],
-             [int(s.removeprefix("server")) for s in plan.chain(c.key, replicas)])
+             plan.indices(c.key, replicas))
             for c in plan[index]]
 
 

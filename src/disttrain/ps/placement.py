@@ -185,6 +185,10 @@ class Plan(list):
         super().__init__(placement.plan())
         self.chain = placement.chain
 
+    def indices(self, key: str, r: int) -> list[int]:
+        """`chain(key, r)` as server indices ("server3" -> 3), head first."""
+        return [int(s.removeprefix("server")) for s in self.chain(key, r)]
+
 
 def plan_keys(params: list[tuple[str, int, int]], servers: int, *,
               chunk_bytes: int = DEFAULT_CHUNK_BYTES, vnodes: int = 256) -> Plan:

@@ -50,10 +50,6 @@ class Move(NamedTuple):
     """the next live server of the ring that holds no copy of the key."""
 
 
-def _ints(names: list[str]) -> list[int]:
-    return [int(s.removeprefix("server")) for s in names]
-
-
 def moves(plan, r: int, dead: set[int], d: int) -> list[Move]:
     """The keys whose chains server d's death left short, with their new copies; empty
     unless d is the only dead server and r >= 2. Pure: the same on every rank."""
@@ -61,12 +57,12 @@ def moves(plan, r: int, dead: set[int], d: int) -> list[Move]:
         return []
     out, routes = [], {}  # target -> the one route host it takes copies from
     for c in (c for chunks in plan for c in chunks):
-        chain = _ints(plan.chain(c.key, r))
+        chain = plan.indices(c.key, r)
         if d not in chain:
             continue
         short = (d,) if chain[0] == d else tuple(chain[:chain.index(d)])
         host = chain[1] if chain[0] == d else short[-1]
-        target = next((j for j in _ints(plan.chain(c.key, len(plan))) if j != d
+        target = next((j for j in plan.indices(c.key, len(plan)) if j != d
                        and j not in (host, *short)
                        and (short != (d,) or routes.get(j, host) == host)), None)
         if target is None:

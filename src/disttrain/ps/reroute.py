@@ -186,7 +186,7 @@ class Routes:
         if self._again is None and self.first is not None:
             self._again = {m.key: m.target for m in moves(self.plan, self.r, {self.first},
                                                           self.first)}
-        chain = [int(x.removeprefix("server")) for x in self.plan.chain(key, self.r)]
+        chain = self.plan.indices(key, self.r)
         return chain + [t for t in [(self._again or {}).get(key)] if t is not None]
 
     def _reroute(self, s: int, d: int, owner: dict[str, int], rows: dict[int, dict]) -> None:
