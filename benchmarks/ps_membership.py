@@ -1,11 +1,13 @@
 """A server drained while the workers train: keys and bytes moved, the pause, step times.
 
     python benchmarks/ps_membership.py [--servers 3] [--drain 1] [--at 30] [--epochs 8] [--reps 1]
+        [--replicas 1]
 
-Runs `disttrain run --workers 2 --servers S examples/digits_ps.py` (Sync, replicas=1)
+Runs `disttrain run --workers 2 --servers S examples/digits_ps.py` (Sync, --replicas R)
 without a change and with `--drain-server-at AT --drain-server I` (worker 0 drains
-server I right after sending its push of step AT: ps/move.py), `--reps` times each,
-interleaved. Prints per run: the keys and bytes the drained server handed over (values
+server I right after sending its push of step AT: ps/move.py with R = 1, ps/handover.py
+with R >= 2, where nothing moves: the keys column counts the keys its copies take over
+and MB and cut are 0), `--reps` times each, interleaved. Prints per run: the keys and bytes the drained server handed over (values
 and momentum), its cut's pause, how long the moved keys paused (worker 0's longest step from AT on:
 the one whose pull waited for their new servers), the pause per moved key, worker 0's
 median step time before AT, during (from AT to that step) and after it, and whether the final parameters' sha256 equals the run without
@@ -27,15 +29,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HANDED = re.compile(r"\[ps server\d+\] handed (\d+) keys \(([\d.]+) MB with optimizer state\) "
                     r"over at version (\d+); cut paused it ([\d.]+) ms")
+HANDS = re.compile(r"\[ps server\d+\] leaving \(ring version \d+\): its (\d+) keys go to their "
+                   r"next live copies")
 
 
-def run(servers: int, epochs: int, drain: int | None, at: int, times: str) -> dict:
+def run(servers: int, epochs: int, drain: int | None, at: int, times: str,
+        replicas: int = 1) -> dict:
     """One job; blocks until it ends; raises with its output if it failed."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DISTTRAIN_SERVERS")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "disttrain", "run", "--workers", "2", "--servers", str(servers),
-           "examples/digits_ps.py", "--epochs", str(epochs), "--step-times", times]
+           "examples/digits_ps.py", "--epochs", str(epochs), "--step-times", times,
+           "--replicas", str(replicas)]
     if drain is not None:
         cmd += ["--drain-server-at", str(at), "--drain-server", str(drain)]
     load = os.getloadavg()[0]
@@ -53,11 +59,14 @@ def run(servers: int, epochs: int, drain: int | None, at: int, times: str) -> di
            "before": statistics.median(steps[5:at - 1]), "pause_step": p + 1,
            "during": statistics.median(steps[at - 1:p + 1]),
            "after": statistics.median(steps[p + 1:]), "pause": steps[p]}
-    m = HANDED.search(out)
+    m, h = HANDED.search(out), HANDS.search(out)
     if drain is not None:
-        if m is None:
+        if m is None and h is None:
             raise RuntimeError(f"no hand-over in the output:\n{out[-4000:]}")
-        res.update(keys=int(m.group(1)), mb=float(m.group(2)), cut_ms=float(m.group(4)))
+        if m is not None:
+            res.update(keys=int(m.group(1)), mb=float(m.group(2)), cut_ms=float(m.group(4)))
+        else:  # NOTE: replicas >= 2: nothing moves, its copies take the keys over
+            res.update(keys=int(h.group(1)), mb=0.0, cut_ms=0.0)
     return res
 
 
@@ -69,15 +78,18 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8,
                     help="enough steps after AT for the drain (heartbeats 1 s apart) to finish")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=1)
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for drain in (None, args.drain):
                 path = os.path.join(tmp, f"times-{rep}-{drain}.jsonl")
-                rows.append((drain, run(args.servers, args.epochs, drain, args.at, path)))
+                rows.append((drain, run(args.servers, args.epochs, drain, args.at, path,
+                                        args.replicas)))
     plain = {r["sha"] for d, r in rows if d is None}
-    print(f"servers {args.servers}, 2 workers, Sync, drain server {args.drain} at step "
+    print(f"servers {args.servers}, 2 workers, Sync, replicas {args.replicas}, drain server "
+          f"{args.drain} at step "
           f"{args.at}, {args.epochs} epochs")
     print("run      load  keys    MB  cut ms  pause s  per key ms  step ms before/during/after"
           "  (x before)  pause at step  sha256 = run without")

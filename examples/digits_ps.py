@@ -27,9 +27,10 @@ every copy applied it (chain replication); each server's report names its roles.
 With --replicas >= 2,
 --kill-server-at STEP has worker 0 SIGKILL a server mid-run: its copies take over, the
 job goes on, and under sync it ends with the same parameters as a run without the kill.
-With --replicas 1, --drain-server-at STEP has worker 0 drain a server mid-run (`ps.drain`,
-as `disttrain ps drain`): its keys move to the other servers while the workers train,
-then it leaves; under sync the final parameters are those of a run without the drain.
+--drain-server-at STEP has worker 0 drain a server mid-run (`ps.drain`, as `disttrain ps
+drain`): with --replicas 1 its keys move to the other servers while the workers train,
+with --replicas >= 2 its copies take them over; then it leaves, and under sync the final
+parameters are those of a run without the drain.
 Worker 0 ends with `final test accuracy: 0.9xxx` and a sha256 of the final parameters.
 """
 
@@ -96,7 +97,8 @@ parser.add_argument("--kill-when", choices=("pushed", "acked"), default="pushed"
 # live membership (docs/design/parameter-server.md, "Live membership")
 parser.add_argument("--drain-server-at", type=int, default=0, metavar="STEP",
                     help="worker 0 drains a server at this step (0: never): its keys move to "
-                         "the other servers while the workers train, then it leaves")
+                         "the other servers (--replicas >= 2: its copies take them over) while "
+                         "the workers train, then it leaves")
 parser.add_argument("--drain-server", type=int, default=0, metavar="I", help="the server to drain")
 parser.add_argument("--step-times", default=None, metavar="PATH",
                     help="worker 0 appends {step, time} after every step here (benchmarks)")

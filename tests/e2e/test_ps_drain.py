@@ -94,3 +94,83 @@ def test_digits_example_drain_server_flag_matches_an_uninterrupted_run():
     assert re.search(r"\[ps server2\] handed \d+ keys .* over at version \d+", drained), drained
     digest = re.compile(r"final parameters sha256 (\w+)")
     assert digest.findall(drained) == digest.findall(plain) != [], drained
+
+
+# ---- replicas >= 2: the drained server's copies take its keys over (ps/handover.py) ----
+def check_handover(code: int, out: str, victim: int) -> None:
+    """The drained server closed, left, and its copies serve its keys; both workers were
+    told `moved` and re-routed."""
+    assert code == 0, out
+    assert re.search(rf"\[ps server{victim}\] hands its keys over at version \d+", out), out
+    assert re.search(rf"ring version \d+: server {victim} at \S+ left: its copies serve its "
+                     "keys", out), out
+    took = re.findall(rf"\[ps server(\d)\] took over \d+ keys \([\d.]+ MB\) of drained server "
+                      rf"{victim} at", out)
+    assert took and all(int(by) != victim for by in took), out
+    for w in (0, 1):
+        assert re.search(rf"\[ps worker{w}\] server {victim} left \(drained, it answered moved "
+                         r"at ring version \d+\); its keys are served by", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("servers,step,victim,when", [
+    (3, 4, 1, "pushed"), (2, 1, 0, "pushed"), (2, 7, 1, "acked"), (3, 10, 2, "acked")])
+def test_sync_drain_with_two_replicas_hands_over_to_the_copies_bitwise(servers, step, victim,
+                                                                        when):
+    code, out = launch("sync", str(step), str(victim), when, "2", servers=servers)
+    check_handover(code, out, victim)
+    assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode,step,victim,when", [("count", 5, 1, "pushed"),
+                                                   ("count-ssp", 8, 0, "acked")])
+def test_async_drain_with_two_replicas_applies_every_push_exactly_once(mode, step, victim,
+                                                                        when):
+    code, out = launch(mode, str(step), str(victim), when, "2")
+    check_handover(code, out, victim)
+    assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
+                                                                   ("1", "[1.0]")], out
+
+
+# ---- faults while a server is drained (issue 23 item 6) ----------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", ["self-kill", "kill"])
+def test_a_drained_server_killed_mid_drain_with_two_replicas_loses_nothing(fault):
+    """replicas=2, 3 servers, Sync: the drained server is SIGKILLed at its hand-over (after
+    it told the workers `moved`, before its copies committed) or 0.5 s after the drain was
+    accepted: the manager marks it dead, its copies take over as for any death, and the
+    run ends bitwise equal."""
+    code, out = launch("sync", "4", "1", "pushed", "2", fault)
+    assert code == 0, out
+    assert re.search(r"\[ps server\d\] took over \d+ keys \([\d.]+ MB\) of (dead|drained) "
+                     "server 1 at", out), out
+    assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", ["self-kill", "kill"])
+def test_a_drained_server_killed_mid_drain_with_one_replica_fails_the_job_naming_it(fault):
+    """replicas=1, 3 servers, Sync: the drained server is SIGKILLed while its keys move
+    (right after its first cut, or 0.5 s after the drain was accepted): no copy holds its
+    keys whole, so the job stops, naming it, within a bounded time (never a hang)."""
+    code, out = launch("sync", "4", "1", "pushed", "1", fault)
+    assert code not in (0, -1), out
+    assert re.search(r"server rank 3 killed \(SIGKILL\)|server 1 at \S+ died", out), out
+    assert "digest" not in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_target_killed_while_keys_move_to_it_fails_the_job_naming_it():
+    """replicas=1, 3 servers, Sync: a server taking the drained server's keys SIGKILLs
+    itself on the first `transfer` frame it reads: the job stops naming it, within a
+    bounded time (never a hang)."""
+    code, out = launch("sync", "4", "1", "pushed", "1", "die-target")
+    dead = re.search(r"server (\d) dies on a transfer frame", out)
+    assert dead and code not in (0, -1), out
+    assert f"server rank {2 + int(dead.group(1))} killed (SIGKILL)" in out, out

@@ -131,11 +131,27 @@ def test_a_drain_is_refused_while_another_is_under_way_and_with_chains_of_copies
     m.expire(20.0, 10.0)  # every server silent: all dead
     m.register(1, "ipc://s1b", "fp", 3, [["a", 8, [0, 1]]], 21.0)
     m.register(2, "ipc://s2b", "fp", 3, [["b", 8, [2]]], 21.0)
-    with pytest.raises(Refused, match="with replicas >= 2 keys do not move yet"):
+    with pytest.raises(Refused, match="its other copies are on servers no longer alive"):
         m.leave(1, ring=m.version)  # its copy's other holder is dead
 
 
-def test_a_key_with_a_live_copy_elsewhere_may_be_drained():
+def test_a_key_with_a_live_copy_elsewhere_is_handed_to_its_copies_then_the_server_leaves():
+    m = Membership()
+    for i in range(3):
+        m.register(i, f"ipc://s{i}", "fp", 3, [["a", 8, [0, 1]], ["b", 8, [2, 1]]], 0.0)
+    assert m.leave(0, ring=3) and m.members[0].state == "leaving" and m.version == 4
+    assert ("server 0 at ipc://s0 is leaving: its 2 keys are served by their next live copies "
+            "once it handed over (replicas >= 2)") in m.events[-1]
+    with pytest.raises(Refused, match="server 0 is leaving, and with replicas >= 2 copies take "
+                                      "over one server's keys per job"):
+        m.leave(2, ring=4)
+    assert m.beat(0, 5, 10, False, 1.0, drained=True) and m.members[0].state == "left"
+    assert "server 0 at ipc://s0 left: its copies serve its keys" in m.events[-1]
+    row = {"server": 0, "by": 1, "address": "ipc://r", "keys": 1, "bytes": 8, "version": 5,
+           "after": 0.1}
+    assert m.adopt(1, [row], 2.0) and "of left server 0" in m.events[-1]
+    with pytest.raises(Refused, match="server 0 is left, and with replicas >= 2"):
+        m.leave(2, ring=m.version)  # a second change is not built
     m = Membership()
     m.register(0, "ipc://s0", "fp", 2, [["a", 8, [0, 1]]], 0.0)
     m.register(1, "ipc://s1", "fp", 2, [["a", 8, [0, 1]]], 0.0)

@@ -12,7 +12,8 @@ sessions) and frame.py (message layout); top-k pushes with error feedback are co
 `Straggler` delays make stragglers reproducible on one machine. The server manager
 (manager.py, membership.py, manager_link.py) owns the server group's membership and ring
 version; `disttrain ps status` (cli.py) shows it; `drain(i)` moves a server's keys to
-the others while workers train, then it leaves (move.py).
+the others while workers train, then it leaves (move.py; with replicas >= 2 its copies take
+them over: handover.py).
 """
 
 from disttrain.deprecation import moved

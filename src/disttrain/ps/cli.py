@@ -4,8 +4,9 @@
 replica chains, membership events); `disttrain ps manager --state FILE` runs a manager by
 hand (or again after it died: same file, same address, same ring version); `disttrain
 ps drain ADDR --server i` asks it to take a server off the ring: with replicas=1 its keys
-move to the other servers while workers train, then it leaves (move.py); refused for the
-last server, a second drain under way, or replicas >= 2 where its copies are gone. ADDR is the manager's address, as `disttrain run
+move to the other servers while workers train, then it leaves (move.py); with replicas >= 2
+its copies take its keys over once it handed over, then it leaves (handover.py); refused
+for the last live copy of a key, or a second drain. ADDR is the manager's address, as `disttrain run
 --servers` prints it, or its state file. Every request goes over the job's authenticated
 wire: DISTTRAIN_SECRET must be the job's.
 """
@@ -31,8 +32,9 @@ def add_ps_parser(subparsers) -> None:
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     s.add_argument("--keys", type=int, default=40, help="keys to list (default 40; 0: none)")
     s.set_defaults(handler=_status)
-    d = sub.add_parser("drain", help="take a server off the ring; with replicas=1 "
-                           "its keys move to the others first (refused for the last copy)")
+    d = sub.add_parser("drain", help="take a server off the ring; with replicas=1 its keys "
+                           "move to the others first, with replicas >= 2 its copies take "
+                           "them over (refused for the last copy)")
     d.add_argument("addr", metavar="ADDR")
     d.add_argument("--server", type=int, required=True, help="the server's index")
     d.add_argument("--timeout", type=float, default=5.0)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from disttrain import runtime, settings
 from disttrain.ps.chain import check_replicas
 from disttrain.ps.compress import TopK, parse_compression
+from disttrain.ps.handover import Handover
 from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.manager_link import (
     ManagerError,
@@ -213,9 +214,10 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
 
 def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, policy: Policy,
                beat, host: str | None, addresses: list[str], workers: int,
-               chunk_bytes: int) -> Takeover | None:
+               chunk_bytes: int) -> Handover | None:
     """Give `server` its copies and links to the next servers of its chains (replica.py)
-    and, with a manager (whose ring says who is dead), its takeover watch (takeover.py)."""
+    and, with a manager (whose ring says who is dead or drained), its takeover and
+    hand-over watch (takeover.py, handover.py)."""
     init = dict(model.named_parameters())
     server.chain = Replicas(server.index, workers, plan, replicas, init, optimizer, policy,
                             server.ep, job_secret(), timeout=server.timeout,
@@ -224,8 +226,8 @@ def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, poli
     if beat is None:
         return None
     _tell_supervisor(replicas)
-    return Takeover(server, beat, plan, init, policy, optimizer, job_secret(),
-                    host=host or settings.current().ps_host, chunk_bytes=chunk_bytes)
+    return Handover(Takeover(server, beat, plan, init, policy, optimizer, job_secret(),
+                             host=host or settings.current().ps_host, chunk_bytes=chunk_bytes))
 
 
 def _moves(server: Server, beat, model, plan: Plan, policy: Policy, optimizer,

@@ -147,24 +147,39 @@ class Membership:
         moving = [i for i, x in self.members.items() if x.state == LEAVING]
         moved = [i for i, x in self.members.items() if x.state == LEFT and x.shard
                  and all(len(c) == 1 for _, _, c in x.shard)]  # NOTE: drained with key moves
-        if last and (not others or moving or moved or any(len(c) > 1 for _, _, c in m.shard)):
+        copied = any(len(c) > 1 for _, _, c in m.shard)  # NOTE: replicas >= 2
+        if last and (not others or moving or moved or copied):
             nbytes = sum(n for key, n, _chain in m.shard if key in last)
             why = ("no other server is alive to take them" if not others else
                    f"server {moving[0]} is still leaving: drain one server at a time"
                    if moving else f"server {moved[0]}'s keys moved already: a second drain "
                    "that moves keys is not built yet (the moved keys are served as routes)"
-                   if moved else "with replicas >= 2 keys do not move yet (re-linking the "
-                   "chains is not built): drain a server whose copies are all elsewhere")
+                   if moved else "its other copies are on servers no longer alive (replicas"
+                   " >= 2: the copies serve a drained server's keys, none is moved)")
             raise Refused(
                 f"server {server} holds the last live copy of {len(last)} keys "
                 f"({nbytes / 1e6:.2f} MB, e.g. {last[0]!r}) and {why}; draining it would lose "
                 "them. Wait and try again, or start the job with replicas >= 2")
+        if copied:  # NOTE: replicas >= 2: a planned failover to its copies (handover.py)
+            return self._hand_over(m, moving)
         if last:  # NOTE: replicas=1: its keys move to the others, then it leaves (move.py)
             m.state = LEAVING
             return self._change(f"server {server} at {m.address} is leaving: its {len(last)} "
                                 f"keys move to the placement without it (servers {others})")
         m.state = LEFT
         return self._change(f"server {server} at {m.address} left (drained)")
+
+    def _hand_over(self, m: Member, moving: list[int]) -> bool:
+        """Drain m (replicas >= 2, every key with a live copy elsewhere: handover.py)."""
+        gone = moving + [i for i, x in self.members.items() if x.state in (DEAD, LEFT)]
+        if gone:
+            raise Refused(f"server {m.server} cannot be drained: server {gone[0]} is "
+                          f"{self.members[gone[0]].state}, and with replicas >= 2 copies take "
+                          "over one server's keys per job: wait for the job to end, restart it")
+        m.state = LEAVING
+        return self._change(f"server {m.server} at {m.address} is leaving: its {len(m.shard)} "
+                            "keys are served by their next live copies once it handed over "
+                            "(replicas >= 2)")
 
     def beat(self, server: int, version: int, pushes: int, final: bool, now: float,
              accepting: int = -1, drained: bool = False) -> bool:
@@ -182,7 +197,8 @@ class Membership:
         m.version, m.pushes, m.beat, m.accepting = version, pushes, now, accepting
         if drained and m.state == LEAVING:
             m.state = LEFT
-            return self._change(f"server {server} at {m.address} left: its keys moved")
+            return self._change(f"server {server} at {m.address} left: " + (
+                "its copies serve its keys" if m.shard[0][2][1:] else "its keys moved"))
         if final and m.state == LEFT:
             return False
         if final:

@@ -65,11 +65,11 @@ def owners_after(params: list[tuple[str, int, int]], ring: dict, leaving: int,
 
 def drain(server: int, manager: str | None = None, *, timeout: float = 10.0) -> dict:
     """Ask the server manager (default DISTTRAIN_PS_MANAGER) to drain server `server`:
-    with replicas=1 its keys move to the other servers while workers train, then it
-    leaves (`disttrain ps drain ADDR --server i` does the same). Blocks for the answer
-    only (at most `timeout` s), not for the move; returns the new ring. Raises
-    ManagerError with the manager's reason when refused (the last server, the manager,
-    a server already leaving, replicas >= 2 with keys)."""
+    with replicas=1 its keys move to the other servers while workers train, with
+    replicas >= 2 its copies take them over (handover.py); then it leaves (`disttrain ps
+    drain ADDR --server i` does the same). Blocks for the answer only (at most `timeout`
+    s), not for the move; returns the new ring. Raises ManagerError with the manager's
+    reason when refused (the last live copy of a key, the manager, a second drain)."""
     address = manager or settings.current().ps_manager
     if not address:
         raise ValueError("ps.drain: no server manager: pass manager=ADDR or run under "

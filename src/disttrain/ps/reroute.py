@@ -141,16 +141,16 @@ class Routes:
         except ManagerError:
             return None  # NOTE: a slow or restarting manager: the worker's own timeout decides
         states = gone(ring)
-        dead = {x for x, st in states.items() if st == "dead"}
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
         if host not in states:
             return None
         self.dead_since.setdefault(s, now)
         where = self.w.addresses[s]
         name = f"server {s}" if s == d else f"server {d}'s route on server {host}"
-        if s == d and states[s] == LEFT:  # NOTE: drained: its keys went to the placement without it
+        if s == d and states[s] == LEFT:
             self.why[s] = "left (drained" + (f", it answered moved at ring version "
                                              f"{self._told[s]}" if s in self._told else "") + ")"
+        if s == d and states[s] == LEFT and self.r == 1:  # NOTE: its keys moved (move.py)
             keys = [c.key for c in self.plan[s]]
             spec = [(n, p.numel(), p.element_size()) for n, p in self.w.params.items()]
             owner = owners_after(spec, ring, s, keys, self.w.chunk_bytes)
@@ -160,10 +160,10 @@ class Routes:
                     "start the job with replicas >= 2 (ps.connect(..., replicas=2)) so a copy "
                     "takes over, or with snapshot= and `disttrain run --max-restarts N` to "
                     "restart from a snapshot")
-        else:
+        else:  # NOTE: a drained server's copies serve its keys as a dead one's (handover.py)
             keys = [c.key for c in self.plan[s]] if s == d else [
                 k for k, a in self.routes[d].items() if a == s]
-            owner = {k: first_live(self._chain(k), dead) for k in keys}
+            owner = {k: first_live(self._chain(k), set(states)) for k in keys}
         orphan = [k for k, o in owner.items() if o is None]
         if orphan:
             return (f"{name} at {where} died and every copy of {len(orphan)} of its keys "

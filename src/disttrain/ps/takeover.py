@@ -56,6 +56,7 @@ class Takeover:
         self.host, self.chunk_bytes = host, chunk_bytes
         self.policy = copy.deepcopy(policy)  # NOTE: before the server steps: a fresh instance
         self.dead: set[int] = set()
+        self.left: set[int] = set()  # of them, servers drained (handover.py), not dead
         self.dead_now: frozenset[int] = frozenset()
         self.seen = -1
         self.routes: list[tuple[Server, threading.Thread, dict]] = []
@@ -74,7 +75,10 @@ class Takeover:
             return
         self.seen = ring["version"]
         dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"}
-        for d in sorted(dead - self.dead):
+        left = {r["server"] for r in ring["servers"] if r["state"] == "left"  # NOTE: drained
+                and r["server"] < len(self.plan)}  # (handover.py): taken over like a death
+        self.left |= left
+        for d in sorted((dead | left) - self.dead):
             self.dead.add(d)
             self.dead_now = frozenset(self.dead)  # NOTE: what the routes' threads read
             self._take(d, ring["version"])
@@ -116,7 +120,7 @@ class Takeover:
         thread.start()
         self.beat.adopted = [dict(r) for _, _, r in self.routes]  # NOTE: copies: stats come later
         print(f"[ps server{index}] took over {n} keys ({nbytes / 1e6:.2f} MB) of "
-              f"{self.gone_as} server {d} at version {row['version']} (ring version {ring}); workers reach "
+              f"{'drained' if d in self.left else self.gone_as} server {d} at version {row['version']} (ring version {ring}); workers reach "
               f"them at {route.address}", file=sys.stderr, flush=True)
 
     def _route(self, d: int, keys: list[str]) -> Server:
