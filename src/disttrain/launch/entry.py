@@ -182,6 +182,11 @@ def supervise(argv: list[str], role: str) -> int:
                          f"over ({taken}): the job goes on\n")
         return 0
     if code == -signal.SIGKILL:  # NOTE: the agent sees what it saw before supervision
+        index = (int(os.environ.get("RANK", 0)) - int(os.environ.get("WORLD_SIZE", 1))
+                 + settings.current().servers)
+        sys.stderr.write(f"disttrain: server rank {rank} (server {index}) killed (SIGKILL); no "
+                         "copy takes its keys over (replicas=1, or no server manager): the "
+                         "attempt stops (--max-restarts N restarts it from its snapshots)\n")
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     return 128 - code if code < 0 else code
