@@ -119,34 +119,37 @@ class _Worker:
 @pytest.mark.timeout(30)
 def test_a_worker_with_the_old_ring_finds_a_drained_servers_keys_on_their_copies(
         tmp_path, secret_env):
-    plan = plan_keys([("w", 3000, 4)], 3, chunk_bytes=400)
+    """4 servers, server 2 drained: one of its keys has another server in the bounded-load
+    placement without it than the next copy of its chain; the worker must follow the
+    chains (the copies serve the keys), not the placement."""
+    plan, v = plan_keys([("w", 3000, 4)], 4, chunk_bytes=400), 2
     live = Live(str(tmp_path / "m.json"), timeout=30)
     try:
-        links = [live.link(SERVER_PARTY + i) for i in range(3)]
+        links = [live.link(SERVER_PARTY + i) for i in range(4)]
         for i, link in enumerate(links):
             _register(link, i, [(c.key, c.numel * 4, plan.indices(c.key, 2)) for c in plan[i]],
-                      expected=3)
-        worker = _Worker(3, {"w": torch.zeros(3000)})
+                      expected=4)
+        worker = _Worker(4, {"w": torch.zeros(3000)})
         routes = Routes(worker, plan, 2, live.address)
-        assert routes.silent(1, quiet=5.0, beat=1.0) is None  # alive: nothing to do
+        assert routes.silent(v, quiet=5.0, beat=1.0) is None  # alive: nothing to do
         operator = live.link(1 << 30)
         operator.request("lookup")
-        drain = operator.request("leave", server=1).meta["version"]
-        heirs = {plan.indices(c.key, 2)[1] for c in plan[1]}  # each key's next copy
-        links[1].request("report", server=1, version=5, pushes=9, drained=1)  # LEFT
+        drain = operator.request("leave", server=v).meta["version"]
+        heirs = {plan.indices(c.key, 2)[1] for c in plan[v]}  # each key's next copy
+        links[v].request("report", server=v, version=5, pushes=9, drained=1)  # LEFT
         for j in sorted(heirs):
             links[j].request("report", server=j, version=5, pushes=9, adopted=[{
-                "server": 1, "by": j, "address": f"ipc://route1@{j}", "keys": 1, "bytes": 4,
+                "server": v, "by": j, "address": f"ipc://route{v}@{j}", "keys": 1, "bytes": 4,
                 "version": 5, "after": 0.1}])
-        routes.told(1, drain)  # it answered `moved`: the worker asks (every 0.5 s)
+        routes.told(v, drain)  # it answered `moved`: the worker asks (every 0.5 s)
         end = time.monotonic() + 5
-        while 1 not in routes.routes:
+        while v not in routes.routes:
             assert time.monotonic() < end, "the worker did not re-route the drained server's keys"
-            assert routes.silent(1, quiet=0.0, beat=1.0) is None
+            assert routes.silent(v, quiet=0.0, beat=1.0) is None
             time.sleep(0.1)
-        for c in plan[1]:  # every key to the route on the next copy of its chain
-            where = worker.addresses[routes.routes[1][c.key]]
-            assert where == f"ipc://route1@{plan.indices(c.key, 2)[1]}", (c.key, where)
+        for c in plan[v]:  # every key to the route on the next copy of its chain
+            where = worker.addresses[routes.routes[v][c.key]]
+            assert where == f"ipc://route{v}@{plan.indices(c.key, 2)[1]}", (c.key, where)
         routes.close()
     finally:
         live.close()

@@ -47,6 +47,8 @@ def _die_after(cls, name: str, text: str) -> None:
 
 def _faults(fault: str, victim: int, index: int) -> None:
     """Arm this server's fault (see the module's docstring)."""
+    if not fault:
+        return
     from disttrain.ps import handover, transfer
 
     if fault == "self-kill" and index == victim:
