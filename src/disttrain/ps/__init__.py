@@ -12,13 +12,16 @@ sessions) and frame.py (message layout); top-k pushes with error feedback are co
 `Straggler` delays make stragglers reproducible on one machine. The server manager
 (manager.py, membership.py, manager_link.py) owns the server group's membership and ring
 version; `disttrain ps status` (cli.py) shows it; `drain(i)` moves a server's keys to
-the others while workers train, then it leaves (move.py).
+the others while workers train, then it leaves (move.py); `join(...)` (or `disttrain ps
+add-server`) adds a server that takes its share of the keys while workers train (join.py,
+joiner.py); `joining()` says whether this process was started to join.
 """
 
 from disttrain.deprecation import moved
 from disttrain.ps.compress import TopK
 from disttrain.ps.connect import attach, connect, serve
 from disttrain.ps.handle import Cancelled, Handle
+from disttrain.ps.joiner import join, joining
 from disttrain.ps.move import drain
 from disttrain.ps.policy import (
     SSP,
@@ -42,6 +45,8 @@ __all__ = [
     "attach",
     "connect",
     "drain",
+    "join",
+    "joining",
     "Worker",
     "Handle",
     "Cancelled",

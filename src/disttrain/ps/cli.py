@@ -5,15 +5,19 @@ replica chains, membership events); `disttrain ps manager --state FILE` runs a m
 hand (or again after it died: same file, same address, same ring version); `disttrain
 ps drain ADDR --server i` asks it to take a server off the ring: with replicas=1 its keys
 move to the other servers while workers train, then it leaves (move.py); refused for the
-last server, a second drain under way, or replicas >= 2 where its copies are gone. ADDR is the manager's address, as `disttrain run
+last server, a second drain under way, or replicas >= 2 where its copies are gone;
+`disttrain ps add-server ADDR --workers W -- script.py [args]` starts the job's script as
+a server that joins the job and takes its share of the keys while workers train (join.py). ADDR is the manager's address, as `disttrain run
 --servers` prints it, or its state file. Every request goes over the job's authenticated
 wire: DISTTRAIN_SECRET must be the job's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import subprocess
 import sys
 
 from disttrain.ps.manager_link import ManagerError, ManagerLink, status_party
@@ -37,6 +41,13 @@ def add_ps_parser(subparsers) -> None:
     d.add_argument("--server", type=int, required=True, help="the server's index")
     d.add_argument("--timeout", type=float, default=5.0)
     d.set_defaults(handler=_drain)
+    a = sub.add_parser("add-server", help="start a script as a server joining the running "
+                       "job: it takes its share of the keys while workers train (replicas=1)")
+    a.add_argument("addr", metavar="ADDR")
+    a.add_argument("--workers", type=int, required=True, help="the job's number of workers")
+    a.add_argument("script", nargs=argparse.REMAINDER,
+                   help="-- script.py [args]: the job's script and its arguments")
+    a.set_defaults(handler=_add_server)
     m = sub.add_parser("manager", help="run a server manager (blocks; SIGTERM stops it)")
     m.add_argument("--state", required=True, help="JSON state file (reloaded if it exists)")
     m.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
@@ -91,6 +102,27 @@ def _drain(args) -> int:
           f"{reply.meta['version']}; its keys move to the other servers while workers train, "
           "then it leaves (`disttrain ps status` shows it)")
     return 0
+
+
+def _add_server(args) -> int:
+    """Run the script as a joining server (blocks until it ends); its exit code."""
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script or args.workers < 1:
+        print("disttrain ps add-server: error: give the job's --workers W and the script: "
+              "disttrain ps add-server ADDR --workers W -- script.py [args]", file=sys.stderr)
+        return 2
+    if not os.environ.get("DISTTRAIN_SECRET"):
+        print("disttrain ps add-server: error: DISTTRAIN_SECRET is not set: export the job's "
+              "(the joining server speaks the job's authenticated wire)", file=sys.stderr)
+        return 2
+    env = {k: v for k, v in os.environ.items() if k not in _GROUP_VARS
+           and not k.startswith("TORCHELASTIC_")}  # NOTE: no process group to join
+    env.update(DISTTRAIN_PS_MANAGER=_address(args.addr), DISTTRAIN_PS_JOIN=str(args.workers))
+    return subprocess.run([sys.executable, *script], env=env).returncode
+
+
+_GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _manager(args) -> int:
