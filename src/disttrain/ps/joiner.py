@@ -77,14 +77,15 @@ class _Takes:
     def __init__(self, server: _Joiner, beat, plan, init, policy, optimizer, secret: bytes,
                  intakes: dict, *, host: str, chunk_bytes: int):
         self.server, self.beat, self.intakes = server, beat, intakes
-        self.handoff = _Handoff(server, beat, plan, init, policy, optimizer, secret,
-                                host=host, chunk_bytes=chunk_bytes)
+        self.make = lambda: _Handoff(server, beat, plan, init, policy, optimizer, secret,
+                                     host=host, chunk_bytes=chunk_bytes)
+        self.handoff: _Handoff | None = None  # NOTE: made at the first route, as move.py's
         self.started: set[int] = set()
         self.skipped: set[int] = set()  # old owners whose job ended before they handed over
         server.watch, server.takes = self, self
 
     def __call__(self) -> None:
-        if self.handoff.failure is not None:
+        if self.handoff is not None and self.handoff.failure is not None:
             raise PSError(f"server {self.server.index}: keys it took failed: "
                           f"{self.handoff.failure}")
         ring, me = self.beat.ring, self.server.index
@@ -96,6 +97,7 @@ class _Takes:
                 continue
             if x in handed and intake.stats is not None and x in finals:
                 self.started.add(x)  # NOTE: x's final marker came after all it applied
+                self.handoff = self.handoff or self.make()
                 self.handoff.start(x, ring.get("version", 0))
                 self.server.watch = self  # NOTE: the Takeover made itself the watch
             elif x in ended:
@@ -104,7 +106,7 @@ class _Takes:
                      "they stayed on it")
 
     def finish(self, wait: float) -> list[dict]:
-        return self.handoff.finish(wait)
+        return self.handoff.finish(wait) if self.handoff is not None else []
 
 
 def join(model: torch.nn.Module, policy: Policy | None = None,
