@@ -13,7 +13,7 @@ sessions) and frame.py (message layout); top-k pushes with error feedback are co
 (manager.py, membership.py, manager_link.py) owns the server group's membership and ring
 version; `disttrain ps status` (cli.py) shows it; `drain(i)` moves a server's keys to
 the others while workers train, then it leaves (move.py); `join(...)` (or `disttrain ps
-add-server`) adds a server that takes its share of the keys while workers train (join.py,
+add-server`) adds a server that takes its share of the keys while workers train (join_moves.py,
 joiner.py); `joining()` says whether this process was started to join.
 """
 

@@ -7,7 +7,7 @@ ps drain ADDR --server i` asks it to take a server off the ring: with replicas=1
 move to the other servers while workers train, then it leaves (move.py); refused for the
 last server, a second drain under way, or replicas >= 2 where its copies are gone;
 `disttrain ps add-server ADDR --workers W -- script.py [args]` starts the job's script as
-a server that joins the job and takes its share of the keys while workers train (join.py). ADDR is the manager's address, as `disttrain run
+a server that joins the job and takes its share of the keys while workers train (join_moves.py). ADDR is the manager's address, as `disttrain run
 --servers` prints it, or its state file. Every request goes over the job's authenticated
 wire: DISTTRAIN_SECRET must be the job's.
 """

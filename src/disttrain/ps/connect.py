@@ -35,7 +35,7 @@ from disttrain import runtime, settings
 from disttrain.ps.chain import check_replicas
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.heap import keep_freed_memory
-from disttrain.ps.join import Joins
+from disttrain.ps.join_moves import Joins
 from disttrain.ps.joiner import join, joining
 from disttrain.ps.manager_link import (
     ManagerError,
@@ -233,7 +233,7 @@ def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, poli
 def _moves(server: Server, beat, model, plan: Plan, policy: Policy, optimizer,
            host: str | None, chunk_bytes: int) -> Joins | None:
     """With a manager and replicas=1: the watch that moves keys when a server is drained
-    (move.py) or joins (join.py)."""
+    (move.py) or joins (join_moves.py)."""
     if beat is None:
         return None
     spec, init = ([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
@@ -242,7 +242,7 @@ def _moves(server: Server, beat, model, plan: Plan, policy: Policy, optimizer,
     moves = Moves(server, beat, spec, plan, init, policy, optimizer, job_secret(), host=host,
                   chunk_bytes=chunk_bytes)
     return Joins(moves, server, beat, spec, plan, init, policy, optimizer, job_secret(),
-                 host=host, chunk_bytes=chunk_bytes)  # NOTE: a join's moves too (join.py)
+                 host=host, chunk_bytes=chunk_bytes)  # NOTE: a join's moves too (join_moves.py)
 
 
 def _tell_supervisor(replicas: int) -> None:

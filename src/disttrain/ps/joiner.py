@@ -7,8 +7,8 @@ none (it talks to the manager and the servers over the job's wire only). There `
 (or `ps.join` from a script) builds a `Server` that holds no keys, asks the manager to
 `join` the ring as the next free index S (the manager marks it JOINING: a new ring
 version), admits the link and the keys of every old owner X that gives it keys
-(`joined_owners`, join.py; transfer.accept) and says so (`accepting` = its own index).
-Each X then extends those keys' chains to it and hands them over (join.py); once X's
+(`joined_owners`, join_moves.py; transfer.accept) and says so (`accepting` = its own index).
+Each X then extends those keys' chains to it and hands them over (join_moves.py); once X's
 final marker came (after every update X applied), this server serves X's moved keys as a
 route "X@S" (takeover.py's route) and reports it (`adopted`). Its own loop talks to no
 worker: it ends once every route started, and `join` returns when the routes end (every
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from disttrain import settings
-from disttrain.ps.join import joined_owners
+from disttrain.ps.join_moves import Giving, joined_owners
 from disttrain.ps.keys import job_secret
 from disttrain.ps.manager_link import (
     SERVER_PARTY,
@@ -34,7 +34,7 @@ from disttrain.ps.manager_link import (
     fingerprint,
     status_party,
 )
-from disttrain.ps.move import _Handoff, _say
+from disttrain.ps.move import _say
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
@@ -77,9 +77,9 @@ class _Takes:
     def __init__(self, server: _Joiner, beat, plan, init, policy, optimizer, secret: bytes,
                  intakes: dict, *, host: str, chunk_bytes: int):
         self.server, self.beat, self.intakes = server, beat, intakes
-        self.make = lambda: _Handoff(server, beat, plan, init, policy, optimizer, secret,
+        self.make = lambda: Giving(server, beat, plan, init, policy, optimizer, secret,
                                      host=host, chunk_bytes=chunk_bytes)
-        self.handoff: _Handoff | None = None  # NOTE: made at the first route, as move.py's
+        self.handoff: Giving | None = None  # NOTE: made at the first route, as move.py's
         self.started: set[int] = set()
         self.skipped: set[int] = set()  # old owners whose job ended before they handed over
         server.watch, server.takes = self, self

@@ -30,7 +30,7 @@ __all__ = ["Member", "Membership", "Refused", "Stale", "MANAGER_INDEX", "ALIVE",
 MANAGER_INDEX = 2**31 - 1  # the manager's own "server index" on the wire; never a ring member
 ALIVE, DEAD, LEFT, EXITED = "alive", "dead", "left", "exited"
 LEAVING = "leaving"  # drained with keys: they move to the other servers first (move.py)
-JOINING = "joining"  # added to a running job: keys move to it (join.py)
+JOINING = "joining"  # added to a running job: keys move to it (join_moves.py)
 FORMAT = 1  # of the saved file; bump when its meaning changes
 
 
@@ -121,7 +121,7 @@ class Membership:
         return self._change(f"server {server} {was} at {address}")
 
     def join(self, server: int, address: str, fingerprint: str, ring: int, now: float) -> bool:
-        """A server added to a running job: JOINING while its keys move to it (join.py).
+        """A server added to a running job: JOINING while its keys move to it (join_moves.py).
         Raises Stale (ring is not current) or Refused (another model, an index in use)."""
         self._current(ring, "join")
         self._same_job(server, fingerprint, self.expected)
@@ -249,7 +249,7 @@ class Membership:
             for t in self.takeovers)]
         for r in new:
             dead = self.members.get(r["server"])
-            joined = any(i >= self.expected for i in self.members)  # NOTE: X@X, X@Y (join.py)
+            joined = any(i >= self.expected for i in self.members)  # NOTE: X@X, X@Y (join_moves.py)
             if dead is None or dead.state not in (DEAD, LEFT) and not joined or r["by"] != by:
                 raise Refused(f"server {by} reports taking over server {r['server']}'s keys, "
                               f"which ring version {self.version} does not mark dead (members: "

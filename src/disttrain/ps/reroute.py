@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 
 from disttrain.ps.frame import Message
-from disttrain.ps.join import joined_owners, joiner
+from disttrain.ps.join_moves import joined_owners, joiner
 from disttrain.ps.manager_link import ManagerError, ManagerLink
 from disttrain.ps.membership import LEFT
 from disttrain.ps.move import gone, owners_after
@@ -144,7 +144,7 @@ class Routes:
         states = gone(ring)
         new = joiner(ring)
         if s in self._told and s not in states and new is not None and s < len(self.plan):
-            return self._joined(s, new, ring)  # NOTE: handed keys to a joining server (join.py)
+            return self._joined(s, new, ring)  # NOTE: handed keys to a joining server (join_moves.py)
         dead = {x for x, st in states.items() if st == "dead"}
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
         if host not in states:

@@ -18,12 +18,12 @@ import torch
 
 STEPS = base.STEPS = 30
 WORKERS, build, gradient, reference = base.WORKERS, base.build, base.gradient, base.reference
-PACE = 0.3  # worker 0's pause per step from the join until every giver re-routed
+PACE = 0.5  # worker 0's pause per step from the join until every giver re-routed
 
 
 def givers(model: torch.nn.Module, servers: int) -> set[int]:
-    """The old servers that give keys to server `servers` when it joins (join.py)."""
-    from disttrain.ps.join import joined_owners
+    """The old servers that give keys to server `servers` when it joins (join_moves.py)."""
+    from disttrain.ps.join_moves import joined_owners
     from disttrain.ps.placement import plan_keys
     spec = [(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
     plan = plan_keys(spec, servers)

@@ -40,14 +40,15 @@ import time
 import torch
 
 from disttrain.ps.frame import Message
+from disttrain.ps.membership import JOINING
 from disttrain.ps.move import Moves, _Handoff, _say
 from disttrain.ps.placement import place
 from disttrain.ps.server import Server
 from disttrain.ps.transfer import extend
 
-__all__ = ["JOINING", "joiner", "joined_owners", "Joins"]
+__all__ = ["JOINING", "joiner", "joined_owners", "Joins", "Giving"]
 
-JOINING = "joining"  # a server added to a running job whose keys are still moving to it
+
 _NEVER = 2**62  # an Extension's at_version: Joins cuts it itself, between two pushes
 
 
@@ -70,6 +71,12 @@ def joined_owners(params: list[tuple[str, int, int]], servers: int, new: int, ol
     return out
 
 
+class Giving(_Handoff):
+    """takeover.py's route, started for keys an old owner gave (to a joiner, or its own)."""
+
+    gone_as = "giving"
+
+
 class Joins:
     """Old owner X's watch on the manager's ring for a join (replicas=1): copies the keys
     the joiner takes, hands them over with its own as routes. Wraps the drain's watch
@@ -86,7 +93,7 @@ class Joins:
         self.ring = 0  # the ring version the join was seen at
         self.keys: list[str] = []  # this server's keys that move to it
         self.ext = None
-        self.handoff: _Handoff | None = None
+        self.handoff: Giving | None = None
         self.done = False
         server.watch = self
 
@@ -143,7 +150,7 @@ class Joins:
         for w in [w for w in s.workers if w in s.ep.active]:
             s.ep.send(s.ep.active[w], s.gone)
         if kept:
-            self.handoff = _Handoff(s, self.beat, self.plan, self.init, self.policy,
+            self.handoff = Giving(s, self.beat, self.plan, self.init, self.policy,
                                     self.optimizer, self.secret, host=self.host,
                                     chunk_bytes=self.chunk_bytes)
             s.watch = self
