@@ -46,7 +46,7 @@ from disttrain.ps.placement import place
 from disttrain.ps.server import Server
 from disttrain.ps.transfer import extend
 
-__all__ = ["JOINING", "joiner", "joined_owners", "Joins", "Giving"]
+__all__ = ["JOINING", "joiner", "joined_owners", "Joins", "Giving", "routes_done"]
 
 
 _NEVER = 2**62  # an Extension's at_version: Joins cuts it itself, between two pushes
@@ -184,6 +184,15 @@ class Joins:
         return route
 
     def finish(self, wait: float) -> list[dict]:
-        """Wait (at most `wait` s) for the routes this server started; their rows."""
+        """Wait for the routes this server started (a drain's: at most `wait` s; a join's
+        own route serves to the job's end: until its workers are done or lost); their rows."""
         rows = self.moves.finish(wait)
-        return rows + (self.handoff.finish(wait) if self.handoff is not None else [])
+        return rows + (routes_done(self.handoff) if self.handoff is not None else [])
+
+
+def routes_done(handoff: _Handoff) -> list[dict]:
+    """Block until every route of `handoff` ended (each ends once its workers said done, or
+    were silent past its timeout: a worker lost), then their rows (takeover.py)."""
+    while any(thread.is_alive() for _, thread, _ in handoff.routes):
+        time.sleep(0.05)
+    return handoff.finish(0.0)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from disttrain import settings
-from disttrain.ps.join_moves import Giving, joined_owners
+from disttrain.ps.join_moves import Giving, joined_owners, routes_done
 from disttrain.ps.keys import job_secret
 from disttrain.ps.manager_link import (
     SERVER_PARTY,
@@ -105,8 +105,9 @@ class _Takes:
                 _say(f"[ps server{me}] server {x}'s job ended before it handed its keys over: "
                      "they stayed on it")
 
-    def finish(self, wait: float) -> list[dict]:
-        return self.handoff.finish(wait) if self.handoff is not None else []
+    def finish(self) -> list[dict]:
+        """Block until the routes end (the job's end); their rows."""
+        return routes_done(self.handoff) if self.handoff is not None else []
 
 
 def join(model: torch.nn.Module, policy: Policy | None = None,
@@ -173,7 +174,7 @@ def join(model: torch.nn.Module, policy: Policy | None = None,
                        host=host, chunk_bytes=chunk_bytes)
         beat.accepting = index  # NOTE: after every Intake admitted its old owner's link
         stats = server.serve()
-        stats["takeovers"] = takes.finish(3 * timeout)
+        stats["takeovers"] = takes.finish()
     finally:
         beat.stop()
     stats.update(servers=servers + 1, joined=index)
