@@ -101,7 +101,7 @@ def test_joins_are_refused_with_the_reason_and_the_fix():
 def test_add_server_needs_the_workers_the_script_and_the_jobs_secret(monkeypatch, capsys):
     monkeypatch.setenv("DISTTRAIN_SECRET", "00" * 32)
     assert cli.main(["ps", "add-server", "ipc://nowhere", "--workers", "2"]) == 2
-    assert "disttrain ps add-server ADDR --workers W -- script.py" in capsys.readouterr().err
+    assert "usage: disttrain ps add-server ADDR --workers W -- script.py" in capsys.readouterr().err
     monkeypatch.delenv("DISTTRAIN_SECRET")
     assert cli.main(["ps", "add-server", "ipc://nowhere", "--workers", "2", "--", "x.py"]) == 2
     assert "DISTTRAIN_SECRET is not set" in capsys.readouterr().err

@@ -43,10 +43,9 @@ def add_ps_parser(subparsers) -> None:
     d.set_defaults(handler=_drain)
     a = sub.add_parser("add-server", help="start a script as a server joining the running "
                        "job: it takes its share of the keys while workers train (replicas=1)")
-    a.add_argument("addr", metavar="ADDR")
-    a.add_argument("--workers", type=int, required=True, help="the job's number of workers")
-    a.add_argument("script", nargs=argparse.REMAINDER,
-                   help="-- script.py [args]: the job's script and its arguments")
+    a.add_argument("rest", nargs=argparse.REMAINDER, metavar="ADDR --workers W -- script.py "
+                   "[args]", help="the manager's address, the job's number of workers, then "
+                   "after -- the job's script and its arguments")
     a.set_defaults(handler=_add_server)
     m = sub.add_parser("manager", help="run a server manager (blocks; SIGTERM stops it)")
     m.add_argument("--state", required=True, help="JSON state file (reloaded if it exists)")
@@ -106,10 +105,20 @@ def _drain(args) -> int:
 
 def _add_server(args) -> int:
     """Run the script as a joining server (blocks until it ends); its exit code."""
-    script = args.script[1:] if args.script[:1] == ["--"] else args.script
-    if not script or args.workers < 1:
-        print("disttrain ps add-server: error: give the job's --workers W and the script: "
-              "disttrain ps add-server ADDR --workers W -- script.py [args]", file=sys.stderr)
+    cut = args.rest.index("--") if "--" in args.rest else len(args.rest)
+    head, script = args.rest[:cut], args.rest[cut + 1:]
+    p = argparse.ArgumentParser(prog="disttrain ps add-server", add_help=False,
+                                exit_on_error=False)
+    p.add_argument("addr")
+    p.add_argument("--workers", type=int)
+    try:
+        args = p.parse_args(head)
+    except (argparse.ArgumentError, SystemExit):
+        args = None
+    if args is None or not script or not args.workers or args.workers < 1:
+        print("disttrain ps add-server: error: usage: disttrain ps add-server ADDR --workers W "
+              "-- script.py [args] (W: the job's number of workers; the job's script and "
+              "arguments after --)", file=sys.stderr)
         return 2
     if not os.environ.get("DISTTRAIN_SECRET"):
         print("disttrain ps add-server: error: DISTTRAIN_SECRET is not set: export the job's "
