@@ -148,9 +148,11 @@ def add_server(step: int) -> subprocess.Popen | None:
     if rank != 0 or step != args.add_server_at:
         return None
     print(f"worker 0: adding a server at step {step}", flush=True)
-    return subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "add-server",
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "add-server",
                              os.environ["DISTTRAIN_PS_MANAGER"], "--workers", str(workers),
                              "--", *sys.argv])
+    ps.joined()  # NOTE: blocks while its process starts (seconds): the keys move mid-run
+    return proc
 
 # -----------------------------------------------------------------------------
 # model: the servers hold it in shards, the workers a working copy

@@ -44,6 +44,7 @@ def check_join(code: int, out: str, new: int) -> set[str]:
     return handed
 
 
+@pytest.mark.slow  # NOTE: 40 s on the 2-core machine: four Python processes and the joiner's
 @pytest.mark.timeout(200)
 def test_sync_join_mid_run_ends_bitwise_equal():
     code, out = launch("sync", "3")

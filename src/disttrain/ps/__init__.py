@@ -14,14 +14,15 @@ sessions) and frame.py (message layout); top-k pushes with error feedback are co
 version; `disttrain ps status` (cli.py) shows it; `drain(i)` moves a server's keys to
 the others while workers train, then it leaves (move.py); `join(...)` (or `disttrain ps
 add-server`) adds a server that takes its share of the keys while workers train (join_moves.py,
-joiner.py); `joining()` says whether this process was started to join.
+joiner.py); `joining()` says whether this process was started to join, `joined()` waits
+for a server to join.
 """
 
 from disttrain.deprecation import moved
 from disttrain.ps.compress import TopK
 from disttrain.ps.connect import attach, connect, serve
 from disttrain.ps.handle import Cancelled, Handle
-from disttrain.ps.joiner import join, joining
+from disttrain.ps.joiner import join, joined, joining
 from disttrain.ps.move import drain
 from disttrain.ps.policy import (
     SSP,
@@ -46,6 +47,7 @@ __all__ = [
     "connect",
     "drain",
     "join",
+    "joined",
     "joining",
     "Worker",
     "Handle",

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Callable
 
 import torch
 
 from disttrain import settings
-from disttrain.ps.join_moves import Giving, joined_owners, routes_done
+from disttrain.ps.join_moves import Giving, joined_owners, joiner, routes_done
 from disttrain.ps.keys import job_secret
 from disttrain.ps.manager_link import (
     SERVER_PARTY,
@@ -41,7 +42,7 @@ from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
 from disttrain.ps.server import PSError, Server
 from disttrain.ps.transfer import accept
 
-__all__ = ["join", "joining", "JOIN_ENV"]
+__all__ = ["join", "joining", "joined", "JOIN_ENV"]
 
 JOIN_ENV = "DISTTRAIN_PS_JOIN"
 """Set by `disttrain ps add-server` to the job's number of workers: this process is a
@@ -55,6 +56,24 @@ def joining() -> int:
     if raw and not raw.isdigit():
         raise ValueError(f"{JOIN_ENV}={raw!r} must be the job's number of workers")
     return int(raw or 0)
+
+
+def joined(manager: str | None = None, *, timeout: float = 120.0) -> int:
+    """Block until a server joined the ring of the manager (default DISTTRAIN_PS_MANAGER):
+    its index. Raises ManagerError after `timeout` s (a joining server starts a Python
+    process: seconds). Asks the manager every 0.1 s."""
+    address = manager or settings.current().ps_manager
+    link = ManagerLink(address, status_party(), timeout=timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        while (new := joiner(link.request("lookup").meta)) is None:
+            if time.monotonic() > deadline:
+                raise ManagerError(f"no server joined the ring of the manager at {address} "
+                                   f"within {timeout:g} s")
+            time.sleep(0.1)
+        return new
+    finally:
+        link.close()
 
 
 class _Joiner(Server):

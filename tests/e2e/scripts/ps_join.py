@@ -58,6 +58,7 @@ def main(mode: str, add_at: int) -> None:
             added = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "add-server",
                                       os.environ["DISTTRAIN_PS_MANAGER"], "--workers",
                                       str(WORKERS), "--", *sys.argv])
+            ps.joined()  # NOTE: its process starts in seconds; the job waits for its join
         handle.wait()
         if added is not None and not give <= set(conn.routes.routes):
             time.sleep(PACE)
