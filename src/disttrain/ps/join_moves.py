@@ -50,6 +50,10 @@ __all__ = ["JOINING", "joiner", "joined_owners", "Joins", "Giving", "routes_done
 
 
 _NEVER = 2**62  # an Extension's at_version: Joins cuts it itself, between two pushes
+_NEW_PATIENCE = 3.0
+"""x timeout an old owner waits for the joiner's commits: a fresh process pays its
+first-use costs on its first frames (seen: more than a 5 s timeout on a loaded 2-core
+machine); a joiner that died is marked dead by the manager meanwhile."""
 
 
 def joiner(ring: dict) -> int | None:
@@ -119,6 +123,7 @@ class Joins:
             self.ext = extend(s, self.plan, self.init, self.optimizer, self.keys, self.new,
                               address, replicas=1, secret=self.secret,
                               chunk_bytes=self.chunk_bytes, at_version=_NEVER)
+            s.chain.patience = max(s.chain.patience, _NEW_PATIENCE)
             self.ext.cut()
             return
         if s.partial or s.complete:  # NOTE: a received push is applied here first, whole
