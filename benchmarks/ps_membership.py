@@ -55,10 +55,13 @@ def run(servers: int, epochs: int, drain: int | None, at: int, times: str,
     steps = [b - a for a, b in zip([0.0, *t], t)]  # (steps,) seconds each
     # NOTE: the keys pause in the step whose pull waits for their new servers: the longest
     # from AT on; "during" is AT to that step, "after" what follows it
-    p = max(range(at - 1, len(steps)), key=steps.__getitem__)
+    # NOTE: with --join, step AT holds worker 0's wait for the joiner's process (ps.joined):
+    # reported as "start", the search for the keys' pause begins after it
+    first = at if join and drain is not None else at - 1
+    p = max(range(first, len(steps)), key=steps.__getitem__)
     res = {"load": load, "sha": re.search(r"final parameters sha256 (\w+)", out).group(1),
            "before": statistics.median(steps[5:at - 1]), "pause_step": p + 1,
-           "during": statistics.median(steps[at - 1:p + 1]),
+           "start": steps[at - 1], "during": statistics.median(steps[first:p + 1]),
            "after": statistics.median(steps[p + 1:]), "pause": steps[p]}
     given = (GIVEN if join else HANDED).findall(out)
     if drain is not None:
@@ -100,7 +103,8 @@ def main() -> None:
         print(f"{name:<8} {r['load']:>4.1f} {moved}  {r['before'] * 1e3:>6.1f} / "
               f"{r['during'] * 1e3:>6.1f} / {r['after'] * 1e3:>6.1f}  ({r['during'] / r['before']:.2f}"
               f" / {r['after'] / r['before']:.2f})  {r['pause_step']:>4}  {r['sha'][:12]} "
-              f"{r['sha'] in plain}")
+              f"{r['sha'] in plain}" + (f"  (step {args.at}: {r['start']:.2f} s, the joiner's "
+                                       "start)" if args.join and drain is not None else ""))
 
 
 if __name__ == "__main__":
