@@ -8,6 +8,7 @@
     disttrain run --workers 2 --servers 3 examples/digits_ps.py --replicas 2
     disttrain run --workers 2 --servers 2 examples/digits_ps.py --replicas 2 --kill-server-at 30
     disttrain run --workers 2 --servers 3 examples/digits_ps.py --drain-server-at 30
+    disttrain run --workers 2 --servers 2 examples/digits_ps.py --add-server-at 30
 
 One script, both roles (as ps-lite's one binary): on a server rank `ps.connect` serves
 its shard until the workers are done, prints its report (staleness histogram, dropped
@@ -31,6 +32,8 @@ job goes on, and under sync it ends with the same parameters as a run without th
 drain`): with --replicas 1 its keys move to the other servers while the workers train,
 with --replicas >= 2 its copies take them over; then it leaves, and under sync the final
 parameters are those of a run without the drain.
+With --replicas 1, --add-server-at STEP has worker 0 start this script as a new server
+(`disttrain ps add-server`): it takes its share of the keys while the workers train.
 Worker 0 ends with `final test accuracy: 0.9xxx` and a sha256 of the final parameters.
 """
 
@@ -39,6 +42,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import torch
@@ -100,14 +105,20 @@ parser.add_argument("--drain-server-at", type=int, default=0, metavar="STEP",
                          "the other servers (--replicas >= 2: its copies take them over) while "
                          "the workers train, then it leaves")
 parser.add_argument("--drain-server", type=int, default=0, metavar="I", help="the server to drain")
+parser.add_argument("--add-server-at", type=int, default=0, metavar="STEP",
+                    help="worker 0 starts this script as a new server at this step (0: never), "
+                         "with `disttrain ps add-server`: it takes its share of the keys while "
+                         "the workers train")
 parser.add_argument("--step-times", default=None, metavar="PATH",
                     help="worker 0 appends {step, time} after every step here (benchmarks)")
 args = parser.parse_args()
 
 # -----------------------------------------------------------------------------
 # processes: `disttrain run --workers W --servers S` (the last S ranks are servers)
-disttrain.init()
-workers = disttrain.world_size() - int(disttrain.runtime.num_servers())
+joining = ps.joining()  # the job's workers when started by `disttrain ps add-server`, else 0
+if not joining:  # NOTE: a joining server has no process group (ps.connect joins the ring)
+    disttrain.init()
+workers = joining or disttrain.world_size() - int(disttrain.runtime.num_servers())
 k = args.k or workers
 rule = {n: v for n, v in (("step", args.step), ("momentum", args.momentum_rule)) if v}
 policy = {"sync": lambda: ps.Sync(), "ksync": lambda: ps.KSync(k),
@@ -116,8 +127,8 @@ policy = {"sync": lambda: ps.Sync(), "ksync": lambda: ps.KSync(k),
           "ssp": lambda: ps.SSP(args.staleness, **rule)}[args.mode]()
 straggler = ps.Straggler.parse(args.straggler, seed=args.seed)
 torch.manual_seed(args.seed)  # same init on every rank; the servers' copy is the start
-store = torch.distributed.distributed_c10d._get_default_store()
-if disttrain.role() == "server":  # NOTE: --kill-server-at: worker 0 finds the process here
+store = None if joining else torch.distributed.distributed_c10d._get_default_store()
+if store is not None and disttrain.role() == "server":  # NOTE: --kill-server-at: worker 0 finds the process here
     store.set(f"digits/pid{disttrain.rank() - workers}", str(os.getpid()))
 
 
@@ -133,6 +144,17 @@ def drain_server(step: int) -> None:
     if rank == 0 and step == args.drain_server_at:
         print(f"worker 0: draining server {args.drain_server} at step {step}", flush=True)
         ps.drain(args.drain_server)
+
+def add_server(step: int) -> subprocess.Popen | None:
+    """--add-server-at: start this script as a server joining the job (one node)."""
+    if rank != 0 or step != args.add_server_at:
+        return None
+    print(f"worker 0: adding a server at step {step}", flush=True)
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "add-server",
+                             os.environ["DISTTRAIN_PS_MANAGER"], "--workers", str(workers),
+                             "--", *sys.argv])
+    ps.joined()  # NOTE: blocks while its process starts (seconds): the keys move mid-run
+    return proc
 
 # -----------------------------------------------------------------------------
 # model: the servers hold it in shards, the workers a working copy
@@ -163,7 +185,7 @@ loader = disttrain.data.shard_loader(torch.utils.data.TensorDataset(x_train, y_t
 # training loop: pull, forward, (straggle), backward (pushes start from the grad hooks), push
 log = open(args.log_json, "a") if args.log_json and rank == 0 else None
 times = open(args.step_times, "a") if args.step_times and rank == 0 else None
-start, step, done = time.perf_counter(), 0, 0
+start, step, done, added = time.perf_counter(), 0, 0, None
 for _ in range(args.epochs):
     for x, y in loader:  # (B, 64), (B,)
         conn.pull().wait()  # blocks while the policy holds this worker back (Sync, SSP)
@@ -182,6 +204,9 @@ for _ in range(args.epochs):
             pushed = conn.push()
             kill_server(step, "pushed")
             drain_server(step)
+            added = add_server(step) or added
+            if added is not None and not conn.routes.routes:
+                time.sleep(0.2)  # NOTE: this small model trains in seconds: the move lands mid-run
             pushed.wait()  # blocks until every server has the gradient
             kill_server(step, "acked")
             done += 1
@@ -202,6 +227,8 @@ if log:
 if times:
     times.close()
 stats = conn.close()
+if added is not None:
+    print(f"worker 0: the added server ended with {added.wait(60)}", flush=True)
 pushed = conn.wire_stats()["sent_bytes"].get("push", 0)
 print(f"worker {rank}: {done} steps pushed, {conn.cancelled_steps} cancelled "
       f"({conn.cancelled_in_backward} inside backward), "

@@ -51,7 +51,7 @@ API = {'disttrain': ['Checkpointer', 'CollectiveError', 'DataParallel', 'FiniteG
  'disttrain.ps': ['Async', 'Cancelled', 'Decision', 'Handle', 'HashRing', 'KAsync',
                   'KBatchAsync', 'KBatchSync', 'KSync', 'PSError', 'Policy', 'SSP',
                   'Straggler', 'Sync', 'TopK', 'Worker', 'attach', 'backup_workers',
-                  'connect', 'drain', 'serve'],
+                  'connect', 'drain', 'join', 'joined', 'joining', 'serve'],
  'disttrain.trace': ['data', 'end_step', 'is_active', 'merge', 'problems', 'start', 'stop']}
 
 # Old name -> new name: removed from a face or moved, kept for one release; each warns.

@@ -13,13 +13,16 @@ sessions) and frame.py (message layout); top-k pushes with error feedback are co
 (manager.py, membership.py, manager_link.py) owns the server group's membership and ring
 version; `disttrain ps status` (cli.py) shows it; `drain(i)` moves a server's keys to
 the others while workers train, then it leaves (move.py; with replicas >= 2 its copies take
-them over: handover.py).
+them over: handover.py); `join(...)` (or `disttrain ps add-server`) adds a server that
+takes its share of the keys while workers train (join_moves.py, joiner.py); `joining()`
+says whether this process was started to join, `joined()` waits for a server to join.
 """
 
 from disttrain.deprecation import moved
 from disttrain.ps.compress import TopK
 from disttrain.ps.connect import attach, connect, serve
 from disttrain.ps.handle import Cancelled, Handle
+from disttrain.ps.joiner import join, joined, joining
 from disttrain.ps.move import drain
 from disttrain.ps.policy import (
     SSP,
@@ -43,6 +46,9 @@ __all__ = [
     "attach",
     "connect",
     "drain",
+    "join",
+    "joined",
+    "joining",
     "Worker",
     "Handle",
     "Cancelled",

@@ -6,15 +6,19 @@ hand (or again after it died: same file, same address, same ring version); `dist
 ps drain ADDR --server i` asks it to take a server off the ring: with replicas=1 its keys
 move to the other servers while workers train, then it leaves (move.py); with replicas >= 2
 its copies take its keys over once it handed over, then it leaves (handover.py); refused
-for the last live copy of a key, or a second drain. ADDR is the manager's address, as `disttrain run
+for the last live copy of a key, or a second drain;
+`disttrain ps add-server ADDR --workers W -- script.py [args]` starts the job's script as
+a server that joins the job and takes its share of the keys while workers train (join_moves.py). ADDR is the manager's address, as `disttrain run
 --servers` prints it, or its state file. Every request goes over the job's authenticated
 wire: DISTTRAIN_SECRET must be the job's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import subprocess
 import sys
 
 from disttrain.ps.manager_link import ManagerError, ManagerLink, status_party
@@ -39,6 +43,12 @@ def add_ps_parser(subparsers) -> None:
     d.add_argument("--server", type=int, required=True, help="the server's index")
     d.add_argument("--timeout", type=float, default=5.0)
     d.set_defaults(handler=_drain)
+    a = sub.add_parser("add-server", help="start a script as a server joining the running "
+                       "job: it takes its share of the keys while workers train (replicas=1)")
+    a.add_argument("rest", nargs=argparse.REMAINDER, metavar="ADDR --workers W -- script.py "
+                   "[args]", help="the manager's address, the job's number of workers, then "
+                   "after -- the job's script and its arguments")
+    a.set_defaults(handler=_add_server)
     m = sub.add_parser("manager", help="run a server manager (blocks; SIGTERM stops it)")
     m.add_argument("--state", required=True, help="JSON state file (reloaded if it exists)")
     m.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
@@ -93,6 +103,37 @@ def _drain(args) -> int:
           f"{reply.meta['version']}; its keys move to the other servers while workers train, "
           "then it leaves (`disttrain ps status` shows it)")
     return 0
+
+
+def _add_server(args) -> int:
+    """Run the script as a joining server (blocks until it ends); its exit code."""
+    cut = args.rest.index("--") if "--" in args.rest else len(args.rest)
+    head, script = args.rest[:cut], args.rest[cut + 1:]
+    p = argparse.ArgumentParser(prog="disttrain ps add-server", add_help=False,
+                                exit_on_error=False)
+    p.add_argument("addr")
+    p.add_argument("--workers", type=int)
+    try:
+        args = p.parse_args(head)
+    except (argparse.ArgumentError, SystemExit):
+        args = None
+    if args is None or not script or not args.workers or args.workers < 1:
+        print("disttrain ps add-server: error: usage: disttrain ps add-server ADDR --workers W "
+              "-- script.py [args] (W: the job's number of workers; the job's script and "
+              "arguments after --)", file=sys.stderr)
+        return 2
+    if not os.environ.get("DISTTRAIN_SECRET"):
+        print("disttrain ps add-server: error: DISTTRAIN_SECRET is not set: export the job's "
+              "(the joining server speaks the job's authenticated wire)", file=sys.stderr)
+        return 2
+    env = {k: v for k, v in os.environ.items() if k not in _GROUP_VARS
+           and not k.startswith("TORCHELASTIC_")}  # NOTE: no process group to join
+    env.update(DISTTRAIN_PS_MANAGER=_address(args.addr), DISTTRAIN_PS_JOIN=str(args.workers))
+    return subprocess.run([sys.executable, *script], env=env).returncode
+
+
+_GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _manager(args) -> int:

@@ -36,6 +36,8 @@ from disttrain.ps.chain import check_replicas
 from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.handover import Handover
 from disttrain.ps.heap import keep_freed_memory
+from disttrain.ps.join_moves import Joins
+from disttrain.ps.joiner import join, joining
 from disttrain.ps.manager_link import (
     ManagerError,
     fingerprint,
@@ -231,15 +233,18 @@ def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, poli
 
 
 def _moves(server: Server, beat, model, plan: Plan, policy: Policy, optimizer,
-           host: str | None, chunk_bytes: int) -> Moves | None:
+           host: str | None, chunk_bytes: int) -> Joins | None:
     """With a manager and replicas=1: the watch that moves keys when a server is drained
-    (move.py)."""
+    (move.py) or joins (join_moves.py)."""
     if beat is None:
         return None
-    return Moves(server, beat, [(n, p.numel(), p.element_size()) for n, p in
-                                model.named_parameters()], plan, dict(model.named_parameters()),
-                 policy, optimizer, job_secret(), host=host or settings.current().ps_host,
-                 chunk_bytes=chunk_bytes)
+    spec, init = ([(n, p.numel(), p.element_size()) for n, p in model.named_parameters()],
+                  dict(model.named_parameters()))
+    host = host or settings.current().ps_host
+    moves = Moves(server, beat, spec, plan, init, policy, optimizer, job_secret(), host=host,
+                  chunk_bytes=chunk_bytes)
+    return Joins(moves, server, beat, spec, plan, init, policy, optimizer, job_secret(),
+                 host=host, chunk_bytes=chunk_bytes)  # NOTE: a join's moves too (join_moves.py)
 
 
 def _tell_supervisor(replicas: int) -> None:
@@ -319,6 +324,11 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
                       DeprecationWarning, stacklevel=2)
     # NOTE: checked on every rank, so a typo fails on the servers too, not only the workers
     parse_compression(options.get("compression"))
+    if joining():  # NOTE: `disttrain ps add-server`: a server with no process group
+        stats = join(model, policy, optimizer, workers=joining(), **{
+            k: v for k, v in options.items() if k in ("timeout", "host", "chunk_bytes")})
+        print(format_stats(stats), flush=True)
+        raise SystemExit(0)
     _check_job("connect")
     if runtime.role() == "worker":
         return attach(model, policy, **{k: v for k, v in options.items() if k in _ATTACH})

@@ -25,11 +25,12 @@ import os
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["Member", "Membership", "Refused", "Stale", "MANAGER_INDEX", "ALIVE", "DEAD",
-           "LEFT", "EXITED", "LEAVING"]
+           "LEFT", "EXITED", "LEAVING", "JOINING"]
 
 MANAGER_INDEX = 2**31 - 1  # the manager's own "server index" on the wire; never a ring member
 ALIVE, DEAD, LEFT, EXITED = "alive", "dead", "left", "exited"
 LEAVING = "leaving"  # drained with keys: they move to the other servers first (move.py)
+JOINING = "joining"  # added to a running job: keys move to it (join_moves.py)
 FORMAT = 1  # of the saved file; bump when its meaning changes
 
 
@@ -120,16 +121,32 @@ class Membership:
         return self._change(f"server {server} {was} at {address}")
 
     def join(self, server: int, address: str, fingerprint: str, ring: int, now: float) -> bool:
-        """A server added to a running job (it holds no keys until keys move to it). Raises
-        Stale (ring is not the current version) or Refused."""
+        """A server added to a running job: JOINING while its keys move to it (join_moves.py).
+        Raises Stale (ring is not current) or Refused (another model, an index in use)."""
         self._current(ring, "join")
         self._same_job(server, fingerprint, self.expected)
-        if server == MANAGER_INDEX or server in self.members:
+        if server == MANAGER_INDEX or server in self.members or server < self.expected:
             raise Refused(f"server {server} is already a member of ring version "
                           f"{self.version}: pick an index not in use, e.g. "
-                          f"{max(self.members, default=-1) + 1}")
-        self.members[server] = Member(server, address, ALIVE, beat=now)
-        return self._change(f"server {server} joined at {address} (holds no keys yet)")
+                          f"{max([*self.members, self.expected - 1]) + 1}")
+        self._joinable(server)
+        self.members[server] = Member(server, address, JOINING, beat=now)
+        return self._change(f"server {server} joined at {address}: the keys the placement "
+                            f"on {len(self.members)} servers gives it move to it (joining)")
+
+    def _joinable(self, server: int) -> None:
+        """Refused: one server (its keys are whole tensors), replicas >= 2, a second change."""
+        busy = [(i, m.state) for i, m in sorted(self.members.items()) if i >= self.expected
+                or m.state in (LEAVING, JOINING) or m.state == LEFT and m.shard]
+        why = ("this job has one server, whose keys are whole tensors (two cut them otherwise):"
+               " start it with --servers 2 or more" if self.expected < 2 else
+               "with replicas >= 2 a join moves no keys yet (re-linking chains is not built)"
+               if any(len(c) > 1 for m in self.members.values() for _, _, c in m.shard) else
+               f"server {busy[0][0]} is {busy[0][1]}: one membership change that moves keys "
+               "per job (a join or a drain)" if busy else "")
+        if why:
+            raise Refused(f"server {server} cannot join: {why}; restart the job with the "
+                          "servers it needs")
 
     def leave(self, server: int, ring: int) -> bool:
         """Drain `server` from the ring. Refused when it is the manager, not a member, or
@@ -139,6 +156,10 @@ class Membership:
                           "servers and workers learn the ring from it; stop the job instead")
         self._current(ring, "leave")
         m = self.members.get(server)
+        joined = [i for i in self.members if i >= self.expected]
+        if joined and m is not None and (m.shard or server in joined):
+            raise Refused(f"server {joined[0]} joined this job and took keys: one membership "
+                          "change that moves keys per job; restart the job to drain one")
         if m is None or m.state != ALIVE:
             raise Refused(f"server {server} is not an alive member of ring version "
                           f"{self.version} (members: {self._names()})")
@@ -220,7 +241,7 @@ class Membership:
         out = []
         for m in sorted(self.members.values(), key=lambda m: m.server):
             silent = now - m.beat
-            if m.state not in (ALIVE, LEAVING) or silent <= min(timeout, soon or timeout):
+            if m.state not in (ALIVE, LEAVING, JOINING) or silent <= min(timeout, soon or timeout):
                 continue
             why = (f"missed its heartbeats for {silent:.1f} s (timeout {timeout:g} s)"
                    if silent > timeout else (f"process {m.pid} is gone (silent {silent:.1f} s)"
@@ -244,12 +265,16 @@ class Membership:
             for t in self.takeovers)]
         for r in new:
             dead = self.members.get(r["server"])
-            if dead is None or dead.state not in (DEAD, LEFT) or r["by"] != by:
+            joined = any(i >= self.expected for i in self.members)  # NOTE: X@X, X@Y (join_moves.py)
+            if dead is None or dead.state not in (DEAD, LEFT) and not joined or r["by"] != by:
                 raise Refused(f"server {by} reports taking over server {r['server']}'s keys, "
                               f"which ring version {self.version} does not mark dead (members: "
                               f"{self._names()}): only a dead server's keys are taken over")
             self.takeovers.append(r)
-            since = f", {now - dead.beat:.1f} s after its last heartbeat"
+            if self.members[by].state == JOINING:  # NOTE: its first route: it serves keys now
+                self.members[by].state = ALIVE
+            since = (f", {now - dead.beat:.1f} s after its last heartbeat"
+                     if dead.state in (DEAD, LEFT) else " (a join moved keys)")
             self._change(f"server {by} took over {r['keys']} keys ({r['bytes'] / 1e6:.2f} MB) "
                          f"of {dead.state} server {r['server']} at version {r['version']}{since}; "
                          f"workers reach them at {r['address']}")

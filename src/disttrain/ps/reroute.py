@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 
 from disttrain.ps.frame import Message
+from disttrain.ps.join_moves import joined_owners, joiner
 from disttrain.ps.manager_link import ManagerError, ManagerLink
 from disttrain.ps.membership import LEFT
 from disttrain.ps.move import gone, owners_after
@@ -141,6 +142,9 @@ class Routes:
         except ManagerError:
             return None  # NOTE: a slow or restarting manager: the worker's own timeout decides
         states = gone(ring)
+        new = joiner(ring)
+        if s in self._told and s not in states and new is not None and s < len(self.plan):
+            return self._joined(s, new, ring)  # NOTE: handed keys to a joining server (join_moves.py)
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
         if host not in states:
             return None
@@ -174,6 +178,19 @@ class Routes:
         if set(owner.values()) <= set(rows):
             self._reroute(s, d, owner, rows)
         return None
+
+    def _joined(self, s: int, new: int, ring: dict) -> None:
+        """Server s handed the keys a joining server takes to it and serves its others on a
+        route of its own: re-route all of s's keys once both routes are listed."""
+        spec = [(n, p.numel(), p.element_size()) for n, p in self.w.params.items()]
+        owner = joined_owners(spec, len(self.plan), new, s, [c.key for c in self.plan[s]],
+                              self.w.chunk_bytes)
+        self.why[s] = (f"handed {sum(o == new for o in owner.values())} keys to joining server "
+                       f"{new} (it answered moved at ring version {self._told[s]})")
+        rows = {t["by"]: t for t in ring.get("takeovers", [])
+                if t["server"] == s and t["address"] not in self.w.addresses}
+        if set(owner.values()) <= set(rows):
+            self._reroute(s, s, owner, rows)
 
     def told(self, s: int, ring: int) -> None:
         """Server s answered `moved` (drained at ring version `ring`): ask the manager now,

@@ -148,7 +148,8 @@ SCHEMA: dict[str, Op] = {
                              # ranges it holds a copy of again (recopy.py)
                              "copied": Field("rows", row=COPY_ROW, required=False),
                              # a drain (move.py): the leaving server whose keys it is
-                             # ready to take; a leaving server handed all its keys over
+                             # ready to take (a joiner, join_moves.py: its own index); a
+                             # leaving server handed all its keys over
                              "accepting": Field("int", -1, required=False, default=-1),
                              "drained": FLAG}),
     "lookup": Op("manager", {"worker": WORKER, "ring": KNOWN}),

@@ -1,0 +1,71 @@
+"""A parameter-server job (replicas=1) that a server joins mid-run (disttrain run).
+
+argv: mode ("sync" or "count", as scripts/ps_failover.py), join step (0: none). At that
+step, right after its push was sent, worker 0 starts this script again as a joining server
+(`disttrain ps add-server ADDR --workers 2 -- ps_join.py ARGS`, as a user would): it
+takes its share of the keys while both workers train on, and worker 0 waits for it at the
+end. Worker 0 prints the final parameters' digest (sync) or each push's apply count
+(count); `reference()` is the single-process Sync digest of these STEPS.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import ps_failover as base
+import torch
+
+STEPS = base.STEPS = 30
+WORKERS, build, gradient, reference = base.WORKERS, base.build, base.gradient, base.reference
+PACE = 0.5  # worker 0's pause per step from the join until every giver re-routed
+
+
+def givers(model: torch.nn.Module, servers: int) -> set[int]:
+    """The old servers that give keys to server `servers` when it joins (join_moves.py)."""
+    from disttrain.ps.join_moves import joined_owners
+    from disttrain.ps.placement import plan_keys
+    spec = [(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
+    plan = plan_keys(spec, servers)
+    return {x for x in range(servers) if servers in joined_owners(
+        spec, servers, servers, x, [c.key for c in plan[x]], 4 << 20).values()}
+
+
+def main(mode: str, add_at: int) -> None:
+    import disttrain
+    from disttrain import ps
+
+    torch.set_num_threads(1)
+    if not ps.joining():  # NOTE: the joining server has no process group
+        disttrain.init()
+    model = build(mode)
+    if mode == "sync":
+        policy, opt = ps.Sync(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)
+    else:
+        policy, opt = ps.Async(step="constant"), lambda p: torch.optim.SGD(p, lr=1.0)
+    conn = ps.connect(model, policy, optimizer=opt)  # servers (the joining one too) exit here
+    store = torch.distributed.distributed_c10d._get_default_store()
+    rank, servers = disttrain.rank(), disttrain.world_size() - WORKERS
+    give = givers(model, servers) if rank == 0 else set()
+    gen = torch.Generator().manual_seed(rank)
+    added = None
+    for step in range(1, STEPS + 1):
+        conn.pull().wait()
+        gradient(model, mode, rank, gen, step)
+        handle = conn.push()
+        if rank == 0 and step == add_at:
+            print(f"worker 0: adding server {servers} at step {step}", flush=True)
+            added = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "add-server",
+                                      os.environ["DISTTRAIN_PS_MANAGER"], "--workers",
+                                      str(WORKERS), "--", *sys.argv])
+            ps.joined()  # NOTE: its process starts in seconds; the job waits for its join
+        handle.wait()
+        if added is not None and not give <= set(conn.routes.routes):
+            time.sleep(PACE)
+    base.finish(conn, model, store, "join", mode, rank)
+    if added is not None:
+        print(f"worker 0: the added server ended with {added.wait(60)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,86 @@
+"""A server joins a running job (replicas=1): it takes its share of the keys while workers train.
+
+`disttrain run --workers 2 --servers S` (S = 2 or 3): worker 0 starts the job's script
+again with `disttrain ps add-server` (scripts/ps_join.py) right after a push was sent.
+The job must end with rc 0, the hand-over named in the output (each old owner's keys and
+the routes that serve them), and under Sync the final parameters bitwise equal to a
+single-process reference of the same training (what a run without the join ends with);
+under Async every push applied exactly once (one-hot gradients count it).
+"""
+
+import re
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import test_ps_drain as drain
+from tests.e2e import test_ps_failover as failover
+
+SCRIPT = Path(__file__).parent / "scripts" / "ps_join.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "digits_ps.py"
+
+launch = partial(failover.launch, servers=2, script=SCRIPT)
+"""(exit code, output) of a job of this script (2 servers unless told); -1 if it hangs."""
+
+
+def check_join(code: int, out: str, new: int) -> set[str]:
+    """The old owners that handed keys over, each re-routed by both workers."""
+    assert code == 0, out
+    assert re.search(rf"ring version \d+: server {new} joined at \S+: the keys the placement "
+                     rf"on {new + 1} servers gives it move to it \(joining\)", out), out
+    handed = set(re.findall(rf"\[ps server(\d)\] handed \d+ keys \([\d.]+ MB with optimizer "
+                            rf"state\) to joining server {new} at version \d+", out))
+    assert handed, out
+    for x in handed:
+        assert re.search(rf"\[ps server{new}\] took over \d+ keys \([\d.]+ MB\) of \w+ server "
+                         rf"{x} at", out), out
+        for w in (0, 1):
+            assert re.search(rf"\[ps worker{w}\] server {x} handed \d+ keys to joining server "
+                             rf"{new} \(it answered moved at ring version \d+\); its keys are "
+                             rf"served by server {x} \(\d+ keys, version \d+\), server {new}",
+                             out), out
+    assert "worker 0: the added server ended with 0" in out, out
+    return handed
+
+
+@pytest.mark.slow  # NOTE: 40 s on the 2-core machine: four Python processes and the joiner's
+@pytest.mark.timeout(200)
+def test_sync_join_mid_run_ends_bitwise_equal():
+    code, out = launch("sync", "3")
+    check_join(code, out, new=2)
+    assert sorted(re.findall(r"worker (\d) digest (\w+)", out)) == [
+        ("0", drain.reference()), ("1", drain.reference())], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("servers,step", [(2, 1), (2, 9), (3, 2), (3, 6)])
+def test_sync_join_at_any_point_ends_bitwise_equal(servers, step):
+    code, out = launch("sync", str(step), servers=servers)
+    check_join(code, out, new=servers)
+    assert set(re.findall(r"worker \d digest (\w+)", out)) == {drain.reference()}, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("servers,step", [(2, 4), (3, 7)])
+def test_async_join_applies_every_push_exactly_once(servers, step):
+    code, out = launch("count", str(step), servers=servers)
+    check_join(code, out, new=servers)
+    # each entry counts how often its push was applied: 0 lost, 2 applied twice
+    assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
+                                                                   ("1", "[1.0]")], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_digits_example_add_server_flag_matches_an_uninterrupted_run():
+    args = ["--epochs", "4"]
+    code, plain = launch(*args, script=EXAMPLE)
+    assert code == 0, plain
+    code, joined = launch(*args, "--add-server-at", "10", script=EXAMPLE)
+    assert code == 0, joined
+    assert re.search(r"\[ps server\d\] handed \d+ keys .* to joining server 2", joined), joined
+    digest = re.compile(r"final parameters sha256 (\w+)")
+    assert digest.findall(joined) == digest.findall(plain) != [], joined
