@@ -200,8 +200,11 @@ def test_profile_ranks_measures_sharing_and_a_blocking_all_reduce_here(tmp_path,
     assert set(prof["shared"]) == {"2"} and prof["shared"]["2"] > 0
     c = prof["collectives"]["2"]
     assert c["bytes"] == 4 * 4 * 64 * 64 and c["inline_s"] >= 0 and c["alone_s"] > 0
+    assert 0 < c["call_s"] <= c["both_s"] and c["compute_cpu_s"] > 0  # the alternating loop
     text = capsys.readouterr().out
     assert "2 copies at once" in text and "2 ranks in pairs" in text
-    assert load_profile(str(out), parse_gpt(TINY)).shared(2).inline == (c["bytes"], c["inline_s"])
+    two = load_profile(str(out), parse_gpt(TINY)).shared(2)
+    assert two.inline == (c["bytes"], c["inline_s"])
+    assert two.alternate().inline == (c["bytes"], c["call_s"])
     assert cli.main([*argv[:-1], "1"]) == 2
     assert "--ranks '1': each count must be 2..64" in capsys.readouterr().err
