@@ -13,8 +13,8 @@ gloo's threads included); `both_s`, the third loop's iteration; `compute_cpu_s`,
 process time of one compute iteration (its duration alone). With ranks that alternate
 compute and blocking collectives (a tensor-parallel layer) the call takes most of the
 difference while the compute between calls runs faster than beside N - 1 ranks that
-never block: 2 cores, N = 8, 256 KiB, a loaded machine: compute loop 14-16 ms, third
-loop 14-16 ms of which the call 6.1-7.7 ms, for 2.0 ms of compute CPU.
+never block: 2 cores, N = 8, 256 KiB, a loaded machine: compute loop 13-19 ms, third
+loop 12-16 ms of which the call 6.1-7.7 ms, for 2.0 ms of compute CPU.
 
     python -m disttrain.plan.profile_sync RANK WORLD STORE NBYTES OUT
 """
