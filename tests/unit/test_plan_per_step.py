@@ -61,3 +61,39 @@ def test_the_step_includes_them_and_explain_shows_them():
     # across nodes the pipeline group's barrier crosses the slower link
     slow = dataclasses.replace(HERE, inter_Bps=HERE.inter_Bps / 100, inter_alpha=5e-3)
     assert _term(cost.estimate(GPT, _lay(2, 1), slow, 1)) > _term(cost.estimate(GPT, _lay(2, 1), slow, 2))
+
+
+@pytest.mark.timeout(10)
+def test_zb_h1_prices_the_w_that_walk_the_whole_graph_again():
+    from disttrain.parallel.pipeline.schedules import make_schedule, simulate
+
+    gpt = parse_gpt("gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200")
+    a100 = device("a100-80gb")
+    lay = cost.Layout(pp=2, dp=2, tp=1, zero=0, micro_batch=1, microbatches=4,
+                      schedule="zb-h1", recompute=False, sp=False)
+    d = cost.action_times(gpt, lay, a100, 8)
+    sched = make_schedule("zb-h1", 2, 4)
+
+    def rows(whole_first: bool, synced: bool):
+        out = []
+        for s, acts in enumerate(sched):
+            last_w = max(i for i, a in enumerate(acts) if a.kind == "W")
+            row = []
+            for i, a in enumerate(acts):
+                if a.kind == "F":
+                    row.append(d["F"] + (d["p2p"] + d["head_f"] if s else d["emb_f"]))
+                elif a.kind == "W":  # stage 0's input is token ids: its W is a whole backward
+                    whole = (whole_first and s == 0) or (synced and i == last_w)
+                    row.append(d["B"] if whole else d["W"])
+                else:
+                    own = 0.0 if whole_first and s == 0 else d["B_split"]
+                    row.append(own + (d["p2p"] if s == 0 else d["head_b"]))
+            out.append(row)
+        return simulate(sched, 2, durations=out).makespan
+
+    makespan, _ = cost._pipeline(lay, d)
+    assert makespan == pytest.approx(rows(True, True), rel=1e-8)
+    assert makespan > rows(True, False) and makespan != pytest.approx(rows(False, False))
+    # one replica: no synced W, only the first stage's whole ones
+    one, _ = cost._pipeline(dataclasses.replace(lay, dp=1), d)
+    assert one == pytest.approx(rows(True, False), rel=1e-8)

@@ -238,27 +238,38 @@ def _pipeline(lay: Layout, d: dict) -> tuple[float, float]:
         busy = lay.microbatches * (d["F"] + d["B"] + d["head_f"] + d["head_b"] + d["emb_f"])
         return busy, 0.0
     keys = ("F", "B", "W", "B_split", "p2p", "head_f", "head_b", "emb_f")
+    # NOTE: which W walk the whole graph again (split_backward.py): ZeRO 1-2's every W,
+    # DataParallel's synced one (each chunk's last W on its stage)
     return _simulated(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
-                      tuple(float(f"{d[k]:.9g}") for k in keys))
+                      tuple(float(f"{d[k]:.9g}") for k in keys),
+                      lay.zero in (1, 2), lay.dp > 1 and lay.zero == 0)
 
 
 @lru_cache(maxsize=1024)
-def _simulated(name: str, p: int, mb: int, v: int, times: tuple) -> tuple[float, float]:
+def _simulated(name: str, p: int, mb: int, v: int, times: tuple, whole_w: bool = False,
+               synced_w: bool = False) -> tuple[float, float]:
+    """ZB-H1 as runtime.py / split_backward.py run it: B computes the input's gradient and
+    W the weights' along their own branches, except where W walks the whole graph again
+    (a whole backward: `whole_w` every W, `synced_w` each chunk's last W on its stage), and
+    on the first virtual stage, whose input (token ids) needs no gradient: there B does
+    nothing and every W is the whole backward."""
     d = dict(zip(("F", "B", "W", "B_split", "p2p", "head_f", "head_b", "emb_f"), times))
     sched = schedule_actions(name, p, mb, v)
     last, split = p * v - 1, name == "zb-h1"
     durations = []
     for stage, actions in enumerate(sched):
+        synced = {a.chunk: i for i, a in enumerate(actions) if a.kind == "W"}
         row = []
-        for a in actions:
+        for i, a in enumerate(actions):
             j = a.chunk * p + stage
             if a.kind == "F":
                 row.append(d["F"] + (d["p2p"] if j > 0 else d["emb_f"]) + (d["head_f"] if j == last else 0.0))
             elif a.kind == "W":
-                row.append(d["W"])
+                whole = j == 0 or whole_w or (synced_w and synced[a.chunk] == i)
+                row.append(d["B"] if whole else d["W"])
             else:
-                row.append((d["B_split"] if split else d["B"]) + (d["p2p"] if j < last else 0.0)
-                           + (d["head_b"] if j == last else 0.0))
+                own = (0.0 if j == 0 else d["B_split"]) if split else d["B"]
+                row.append(own + (d["p2p"] if j < last else 0.0) + (d["head_b"] if j == last else 0.0))
         durations.append(row)
     sim = simulate(sched, p, v, durations=durations)
     busy = max(sum(row) for row in durations)
