@@ -72,7 +72,8 @@ def test_data_parallel_ranks_keep_the_copies_slowdown_and_zero3_alternates(tmp_p
     a, b = _terms(_lay(1, 2, 3), old), _terms(_lay(1, 2, 3), new)
     assert b["layer compute (profiled)"] == pytest.approx(a["layer compute (profiled)"] * 2.0 / 1.5)
     assert b["ZeRO-3 gathers (exposed)"] - a["ZeRO-3 gathers (exposed)"] == pytest.approx(
-        2 * 2 * 2 * cost.UNITS * 0.002)  # micro-batches x layers x (fwd + bwd) x units
+        2 * (2 * 2 * cost.UNITS + 2 * cost.ENDS) * 0.002)  # micro-batches x (layers x
+    # (fwd + bwd) x units + (fwd + bwd) x the embeddings', final LayerNorm's and head's units)
 
 
 @pytest.mark.timeout(10)

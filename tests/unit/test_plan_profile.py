@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from disttrain import cli
-from disttrain.plan.cost import UNITS, blocking_extra
+from disttrain.plan.cost import ENDS, UNITS, blocking_extra
 from disttrain.plan.devices import device
 from disttrain.plan.gpt import parse_gpt
 from disttrain.plan.layout import Pins, plan_layouts
@@ -171,9 +171,9 @@ def test_measured_sharing_and_blocking_collectives_replace_the_formula(tmp_path)
     z3 = Pins(micro_batch=2, tp=1, pp=1, zero=3)
     _, a = _terms(gpt, plain, 2, z3)
     est, b = _terms(gpt, measured, 2, z3)
-    mb = est.layout.microbatches  # x 2 layers x (forward + backward gather) x UNITS
+    mb = est.layout.microbatches  # x (2 layers x UNITS + the ENDS) x (forward + backward)
     assert b["ZeRO-3 gathers (exposed)"] - a["ZeRO-3 gathers (exposed)"] == pytest.approx(
-        mb * 2 * 2 * UNITS * extra)
+        mb * (2 * 2 * UNITS + 2 * ENDS) * extra)
     assert a["ZeRO-3 gathers (exposed)"] > 0  # 1 CPU: nothing hides a gather
 
 

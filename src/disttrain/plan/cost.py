@@ -38,7 +38,12 @@ from disttrain.plan.terms import DTYPE, UNITS, Term, time_terms, wire_terms
 
 __all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_bound",
            "action_times", "layer_seconds", "BUCKET_BYTES", "UNITS", "blocking_extra",
-           "rank_device"]
+           "rank_device", "ENDS"]
+
+ENDS = 4
+"""Modules with parameters outside the blocks (models/gpt.py: wte, wpe, ln_f, lm_head):
+ZeRO-3 gathers each as one unit, every forward and backward (4 of 28 units per pass in a
+traced 4-layer dp 2 job)."""
 
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
@@ -208,7 +213,13 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
             # the compute, so every unit's gather (UNITS per layer) is a blocking collective
             units = UNITS * _collective("all-gather", unit / UNITS, lay.dp, local, dev.links(nics=local))
             x = UNITS * per["blocking"]
-            z3_f, z3_b, z3_first = units + x, units + rs + x, 0.0
+            # NOTE: so do the ends' units, ENDS per pass (models/gpt.py: token and position
+            # embeddings on the first stage, final LayerNorm and head on the last), here
+            # sharing the embeddings' (V + s)h parameters
+            ends = ENDS if lay.pp == 1 else ENDS // 2
+            end = _collective("all-gather", lay.wire * m.embed_params / t / ends, lay.dp, local,
+                              dev.links(nics=local))
+            z3_f, z3_b, z3_first = units + x, units + rs + x, ends * (end + per["blocking"])
         else:
             z3_f, z3_b, z3_first = max(0.0, ag - per["fwd"]), max(0.0, ag + rs - per["bwd"]), ag
     lc = m.layers // (lay.pp * lay.virtual)

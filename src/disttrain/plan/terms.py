@@ -153,7 +153,8 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
                         + 2 * mb * lay.virtual * d["z3_first"],
                         (f"the ranks fill the cores: every unit's gather blocks ({UNITS} units per "
                          f"layer, each an all-gather + {per['blocking'] * 1e3:.3g} ms measured per "
-                         "blocking collective), + the reduce-scatter backward"
+                         "blocking collective), + the reduce-scatter backward; the embeddings', "
+                         "final LayerNorm's and head's units each pass alike"
                          if dev.profile is not None and dev.profile.full else
                          "per layer max(0, all-gather [+ reduce-scatter] - compute), prefetching "
                          "the next layer; the first layer's gather exposed"),
