@@ -17,8 +17,13 @@ parallel) of a GPT (plan/gpt.py) on a device of plan/devices.json. Every number 
   all-gather the parameters after the step (exposed); ZeRO 3 gathers each layer once
   forward and once backward per micro-batch and reduce-scatters it, prefetching the
   next layer, so only max(0, comm - compute) per layer is exposed;
-- memory: plan/memory.py's ZeRO formulas plus the activations the schedule keeps in
-  flight (`peak_in_flight` of stage 0) times Korthikanti's bytes per layer.
+- the step's own barrier and loss collectives (plan/per_step.py);
+- ranks of one machine (`cpu-here`, a `--ranks` profile): compute at the measured
+  slowdown and each blocking collective at the measured extra; ranks that block after
+  every piece of compute (tp > 1, ZeRO-3 on full cores) as the alternating loop measured
+  them (`rank_device`);
+- memory: plan/layout_memory.py (plan/memory.py's ZeRO formulas plus the activations the
+  schedule keeps in flight times Korthikanti's bytes per layer).
 """
 
 from __future__ import annotations
@@ -215,7 +220,8 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
             x = UNITS * per["blocking"]
             # NOTE: so do the ends' units, ENDS per pass (models/gpt.py: token and position
             # embeddings on the first stage, final LayerNorm and head on the last), here
-            # sharing the embeddings' (V + s)h parameters
+            # sharing the embeddings' (V + s)h parameters; chunks are priced alike, so with
+            # pp > 2 a middle stage is charged two of them too
             ends = ENDS if lay.pp == 1 else ENDS // 2
             end = _collective("all-gather", lay.wire * m.embed_params / t / ends, lay.dp, local,
                               dev.links(nics=local))
