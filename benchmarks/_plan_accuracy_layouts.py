@@ -93,6 +93,11 @@ class Calibration:
             "ranks sharing the machine: blocks " + ", ".join(
                 f"{k:.3g}x slower with {n} copies of the profile at once" for n, k in p.measured)
             + " (plan profile --ranks); any other count: processor sharing",
+            "a blocking pair all-reduce of one micro-batch's activation between compute: " + ", ".join(
+                f"{s * 1e3:.3g} ms added at {n} ranks" for n, _, s in p.collectives)
+            + "; with ranks alternating compute and it (tp > 1; ZeRO-3 on full cores): " + ", ".join(
+                f"the call {c * 1e3:.3g} ms, compute {k:.3g}x at {n}" for n, c, k in p.loops)
+            + " (plan profile --ranks, plan/profile_sync.py)",
         ]
 
     def device(self, rate_bps: float | None, per_node: int):

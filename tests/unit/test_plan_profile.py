@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from disttrain import cli
-from disttrain.plan.cost import UNITS, blocking_extra
+from disttrain.plan.cost import ENDS, UNITS, blocking_extra
 from disttrain.plan.devices import device
 from disttrain.plan.gpt import parse_gpt
 from disttrain.plan.layout import Pins, plan_layouts
@@ -171,9 +171,9 @@ def test_measured_sharing_and_blocking_collectives_replace_the_formula(tmp_path)
     z3 = Pins(micro_batch=2, tp=1, pp=1, zero=3)
     _, a = _terms(gpt, plain, 2, z3)
     est, b = _terms(gpt, measured, 2, z3)
-    mb = est.layout.microbatches  # x 2 layers x (forward + backward gather) x UNITS
+    mb = est.layout.microbatches  # x (2 layers x UNITS + the ENDS) x (forward + backward)
     assert b["ZeRO-3 gathers (exposed)"] - a["ZeRO-3 gathers (exposed)"] == pytest.approx(
-        mb * 2 * 2 * UNITS * extra)
+        mb * (2 * 2 * UNITS + 2 * ENDS) * extra)
     assert a["ZeRO-3 gathers (exposed)"] > 0  # 1 CPU: nothing hides a gather
 
 
@@ -200,8 +200,11 @@ def test_profile_ranks_measures_sharing_and_a_blocking_all_reduce_here(tmp_path,
     assert set(prof["shared"]) == {"2"} and prof["shared"]["2"] > 0
     c = prof["collectives"]["2"]
     assert c["bytes"] == 4 * 4 * 64 * 64 and c["inline_s"] >= 0 and c["alone_s"] > 0
+    assert 0 < c["call_s"] <= c["both_s"] and c["compute_cpu_s"] > 0  # the alternating loop
     text = capsys.readouterr().out
     assert "2 copies at once" in text and "2 ranks in pairs" in text
-    assert load_profile(str(out), parse_gpt(TINY)).shared(2).inline == (c["bytes"], c["inline_s"])
+    two = load_profile(str(out), parse_gpt(TINY)).shared(2)
+    assert two.inline == (c["bytes"], c["inline_s"])
+    assert two.alternate().inline == (c["bytes"], c["call_s"])
     assert cli.main([*argv[:-1], "1"]) == 2
     assert "--ranks '1': each count must be 2..64" in capsys.readouterr().err

@@ -17,31 +17,38 @@ parallel) of a GPT (plan/gpt.py) on a device of plan/devices.json. Every number 
   all-gather the parameters after the step (exposed); ZeRO 3 gathers each layer once
   forward and once backward per micro-batch and reduce-scatters it, prefetching the
   next layer, so only max(0, comm - compute) per layer is exposed;
-- memory: plan/memory.py's ZeRO formulas plus the activations the schedule keeps in
-  flight (`peak_in_flight` of stage 0) times Korthikanti's bytes per layer.
+- the step's own barrier and loss collectives (plan/per_step.py);
+- ranks of one machine (`cpu-here`, a `--ranks` profile): compute at the measured
+  slowdown and each blocking collective at the measured extra; ranks that block after
+  every piece of compute (tp > 1, ZeRO-3 on full cores) as the alternating loop measured
+  them (`rank_device`);
+- memory: plan/layout_memory.py (plan/memory.py's ZeRO formulas plus the activations the
+  schedule keeps in flight times Korthikanti's bytes per layer).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from disttrain.comm.cost import MODELLED, Links, collective_bound, predict, predict_collective
-from disttrain.parallel.pipeline.schedules import (
-    SCHEDULE_TABLE,
-    peak_in_flight,
-    peak_until_w,
-    simulate,
-)
+from disttrain.parallel.pipeline.schedules import simulate
 from disttrain.plan.compute import head_seconds, layer_seconds, optimizer_seconds
 from disttrain.plan.devices import Device
-from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, layer_cost
-from disttrain.plan.memory import model_state_bytes
+from disttrain.plan.gpt import GPTSpec, layer_cost
+from disttrain.plan.layout_memory import memory, memory_terms, schedule_actions, stage_params
+from disttrain.plan.per_step import step_collectives
 from disttrain.plan.terms import DTYPE, UNITS, Term, time_terms, wire_terms
 
 __all__ = ["DTYPE", "Layout", "Term", "Estimate", "estimate", "memory", "lower_bound",
-           "action_times", "layer_seconds", "BUCKET_BYTES", "UNITS", "blocking_extra"]
+           "action_times", "layer_seconds", "BUCKET_BYTES", "UNITS", "blocking_extra",
+           "rank_device", "ENDS"]
+
+ENDS = 4
+"""Modules with parameters outside the blocks (models/gpt.py: wte, wpe, ln_f, lm_head):
+ZeRO-3 gathers each as one unit, every forward and backward (4 of 28 units per pass in a
+traced 4-layer dp 2 job)."""
 
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
@@ -105,20 +112,6 @@ def _collective(op: str, nbytes: float, world: int, local: int, links: Links) ->
     return predict_collective(op, nbytes, world, local, links) if world > 1 else 0.0
 
 
-@lru_cache(maxsize=256)
-def _schedule(name: str, pp: int, m: int, v: int):
-    # NOTE: the builders' lists are checked by tests/unit/test_schedules.py; make_schedule's
-    # check (a full simulation) would double the planner's time
-    return SCHEDULE_TABLE[name](pp, m, v)
-
-
-@lru_cache(maxsize=256)
-def _held(name: str, pp: int, m: int, v: int) -> int:
-    """Micro-batch chunks stage 0 holds activations for (from the schedule's own lists)."""
-    first = _schedule(name, pp, m, v)[0]
-    return peak_until_w(first) if name == "zb-h1" else peak_in_flight(first)
-
-
 def _group_local(size: int, stride: int, nodes_of: int) -> int:
     """Members of one group (ranks `stride` apart) that share a node."""
     return max(1, min(size, nodes_of // stride)) if stride < nodes_of else 1
@@ -143,6 +136,18 @@ def _per_layer(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
             "cost": c, "tp_local": local, "tp_bound": bound, "tp_bytes": tp_bytes}
 
 
+def rank_device(lay: Layout, dev: Device) -> Device:
+    """What one rank of `lay` gets (`Device.per_rank`); on a machine its ranks share, with
+    a `--ranks` profile: when its ranks block on a collective after every piece of compute
+    (tp > 1, or ZeRO-3's unit gathers with the cores full), compute and each blocking
+    collective as the loop that alternates them measured (`LayerProfile.alternate`)."""
+    dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
+    p = dev.profile
+    if p is not None and (lay.tp > 1 or (lay.zero == 3 and p.full)):
+        dev = replace(dev, profile=p.alternate())
+    return dev
+
+
 def blocking_extra(dev: Device) -> float:
     """Seconds one blocking collective adds beyond the link model when ranks compute around
     it: the measured pair all-reduce (`plan profile --ranks`, plan/profile_sync.py) minus
@@ -154,11 +159,6 @@ def blocking_extra(dev: Device) -> float:
     return max(0.0, seconds - _collective("all-reduce", nbytes, 2, 2, dev.links()))
 
 
-def _stage_params(m: GPTSpec, lay: Layout) -> float:
-    """Parameters one device of the first stage holds (its layers and the embedding)."""
-    return (m.layers // lay.pp * m.layer_params + m.embed_params) / lay.tp
-
-
 def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
     """A cheap lower bound of `estimate(...).step` (no simulation), for branch and bound.
 
@@ -166,7 +166,7 @@ def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
     its first input crossed the p - 1 chunks before it, and its last backward's gradient
     still crosses them after it (not under ZB-H1); exposed data-parallel time and the optimizer add.
     """
-    dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
+    dev = rank_device(lay, dev)
     per = _per_layer(m, lay, dev, nodes_of)
     d = _durations(m, lay, dev, nodes_of, per)
     v, mb = lay.virtual, lay.microbatches
@@ -177,7 +177,19 @@ def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
         drain = 0.0 if lay.schedule == "zb-h1" else d["B"]
         last += (lay.pp - 1) * (d["F"] + drain) + mb * (2 * v - 1) * d["p2p"]
     dp = _data_parallel(m, lay, dev, nodes_of, d["B"] * v)
-    return last + dp["reduce"] + dp["gather"] + optimizer_seconds(_stage_params(m, lay) / (lay.dp if lay.zero else 1), dev)
+    return (last + dp["reduce"] + dp["gather"] + _per_step(lay, dev, nodes_of)[0]
+            + optimizer_seconds(stage_params(m, lay) / (lay.dp if lay.zero else 1), dev))
+
+
+def _per_step(lay: Layout, dev: Device, nodes_of: int) -> tuple[float, str]:
+    """The step's barrier and loss collectives (plan/per_step.py) over this layout's groups."""
+    pp_local = _group_local(lay.pp, lay.dp * lay.tp, nodes_of)
+    dp_local = _group_local(lay.dp, lay.tp, nodes_of)
+
+    def price(op: str, nbytes: float, world: int, local: int) -> float:
+        return _collective(op, nbytes, world, local, dev.links(nics=local))
+
+    return step_collectives(lay.pp, lay.dp, pp_local, dp_local, blocking_extra(dev), price)
 
 
 def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -> dict:
@@ -206,7 +218,14 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
             # the compute, so every unit's gather (UNITS per layer) is a blocking collective
             units = UNITS * _collective("all-gather", unit / UNITS, lay.dp, local, dev.links(nics=local))
             x = UNITS * per["blocking"]
-            z3_f, z3_b, z3_first = units + x, units + rs + x, 0.0
+            # NOTE: so do the ends' units, ENDS per pass (models/gpt.py: token and position
+            # embeddings on the first stage, final LayerNorm and head on the last), here
+            # sharing the embeddings' (V + s)h parameters; chunks are priced alike, so with
+            # pp > 2 a middle stage is charged two of them too
+            ends = ENDS if lay.pp == 1 else ENDS // 2
+            end = _collective("all-gather", lay.wire * m.embed_params / t / ends, lay.dp, local,
+                              dev.links(nics=local))
+            z3_f, z3_b, z3_first = units + x, units + rs + x, ends * (end + per["blocking"])
         else:
             z3_f, z3_b, z3_first = max(0.0, ag - per["fwd"]), max(0.0, ag + rs - per["bwd"]), ag
     lc = m.layers // (lay.pp * lay.virtual)
@@ -226,7 +245,7 @@ def action_times(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> dict:
     """Seconds of one chunk's "F", "B" (whole backward), "B_split" and "W" (ZB-H1's halves),
     one pipeline send "p2p", and the LM head's "head_f" / "head_b" on the last stage:
     what the simulator is given for each action."""
-    dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
+    dev = rank_device(lay, dev)
     return _durations(m, lay, dev, nodes_of, _per_layer(m, lay, dev, nodes_of))
 
 
@@ -236,27 +255,38 @@ def _pipeline(lay: Layout, d: dict) -> tuple[float, float]:
         busy = lay.microbatches * (d["F"] + d["B"] + d["head_f"] + d["head_b"] + d["emb_f"])
         return busy, 0.0
     keys = ("F", "B", "W", "B_split", "p2p", "head_f", "head_b", "emb_f")
+    # NOTE: which W walk the whole graph again (split_backward.py): ZeRO 1-2's every W,
+    # DataParallel's synced one (each chunk's last W on its stage)
     return _simulated(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
-                      tuple(float(f"{d[k]:.9g}") for k in keys))
+                      tuple(float(f"{d[k]:.9g}") for k in keys),
+                      lay.zero in (1, 2), lay.dp > 1 and lay.zero == 0)
 
 
 @lru_cache(maxsize=1024)
-def _simulated(name: str, p: int, mb: int, v: int, times: tuple) -> tuple[float, float]:
+def _simulated(name: str, p: int, mb: int, v: int, times: tuple, whole_w: bool = False,
+               synced_w: bool = False) -> tuple[float, float]:
+    """ZB-H1 as runtime.py / split_backward.py run it: B computes the input's gradient and
+    W the weights' along their own branches, except where W walks the whole graph again
+    (a whole backward: `whole_w` every W, `synced_w` each chunk's last W on its stage), and
+    on the first virtual stage, whose input (token ids) needs no gradient: there B does
+    nothing and every W is the whole backward."""
     d = dict(zip(("F", "B", "W", "B_split", "p2p", "head_f", "head_b", "emb_f"), times))
-    sched = _schedule(name, p, mb, v)
+    sched = schedule_actions(name, p, mb, v)
     last, split = p * v - 1, name == "zb-h1"
     durations = []
     for stage, actions in enumerate(sched):
+        synced = {a.chunk: i for i, a in enumerate(actions) if a.kind == "W"}
         row = []
-        for a in actions:
+        for i, a in enumerate(actions):
             j = a.chunk * p + stage
             if a.kind == "F":
                 row.append(d["F"] + (d["p2p"] if j > 0 else d["emb_f"]) + (d["head_f"] if j == last else 0.0))
             elif a.kind == "W":
-                row.append(d["W"])
+                whole = j == 0 or whole_w or (synced_w and synced[a.chunk] == i)
+                row.append(d["B"] if whole else d["W"])
             else:
-                row.append((d["B_split"] if split else d["B"]) + (d["p2p"] if j < last else 0.0)
-                           + (d["head_b"] if j == last else 0.0))
+                own = (0.0 if j == 0 else d["B_split"]) if split else d["B"]
+                row.append(own + (d["p2p"] if j < last else 0.0) + (d["head_b"] if j == last else 0.0))
         durations.append(row)
     sim = simulate(sched, p, v, durations=durations)
     busy = max(sum(row) for row in durations)
@@ -265,7 +295,7 @@ def _simulated(name: str, p: int, mb: int, v: int, times: tuple) -> tuple[float,
 
 def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: float) -> dict:
     """Exposed seconds of the gradient reduction and ZeRO's parameter gather, per step."""
-    params = _stage_params(m, lay)
+    params = stage_params(m, lay)
     grads = lay.wire * params  # bf16 (or fp32) gradients
     local = _group_local(lay.dp, lay.tp, nodes_of)
     links = dev.links(nics=local)
@@ -289,56 +319,23 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
     return out
 
 
-def _memory(m: GPTSpec, lay: Layout) -> list[Term]:
-    """Bytes on one device of the first stage (the one holding the most activations)."""
-    c = layer_cost(m, lay.micro_batch, lay.tp, lay.sp)
-    params = _stage_params(m, lay)
-    states = model_state_bytes(params, lay.dp, lay.zero, "adam", "mixed")
-    zero = ("plain DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")[lay.zero]
-    terms = [Term("model states", states.total,
-                  f"{zero} over dp={lay.dp} of {params:.4g} params (16 B/param mixed Adam)",
-                  "plan/memory.py (Rajbhandari et al. 2019, sec. 5)")]
-    if lay.pp == 1:
-        held, what = 1, "micro-batch (pp=1)"
-    elif lay.schedule == "zb-h1":
-        held = _held(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
-        what = "micro-batches between F and W on stage 0 (schedule lists)"
-    else:
-        held = _held(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
-        what = "micro-batch chunks in flight on stage 0 (schedule lists)"
-    lc = m.layers // (lay.pp * lay.virtual)
-    per = c.input_bytes if lay.recompute else c.activation_bytes
-    kind = "2sbh layer inputs (full recompute)" if lay.recompute else (
-        "34sbh/t + 5as^2b/t (sequence parallel)" if lay.sp else "sbh(10 + 24/t) + 5as^2b/t")
-    terms.append(Term("activations", held * lc * per,
-                      f"{held} {what} x {lc} layers x {per / 1e6:.4g} MB ({kind})", KORTHIKANTI))
-    if lay.recompute:
-        terms.append(Term("recompute working set", c.activation_bytes,
-                          "one layer's full activations, rebuilt during its backward", KORTHIKANTI))
-    if lay.zero == 3:
-        terms.append(Term("gathered layers", 2 * 2 * 2 * m.layer_params / lay.tp,
-                          "current + prefetched layer, bf16 parameters and gradients",
-                          "parallel/zero/stage3.py (prefetch of the next unit)"))
-    return terms
-
-
-def memory(m: GPTSpec, lay: Layout) -> list[Term]:
-    """The memory terms of one device of `lay`'s first stage (bytes)."""
-    return _memory(m, lay)
-
-
 def estimate(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> Estimate:
     """The predicted step of `lay` (see the module docstring for the model)."""
-    dev = dev.per_rank(lay.pp * lay.dp * lay.tp)
+    dev = rank_device(lay, dev)
     per = _per_layer(m, lay, dev, nodes_of)
     d = _durations(m, lay, dev, nodes_of, per)
     makespan, bubble = _pipeline(lay, d)
     window = d["B"] * lay.virtual
     dp = _data_parallel(m, lay, dev, nodes_of, window)
-    opt = optimizer_seconds(_stage_params(m, lay) / (lay.dp if lay.zero else 1), dev)
-    est = Estimate(lay, step=makespan + dp["reduce"] + dp["gather"] + opt, bubble=bubble)
+    opt = optimizer_seconds(stage_params(m, lay) / (lay.dp if lay.zero else 1), dev)
+    fixed, how = _per_step(lay, dev, nodes_of)
+    est = Estimate(lay, step=makespan + dp["reduce"] + dp["gather"] + opt + fixed, bubble=bubble)
     est.time = time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt)
-    est.mem = _memory(m, lay)
+    if fixed:
+        est.time.append(Term("step barrier and loss", fixed, how,
+                             "parallel/pipeline/runtime.py Pipeline.step; parallel/parallel_model.py "
+                             "train_step; comm/cost.py ring"))
+    est.mem = memory_terms(m, lay)
     est.memory = sum(t.value for t in est.mem)
     est.fits = est.memory <= dev.usable_bytes
     est.wire = wire_terms(m, lay, per, d, dp)

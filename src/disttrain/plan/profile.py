@@ -246,7 +246,9 @@ def _plan_profile(args: argparse.Namespace) -> int:
         print(f"{n} copies at once: blocks {k:.3g}x slower than alone")
     for n, c in prof.get("collectives", {}).items():
         print(f"{n} ranks in pairs: a blocking all-reduce of {c['bytes'] / 1e6:.3g} MB adds "
-              f"{c['inline_s'] * 1e3:.3g} ms between compute ({c['alone_s'] * 1e3:.3g} ms alone)")
+              f"{c['inline_s'] * 1e3:.3g} ms between compute ({c['alone_s'] * 1e3:.3g} ms alone; "
+              f"the call {c['call_s'] * 1e3:.3g} ms when ranks alternate compute and it, their "
+              f"compute {(c['both_s'] - c['call_s']) / c['compute_cpu_s']:.3g}x slower than alone)")
     print(f"wrote {args.out} ({prof['steps']} steps, batch {prof['batch']} x {prof['seq']}, "
           f"{prof['threads']} threads)")
     return 0

@@ -65,6 +65,14 @@ class LayerProfile:
     full: bool = False
     """The ranks fill the CPUs (N x threads >= cpus): no core is left to overlap
     communication's CPU work with compute."""
+    loops: tuple[tuple[int, float, float], ...] = ()
+    """(N, call seconds, compute slowdown) with N ranks alternating compute and a blocking
+    pair all-reduce (plan/profile_sync.py's third loop): the all-reduce call's wall
+    seconds, and that loop's compute seconds over their CPU seconds."""
+    loop: tuple[float, float] | None = None
+    """`loops`' (call seconds, slowdown) for the N of `shared(N)`, if measured."""
+    alternating: bool = False
+    """Priced as ranks that alternate compute and blocking collectives (`alternate()`)."""
 
     def shared(self, n: int) -> LayerProfile:
         """As one of `n` ranks on this machine sees it: the slowdown measured with `n`
@@ -72,7 +80,18 @@ class LayerProfile:
         k = dict(self.measured).get(n)
         return replace(self, share=max(1.0, n * self.threads / self.cpus if k is None else k),
                        share_measured=k is not None, full=n * self.threads >= self.cpus,
-                       inline=next(((b, s) for m, b, s in self.collectives if m == n), None))
+                       inline=next(((b, s) for m, b, s in self.collectives if m == n), None),
+                       loop=next(((c, x) for m, c, x in self.loops if m == n), None))
+
+    def alternate(self) -> LayerProfile:
+        """As ranks that block on a collective after every piece of compute (a
+        tensor-parallel layer) see it: compute at the measured loop's slowdown, and each
+        blocking collective taking the loop's measured call; itself if not measured."""
+        if self.loop is None or self.inline is None:
+            return self
+        call, k = self.loop
+        return replace(self, share=max(1.0, k), share_measured=True, alternating=True,
+                       inline=(self.inline[0], call))
 
 
 def _read(path: str) -> dict:
@@ -129,7 +148,24 @@ def load_profile(path: str, m: GPTSpec) -> LayerProfile:
         batch=b, threads=data["threads"], cpus=data["cpus"],
         optimizer_s=opt.get("step_s"), optimizer_params=opt.get("params", 0.0),
         measured=_measured(path, data.get("shared", {})),
-        collectives=_collectives(path, data.get("collectives", {})))
+        collectives=_collectives(path, data.get("collectives", {})),
+        loops=_loops(path, data.get("collectives", {})))
+
+
+def _loops(path: str, rows) -> tuple[tuple[int, float, float], ...]:
+    """(N, call_s, (both_s - call_s) / compute_cpu_s) of the "collectives" rows that have
+    them (files written before they were measured have not)."""
+    keys = ("call_s", "both_s", "compute_cpu_s")
+    out = []
+    for n, r in rows.items():
+        if not all(k in r for k in keys):
+            continue
+        call, both, cpu = (float(r[k]) for k in keys)
+        if not (0 <= call <= both < math.inf and 0 < cpu < math.inf):
+            raise ValueError(f"--profile {path}: collectives[{n!r}] needs 0 <= call_s <= both_s and "
+                             f"compute_cpu_s > 0; write it again with `disttrain plan profile --ranks`")
+        out.append((int(n), call, (both - call) / cpu))
+    return tuple(sorted(out))
 
 
 def _collectives(path: str, rows) -> tuple[tuple[int, float, float], ...]:

@@ -17,7 +17,8 @@ from disttrain.plan.memory import model_state_bytes
 
 __all__ = ["recommend_layout", "loss_kind"]
 
-_COMM = ("tp all-reduce", "pipeline p2p", "dp ", "ZeRO-3 gathers", "ZeRO parameter all-gather")
+_COMM = ("tp all-reduce", "pipeline p2p", "dp ", "ZeRO-3 gathers", "ZeRO parameter all-gather",
+         "step barrier")
 
 
 def loss_kind(name: str) -> str:

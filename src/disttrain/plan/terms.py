@@ -57,6 +57,9 @@ def wire_terms(m: GPTSpec, lay, per: dict, d: dict, dp: dict) -> list[Term]:
 
 
 def _share_how(p) -> str:
+    if p.alternating:
+        return ("measured: compute between blocking pair all-reduces with that many ranks, "
+                "plan profile --ranks")
     if p.share_measured:
         return "measured: that many copies of the profile at once, plan profile --ranks"
     return "ranks x threads over CPUs"
@@ -108,7 +111,9 @@ def _parallel_terms(lay, dev, per, d, mb: int, layers: int, bubble: float) -> li
                         f"{per['tp_bytes'] / 1e6:.4g} MB over tp={lay.tp} ({per['ar'] * 1e3:.3g} ms each, "
                         f"{per['tp_bound']}-bound"
                         + (f"; {per['extra'] * 1e3:.3g} ms of it measured per blocking collective "
-                           "between computing ranks" if per["extra"] else "") + ")",
+                           + ("as the call's wall in a loop alternating compute and it"
+                              if dev.profile is not None and dev.profile.alternating
+                              else "between computing ranks") if per["extra"] else "") + ")",
                         f"comm/cost.py ring; {dev.sources.get(where)}"))
     if lay.tp > 1:
         out.append(Term("tp embedding, LM head and loss", mb * (d["emb_f"] + d["head_comm"]),
@@ -148,7 +153,8 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
                         + 2 * mb * lay.virtual * d["z3_first"],
                         (f"the ranks fill the cores: every unit's gather blocks ({UNITS} units per "
                          f"layer, each an all-gather + {per['blocking'] * 1e3:.3g} ms measured per "
-                         "blocking collective), + the reduce-scatter backward"
+                         "blocking collective), + the reduce-scatter backward; the embeddings', "
+                         "final LayerNorm's and head's units each pass alike"
                          if dev.profile is not None and dev.profile.full else
                          "per layer max(0, all-gather [+ reduce-scatter] - compute), prefetching "
                          "the next layer; the first layer's gather exposed"),
