@@ -32,12 +32,18 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from disttrain.comm.cost import MODELLED, Links, collective_bound, predict, predict_collective
+from disttrain.comm.cost import Links, collective_bound, predict, predict_collective
 from disttrain.parallel.pipeline.schedules import simulate
 from disttrain.plan.compute import head_seconds, layer_seconds, optimizer_seconds
 from disttrain.plan.devices import Device
 from disttrain.plan.gpt import GPTSpec, layer_cost
-from disttrain.plan.layout_memory import memory, memory_terms, schedule_actions, stage_params
+from disttrain.plan.layout_memory import (
+    Layout,
+    memory,
+    memory_terms,
+    schedule_actions,
+    stage_params,
+)
 from disttrain.plan.per_step import step_collectives
 from disttrain.plan.terms import DTYPE, UNITS, Term, time_terms, wire_terms
 
@@ -52,44 +58,6 @@ traced 4-layer dp 2 job)."""
 
 BUCKET_BYTES = 25 * 2 ** 20
 """DataParallel's and Zero's default bucket_mb=25."""
-
-WIRE_BYTES = {"bf16": 2, "fp32": 4}
-"""Bytes per element on the wire, per `Layout.precision`."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One candidate: how N devices split the model and the batch."""
-
-    pp: int
-    dp: int
-    tp: int
-    zero: int
-    micro_batch: int
-    microbatches: int
-    schedule: str
-    """"1f1b", "gpipe", "interleaved" (2 chunks per stage), "zb-h1"; "-" when pp == 1."""
-    recompute: bool
-    sp: bool
-    precision: str = "bf16"
-    """Elements on the wire: "bf16" (mixed precision) or "fp32" (a plain fp32 job)."""
-    algorithm: str = "ring"
-    """The dp all-reduce (ZeRO 0): a comm/cost.py MODELLED one, or "native" (as the ring)."""
-
-    def __post_init__(self):
-        if self.precision not in WIRE_BYTES:
-            raise ValueError(f"precision {self.precision!r}: give one of {', '.join(WIRE_BYTES)}")
-        if self.algorithm not in ("native", *MODELLED):
-            raise ValueError(f"algorithm {self.algorithm!r}: give native or one of {', '.join(MODELLED)}")
-
-    @property
-    def virtual(self) -> int:
-        return 2 if self.schedule == "interleaved" else 1
-
-    @property
-    def wire(self) -> int:
-        return WIRE_BYTES[self.precision]
-
 
 @dataclass
 class Estimate:

@@ -9,18 +9,54 @@ simulates. Pure arithmetic (no torch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
+from disttrain.comm.cost import MODELLED
 from disttrain.parallel.pipeline.schedules import SCHEDULE_TABLE, peak_in_flight, peak_until_w
 from disttrain.plan.gpt import KORTHIKANTI, GPTSpec, layer_cost
 from disttrain.plan.memory import model_state_bytes
 from disttrain.plan.terms import Term
 
-if TYPE_CHECKING:  # NOTE: cost.py imports this module
-    from disttrain.plan.cost import Layout
+__all__ = ["Layout", "WIRE_BYTES", "memory", "memory_terms", "schedule_actions", "stage_params"]
 
-__all__ = ["memory", "memory_terms", "schedule_actions", "stage_params"]
+
+WIRE_BYTES = {"bf16": 2, "fp32": 4}
+"""Bytes per element on the wire, per `Layout.precision`."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: how N devices split the model and the batch."""
+
+    pp: int
+    dp: int
+    tp: int
+    zero: int
+    micro_batch: int
+    microbatches: int
+    schedule: str
+    """"1f1b", "gpipe", "interleaved" (2 chunks per stage), "zb-h1"; "-" when pp == 1."""
+    recompute: bool
+    sp: bool
+    precision: str = "bf16"
+    """Elements on the wire: "bf16" (mixed precision) or "fp32" (a plain fp32 job)."""
+    algorithm: str = "ring"
+    """The dp all-reduce (ZeRO 0): a comm/cost.py MODELLED one, or "native" (as the ring)."""
+
+    def __post_init__(self):
+        if self.precision not in WIRE_BYTES:
+            raise ValueError(f"precision {self.precision!r}: give one of {', '.join(WIRE_BYTES)}")
+        if self.algorithm not in ("native", *MODELLED):
+            raise ValueError(f"algorithm {self.algorithm!r}: give native or one of {', '.join(MODELLED)}")
+
+    @property
+    def virtual(self) -> int:
+        return 2 if self.schedule == "interleaved" else 1
+
+    @property
+    def wire(self) -> int:
+        return WIRE_BYTES[self.precision]
 
 
 @lru_cache(maxsize=256)
