@@ -3,7 +3,9 @@
 One spawn of 8 ranks covers worlds 1..8: the groups [0..k-1] for k = 1..8 and one
 non-contiguous group. Inputs are random normals (seeded by case and rank), so the
 order of additions shows in the low bits: ranks agree bit for bit only if every
-element is summed once and copied.
+element is summed once and copied. The same 8 processes then run the async submissions
+and `disttrain.comm.all_reduce` on the whole world (one spawn: each rank's start imports
+torch, seconds of suite time).
 """
 
 import hashlib
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from disttrain.comm.algorithms import ALGORITHMS, all_reduce
 from disttrain.testing import spawn
 
+pytestmark = pytest.mark.timeout(300)  # NOTE: the first test to ask for `eight` waits for its spawn
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SIZES = (0, 1, 1003)
 TOL = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5, torch.float64: 1e-12}
@@ -82,8 +85,18 @@ def every_world():
     return digests
 
 
-def test_every_algorithm_sums_exactly_once_and_agrees_bitwise_on_every_rank():
-    results = spawn(every_world, 8, timeout=240)
+def world_of_eight():
+    """Every check that needs processes, on one spawn of 8 ranks."""
+    return {"every": every_world(), "overlapped": overlapped(), "face": through_the_face()}
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return spawn(world_of_eight, 8, timeout=240)
+
+
+def test_every_algorithm_sums_exactly_once_and_agrees_bitwise_on_every_rank(eight):
+    results = [r["every"] for r in eight]
     assert all("must divide the group size (8)" in r.pop("error", "") for r in results)
     for key in results[0]:
         holders = [r for r in results if key in r]
@@ -105,7 +118,7 @@ def overlapped():
     me = dist.get_rank()
     out = {}
     for algo in ("ring", "hierarchical"):
-        reducer = AsyncAllReduce(algo, local_size=2)
+        reducer = AsyncAllReduce(algo, local_size=2)  # NOTE: world 8: 4 nodes of 2
         buckets = [_input(50 + b, me, 1000 + 37 * b, torch.float32) for b in range(4)]
         handles = [reducer.submit(t) for t in buckets]
         side = torch.tensor([float(me)])
@@ -113,16 +126,17 @@ def overlapped():
         for h in handles:
             h.wait()
         reducer.close()
-        ref = [sum(_input(50 + b, r, 1000 + 37 * b, torch.float64) for r in range(4)) for b in range(4)]
+        ref = [sum(_input(50 + b, r, 1000 + 37 * b, torch.float64) for r in range(dist.get_world_size()))
+               for b in range(4)]
         for t, want in zip(buckets, ref):
             torch.testing.assert_close(t.double(), want, atol=1e-4, rtol=1e-5)
         out[algo] = [_digest(t) for t in buckets] + [side.item()]
     return out
 
 
-def test_async_submissions_overlap_main_thread_collectives_and_agree_bitwise():
-    results = spawn(overlapped, 4, timeout=120)
-    assert all(r == results[0] for r in results) and results[0]["ring"][-1] == 6.0
+def test_async_submissions_overlap_main_thread_collectives_and_agree_bitwise(eight):
+    results = [r["overlapped"] for r in eight]
+    assert all(r == results[0] for r in results) and results[0]["ring"][-1] == sum(range(8))
 
 
 def through_the_face():
@@ -144,6 +158,6 @@ def through_the_face():
     return [_digest(a), _digest(b), biggest.item()]
 
 
-def test_the_comm_face_all_reduce_takes_an_algorithm():
-    results = spawn(through_the_face, 2, timeout=60)
-    assert results[0] == results[1] and results[0][-1] == 1.0
+def test_the_comm_face_all_reduce_takes_an_algorithm(eight):
+    results = [r["face"] for r in eight]
+    assert all(r == results[0] for r in results) and results[0][-1] == 7.0

@@ -25,7 +25,8 @@ def test_failing_rank_is_named_with_its_traceback():
 
 @pytest.mark.timeout(60)
 def test_timeout_names_the_unfinished_rank():
-    # NOTE: on a loaded machine rank 0 may not have started its work within 8 s either;
-    # the sleeping rank 1 must be named whatever happens to rank 0.
-    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] did not finish within 8s"):
-        spawn(fns.rank_one_sleeps, 2, timeout=8)
+    # NOTE: on a loaded machine rank 0 may not have started its work within 5 s either;
+    # the sleeping rank 1 must be named whatever happens to rank 0. (Suite time: the test
+    # waits the whole timeout.)
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] did not finish within 5s"):
+        spawn(fns.rank_one_sleeps, 2, timeout=5)

@@ -4,7 +4,8 @@ A GPT with `tie_embeddings=True` keeps one weight for its token embedding (first
 and its LM head (last stage). Split over pp=2 (and pp=2 x tp=2), each stage holds a
 copy; after each step the copies must be bitwise equal, and losses, gradients and
 parameters must match the single-process tied GPT. A tied pp=2 checkpoint loads into
-one process as one weight.
+one process as one weight. The two pp=2 checks share one spawn of 2 processes (each start
+imports torch: seconds of suite time).
 """
 
 import os
@@ -87,10 +88,35 @@ def assert_copies_bitwise_equal(copies, first, last):
         assert torch.equal(a, b), f"tied copies differ after step {step}"
 
 
-@pytest.mark.timeout(90)
-def test_tied_pp2_matches_single_process_and_checkpoint_loads_into_pp1(tmp_path):
-    ckpt = os.path.join(tmp_path, "ckpt")
-    copies = spawn(tied_pp2, 2, ckpt, timeout=80)
+def _stepped_adamw_tied_model():
+    """The pp=1 model and its AdamW after one step (the state test_tied_optimizer_... moves)."""
+    model, opt = _adamw_tied_model()
+    x, y = ref.make_batch(4)
+    model(x).logsumexp(-1).mean().backward()
+    opt.step()
+    return model, opt
+
+
+def both_pp2_jobs(ckpt, src, dst):
+    return {"tied": tied_pp2(ckpt), "moved": load_pp1_into_pp2_and_save(src, dst)}
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    """One spawn at pp=2 for both checks: (folders, the pp1 model and optimizer, results)."""
+    tmp = tmp_path_factory.mktemp("tied")
+    folders = {k: os.path.join(tmp, k) for k in ("ckpt", "pp1", "pp2")}
+    model, opt = _stepped_adamw_tied_model()
+    Checkpointer(folders["pp1"]).save(1, model=model, optimizer=opt)
+    out = spawn(both_pp2_jobs, 2, folders["ckpt"], folders["pp1"], folders["pp2"], timeout=120)
+    return folders, model, opt, out
+
+
+@pytest.mark.timeout(130)  # NOTE: the first test to ask for `pp2` waits for its spawn
+def test_tied_pp2_matches_single_process_and_checkpoint_loads_into_pp1(pp2):
+    folders, _, _, out = pp2
+    ckpt = folders["ckpt"]
+    copies = [r["tied"] for r in out]
     assert_copies_bitwise_equal(copies, 0, 1)
     # pp=2 -> one process: both names fill the one shared weight
     full = ref.make_model(tie_embeddings=True)
@@ -151,16 +177,12 @@ def load_pp1_into_pp2_and_save(src, dst):
     return p.detach().clone(), opt.state[p]["exp_avg"].clone()
 
 
-@pytest.mark.timeout(60)
-def test_tied_optimizer_state_moves_pp1_to_pp2_and_back(tmp_path):
-    model, opt = _adamw_tied_model()
-    x, y = ref.make_batch(4)
-    model(x).logsumexp(-1).mean().backward()
-    opt.step()
-    src, dst = os.path.join(tmp_path, "pp1"), os.path.join(tmp_path, "pp2")
-    Checkpointer(src).save(1, model=model, optimizer=opt)
+@pytest.mark.timeout(130)
+def test_tied_optimizer_state_moves_pp1_to_pp2_and_back(pp2):
+    folders, model, opt, out = pp2
+    dst = folders["pp2"]
     w = model.embed.tok.weight
-    for weight, exp_avg in spawn(load_pp1_into_pp2_and_save, 2, src, dst, timeout=50):
+    for weight, exp_avg in (r["moved"] for r in out):
         assert torch.equal(weight, w.detach()) and torch.equal(exp_avg, opt.state[w]["exp_avg"])
     back, back_opt = _adamw_tied_model()
     torch.nn.init.zeros_(back.embed.tok.weight)

@@ -1,7 +1,9 @@
 """`disttrain cluster` on real namespaces: up, traffic between nodes, down, nothing left.
 
 Runs as root (CI does); skipped, saying why, where this machine cannot make namespaces.
-The CLI is run as `python -m disttrain.cluster`, which is `disttrain cluster`.
+The CLI is run as `python -m disttrain.cluster`, which is `disttrain cluster`, for every
+`up` and for the first test's first `down`; `show`, `list` and the other `down`s run the
+same `disttrain.cli.main` in this process (each launch imports torch: ~2 s of suite time).
 """
 
 import os
@@ -11,7 +13,7 @@ import uuid
 
 import pytest
 
-from disttrain import settings
+from disttrain import cli, settings
 from disttrain.cluster import net
 
 ROOT_CAPS = os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
@@ -30,6 +32,14 @@ ASK = ("import socket,sys,time\n"
 def cluster(*args, env=None):
     return subprocess.run([sys.executable, "-m", "disttrain.cluster", *args], capture_output=True,
                           text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def here(capsys, *args):
+    """`disttrain cluster ARGS` in this process: (exit code, stdout, stderr)."""
+    settings.refresh()  # NOTE: reads the DISTTRAIN_CLUSTER_DIR the `name` fixture set
+    code = cli.main(["cluster", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.fixture
@@ -60,39 +70,40 @@ def leftovers(name):
     return net.leftover_namespaces(name) + cg
 
 
-def test_a_two_node_switch_cluster_comes_up_carries_traffic_and_leaves_nothing(name):
+def test_a_two_node_switch_cluster_comes_up_carries_traffic_and_leaves_nothing(name, capsys):
     up = cluster("up", name, "--nodes", "2", "--link", "1gbit")
     assert up.returncode == 0, up.stderr
     assert "10.213." in up.stdout and f"dt-{name}-n1" in up.stdout
-    show = cluster("show", name)
-    addr1 = show.stdout.split("n1  ")[1].split()[0]
+    code, show, _ = here(capsys, "show", name)
+    assert code == 0, show
+    addr1 = show.split("n1  ")[1].split()[0]
     assert talk(name, 0, 1, addr1) == "gnip"
-    assert name in cluster("list").stdout
+    assert name in here(capsys, "list")[1]
     assert cluster("down", name).returncode == 0
-    assert leftovers(name) == [] and name not in cluster("list").stdout
-    again = cluster("down", name)
-    assert again.returncode == 0 and "nothing to remove" in again.stdout
+    assert leftovers(name) == [] and name not in here(capsys, "list")[1]
+    code, again, _ = here(capsys, "down", name)
+    assert code == 0 and "nothing to remove" in again
 
 
-def test_a_four_node_ring_forwards_through_the_nodes_between_and_has_cpu_quotas(name):
+def test_a_four_node_ring_forwards_through_the_nodes_between_and_has_cpu_quotas(name, capsys):
     up = cluster("up", name, "--nodes", "4", "--link", "1gbit", "--topology", "ring",
                  "--cpus-per-node", "0.5")
     assert up.returncode == 0, up.stderr
-    addr2 = cluster("show", name).stdout.split("n2  ")[1].split()[0]
+    addr2 = here(capsys, "show", name)[1].split("n2  ")[1].split()[0]
     assert talk(name, 0, 2, addr2) == "gnip"  # two hops: n0 -> n1 -> n2
     with open(f"/sys/fs/cgroup/cpu/dt-{name}-n3/cpu.cfs_quota_us") as f:
         assert int(f.read()) == 5_000  # 0.5 x the 10 ms period
-    assert cluster("down", name).returncode == 0
+    assert here(capsys, "down", name)[0] == 0
     assert leftovers(name) == []
 
 
-def test_down_cleans_what_a_crashed_up_left(name):
+def test_down_cleans_what_a_crashed_up_left(name, capsys):
     subprocess.run(["ip", "netns", "add", f"dt-{name}-n0"], check=True)
     os.makedirs(f"/sys/fs/cgroup/cpu/dt-{name}-n0", exist_ok=True)
-    assert "leftover namespace" in cluster("list").stdout
+    assert "leftover namespace" in here(capsys, "list")[1]
     refused = cluster("up", name, "--nodes", "2", "--link", "1gbit")
     assert refused.returncode == 1 and f"disttrain cluster down {name}" in refused.stderr
-    assert cluster("down", name).returncode == 0
+    assert here(capsys, "down", name)[0] == 0
     assert leftovers(name) == []
 
 

@@ -4,6 +4,8 @@
 Real namespaces and shaped links; skipped, saying why, without root.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -18,7 +20,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from disttrain import trace
+from disttrain import cli as disttrain_cli
+from disttrain import settings, trace
 from disttrain.cluster import net
 from disttrain.trace import analysis, report
 
@@ -112,8 +115,19 @@ def run_cli(*args, **kw):
                           timeout=kw.pop("timeout", 120), **kw)
 
 
+def here(*args) -> tuple[int, str]:
+    """`disttrain cluster ARGS` in this process (no torch import): (exit code, stdout)."""
+    settings.refresh()  # NOTE: reads the DISTTRAIN_CLUSTER_DIR two_nodes set
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = disttrain_cli.main(["cluster", *args])
+    return code, out.getvalue()
+
+
 def two_nodes(folder):
-    """Bring up a 2-node switch cluster at 1 Gbit/s; yield its name; take it down, check nothing is left."""
+    """Bring up a 2-node switch cluster at 1 Gbit/s; yield its name; take it down, check nothing is left.
+
+    `up` is the installed command; the closing `down` and `list` run in this process (each
+    launch imports torch: seconds). test_down_after_a_sigkilled_job... runs the command's `down`."""
     saved = os.environ.get("DISTTRAIN_CLUSTER_DIR")
     os.environ["DISTTRAIN_CLUSTER_DIR"] = str(folder)
     name, down = "r" + uuid.uuid4().hex[:8], None
@@ -121,17 +135,18 @@ def two_nodes(folder):
         up = cli("up", name, "--nodes", "2", "--link", "1gbit")
         assert up.returncode == 0, up.stderr
         yield name
-        down = cli("down", name)
-        assert down.returncode == 0, down.stderr
+        down, said = here("down", name)
+        assert down == 0, said
         assert net.leftover_namespaces(name) == []
-        assert name not in cli("list").stdout
+        assert name not in here("list")[1]
     finally:
-        if down is None or down.returncode != 0:  # NOTE: each CLI call imports torch: seconds
-            cli("down", name)
+        if down != 0:
+            here("down", name)
         if saved is None:
             os.environ.pop("DISTTRAIN_CLUSTER_DIR")
         else:
             os.environ["DISTTRAIN_CLUSTER_DIR"] = saved
+        settings.refresh()
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,14 @@ LIMIT = 240  # seconds per launch on a loaded 2-core machine
 
 def run(world: int, ckpt, *, stop_after: float | None = None) -> tuple[int, str]:
     """`disttrain run --nproc WORLD preempt_train.py CKPT`; with `stop_after`, SIGTERM to
-    the launcher that many seconds after training started. (exit code, stdout+stderr)."""
+    the launcher that many seconds after training started. (exit code, stdout+stderr).
+
+    Only a run that is stopped sleeps between its steps (suite time: a run nobody stops
+    ends with the same parameters without)."""
+    pause = "0.05" if stop_after is not None else "0"
     proc = subprocess.Popen(
         [sys.executable, "-m", "disttrain", "run", "--nproc", str(world), "--grace-seconds", "60",
-         str(SCRIPT), str(ckpt), STEPS],
+         str(SCRIPT), str(ckpt), STEPS, pause],
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     try:

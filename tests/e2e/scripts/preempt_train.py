@@ -1,10 +1,12 @@
 """Train a small model with DataParallel for STEPS steps; save a checkpoint only when
 preempted (`disttrain.preempted()`), resume from it when started again (uses torch).
 
-`preempt_train.py CKPT_DIR [STEPS]`. Prints `TRAINING` (rank 0) once every rank can take
-the notice, `PREEMPTED rank R step S` after saving, `DONE rank R <sha256 of the parameters>`
-at the end. The data of step s depends only on s and the rank, so a resumed run must end
-bitwise equal to one that was never stopped.
+`preempt_train.py CKPT_DIR [STEPS [PAUSE]]`, PAUSE the seconds of sleep per step (default
+0.05: a notice sent while training lands mid-run; 0 for runs nobody stops). Prints
+`TRAINING` (rank 0) once every rank can take the notice, `PREEMPTED rank R step S` after
+saving, `DONE rank R <sha256 of the parameters>` at the end. The data of step s depends
+only on s and the rank, so a resumed run must end bitwise equal to one that was never
+stopped.
 """
 
 import hashlib
@@ -18,6 +20,7 @@ import disttrain
 
 CKPT = sys.argv[1]
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+PAUSE = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 
 torch.set_num_threads(1)
 disttrain.init()
@@ -41,7 +44,7 @@ for step in range(start, STEPS):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    time.sleep(0.05)
+    time.sleep(PAUSE)
     if disttrain.preempted():
         ckpt.save(step + 1, model=model, optimizer=opt)
         print(f"PREEMPTED rank {rank} step {step + 1}", flush=True)
