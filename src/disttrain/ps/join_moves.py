@@ -116,6 +116,13 @@ class Joins:
         if len(s.finished) >= len(s.workers):  # NOTE: the job ended first: the keys stay here
             self.done = True
             return
+        if any(r["server"] == self.new and r["state"] == "dead" for r in ring["servers"]):
+            self.done = True  # NOTE: before the hand-over: this server keeps its keys
+            if self.ext is not None:
+                s.chain.drop(self.new)
+            _say(f"[ps server{s.index}] joining server {self.new} died before it took the "
+                 f"keys: they stay here")
+            return
         if self.ext is None:
             if not any(y == x == self.new for y, x in ring.get("accepting", [])) or s.partial:
                 return  # NOTE: cut between two pushes, once the joiner admitted our link
