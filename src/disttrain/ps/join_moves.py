@@ -99,6 +99,7 @@ class Joins:
         self.ext = None
         self.handoff: Giving | None = None
         self.done = False
+        self.seen = -1  # the last ring version looked at for a join
         server.watch = self
 
     def __call__(self) -> None:
@@ -110,7 +111,9 @@ class Joins:
         if self.done or "servers" not in ring:
             return
         if self.new is None:
-            self._begin(ring)
+            if ring["version"] != self.seen:  # NOTE: once per ring version until a join
+                self.seen = ring["version"]
+                self._begin(ring)
             return
         s = self.server
         if len(s.finished) >= len(s.workers):  # NOTE: the job ended first: the keys stay here
