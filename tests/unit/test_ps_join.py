@@ -9,6 +9,7 @@ from disttrain.ps.join_moves import joined_owners, joiner
 from disttrain.ps.joiner import JOIN_ENV, joining
 from disttrain.ps.membership import Membership, Refused
 from disttrain.ps.placement import place, plan_keys
+from tests.unit.test_ps_manager import KEY, Live
 
 MLP = [("0.weight", 64 * 64, 4), ("0.bias", 64, 4), ("2.weight", 64 * 10, 4), ("2.bias", 10, 4)]
 MIXED = [("emb", 50_000 * 16, 4), ("big", 300_000, 4)] + [(f"n{i}", 97 + i, 4) for i in range(40)]
@@ -115,3 +116,36 @@ def test_joining_reads_the_workers_add_server_sets(monkeypatch):
     monkeypatch.setenv(JOIN_ENV, "yes")
     with pytest.raises(ValueError, match="must be the job's number of workers"):
         joining()
+
+
+@pytest.fixture
+def live(tmp_path, monkeypatch):
+    """A manager on the job's wire (test_ps_manager.Live), and the job's secret exported."""
+    from disttrain import settings
+
+    monkeypatch.setenv("DISTTRAIN_SECRET", KEY.hex())
+    settings.refresh()
+    m = Live(str(tmp_path / "manager.json"))
+    yield m
+    m.close()
+    monkeypatch.undo()
+    settings.refresh()
+
+
+@pytest.mark.timeout(60)
+def test_ps_join_is_refused_by_a_live_manager_naming_the_fix(live):
+    import torch
+
+    from disttrain import ps
+    from disttrain.ps.manager_link import SERVER_PARTY, ManagerError, fingerprint
+
+    model = torch.nn.Linear(8, 4)
+    spec = [(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
+    live.link(SERVER_PARTY).request(
+        "register", server=0, address="ipc://s0", expected=1, attempt=0, shard=[],
+        fingerprint=fingerprint(spec, repr(ps.Sync()), 4 << 20))
+    with pytest.raises(ManagerError, match="server 1 serves another model or policy.*same "
+                                           "model and policy"):
+        ps.join(torch.nn.Linear(8, 5), workers=1, manager=live.address, timeout=5)
+    with pytest.raises(ManagerError, match="server 1 cannot join: this job has one server"):
+        ps.join(model, workers=1, manager=live.address, timeout=5)

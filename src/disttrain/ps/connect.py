@@ -302,6 +302,8 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     """One script for both roles: `attach` on a worker, `serve` and end the process on a server.
 
     On a worker: blocks until every server said welcome, returns the `Worker`.
+    In a process `disttrain ps add-server` started (`ps.joining()`): `ps.join` (no
+    process group), then the report and SystemExit(0), as on a server.
     On a server: serves until all workers are done or lost, prints the report
     (`format_stats`) and raises `SystemExit(0)` after shutting the process group down, so
     the workers' training loop after this call never runs there (finally blocks and

@@ -99,6 +99,7 @@ class Joins:
         self.ext = None
         self.handoff: Giving | None = None
         self.done = False
+        self.seen = -1  # the last ring version looked at for a join
         server.watch = self
 
     def __call__(self) -> None:
@@ -110,11 +111,20 @@ class Joins:
         if self.done or "servers" not in ring:
             return
         if self.new is None:
-            self._begin(ring)
+            if ring["version"] != self.seen:  # NOTE: once per ring version until a join
+                self.seen = ring["version"]
+                self._begin(ring)
             return
         s = self.server
         if len(s.finished) >= len(s.workers):  # NOTE: the job ended first: the keys stay here
             self.done = True
+            return
+        if any(r["server"] == self.new and r["state"] == "dead" for r in ring["servers"]):
+            self.done = True  # NOTE: before the hand-over: this server keeps its keys
+            if self.ext is not None:
+                s.chain.drop(self.new)
+            _say(f"[ps server{s.index}] joining server {self.new} died before it took the "
+                 f"keys: they stay here")
             return
         if self.ext is None:
             if not any(y == x == self.new for y, x in ring.get("accepting", [])) or s.partial:

@@ -144,6 +144,10 @@ class Routes:
         states = gone(ring)
         new = joiner(ring)
         if s in self._told and s not in states and new is not None and s < len(self.plan):
+            if states.get(new) == "dead":  # NOTE: replicas=1: the keys it took died with it
+                return (f"server {s} handed keys to joining server {new}, which died (the "
+                        f"manager's ring version {ring['version']} marks it dead): with "
+                        "replicas=1 they are lost; restart the job (from a snapshot)")
             return self._joined(s, new, ring)  # NOTE: handed keys to a joining server (join_moves.py)
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
         if host not in states:
