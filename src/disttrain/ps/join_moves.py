@@ -80,6 +80,10 @@ class Giving(_Handoff):
 
     gone_as = "giving"
 
+    def serve(self, d: int, route: Server, ring: int, t0: float) -> None:
+        """Serve `route` (keys server d gave) on a thread of its own; report it."""
+        self._start(d, route, ring, t0)
+
 
 class Joins:
     """Old owner X's watch on the manager's ring for a join (replicas=1): copies the keys
@@ -169,7 +173,7 @@ class Joins:
                                     self.optimizer, self.secret, host=self.host,
                                     chunk_bytes=self.chunk_bytes)
             s.watch = self
-            self.handoff._start(s.index, self._own_route(kept, before), ring["version"], t0)
+            self.handoff.serve(s.index, self._own_route(kept, before), ring["version"], t0)
         st = self.ext.stats
         _say(f"[ps server{s.index}] handed {st['keys']} keys ({st['bytes'] / 1e6:.2f} MB with "
              f"optimizer state) to joining server {self.new} at version {s.policy.version}; "
