@@ -139,11 +139,13 @@ def kill_server(step: int, when: str) -> None:
         os.kill(int(store.get(f"digits/pid{args.kill_server}")), signal.SIGKILL)
 
 
-def drain_server(step: int) -> None:
+def drain_server(step: int) -> bool:
     """--drain-server-at: ask the job's server manager to drain server --drain-server."""
     if rank == 0 and step == args.drain_server_at:
         print(f"worker 0: draining server {args.drain_server} at step {step}", flush=True)
         ps.drain(args.drain_server)
+        return True
+    return False
 
 def add_server(step: int) -> subprocess.Popen | None:
     """--add-server-at: start this script as a server joining the job (one node)."""
@@ -185,7 +187,7 @@ loader = disttrain.data.shard_loader(torch.utils.data.TensorDataset(x_train, y_t
 # training loop: pull, forward, (straggle), backward (pushes start from the grad hooks), push
 log = open(args.log_json, "a") if args.log_json and rank == 0 else None
 times = open(args.step_times, "a") if args.step_times and rank == 0 else None
-start, step, done, added = time.perf_counter(), 0, 0, None
+start, step, done, added, drained = time.perf_counter(), 0, 0, None, False
 for _ in range(args.epochs):
     for x, y in loader:  # (B, 64), (B,)
         conn.pull().wait()  # blocks while the policy holds this worker back (Sync, SSP)
@@ -203,9 +205,9 @@ for _ in range(args.epochs):
             loss.backward()
             pushed = conn.push()
             kill_server(step, "pushed")
-            drain_server(step)
+            drained = drain_server(step) or drained
             added = add_server(step) or added
-            if added is not None and not conn.routes.routes:
+            if (added is not None or drained) and not conn.routes.routes:
                 time.sleep(0.2)  # NOTE: this small model trains in seconds: the move lands mid-run
             pushed.wait()  # blocks until every server has the gradient
             kill_server(step, "acked")
