@@ -48,6 +48,7 @@ PS_IPC = "DISTTRAIN_PS_IPC"
 PS_SHM = "DISTTRAIN_PS_SHM"
 PS_MANAGER = "DISTTRAIN_PS_MANAGER"
 PS_TAKEOVER_FILE = "DISTTRAIN_PS_TAKEOVER_FILE"
+PS_JOIN = "DISTTRAIN_PS_JOIN"
 LINK_GBPS = "DISTTRAIN_LINK_GBPS"
 ALPHA_US = "DISTTRAIN_ALPHA_US"
 LOCAL_GBPS = "DISTTRAIN_LOCAL_GBPS"
@@ -168,6 +169,9 @@ class Settings:
     ps_manager: str | None = _var(PS_MANAGER, TEXT, None, RUN)
     """The parameter-server manager's address (`run --servers` starts one and sets it):
     servers register there and workers learn the ring from it; unset: the c10d store."""
+    ps_join: int = _var(PS_JOIN, COUNT, 0, "disttrain ps add-server")
+    """Set by `disttrain ps add-server` to the job's number of workers: this process is a
+    server joining a running job (`ps.connect` calls `ps.join`); 0: not joining."""
     ps_takeover_file: str | None = _var(PS_TAKEOVER_FILE, TEXT, None, RUN)
     """Set by the launcher for a server rank: the server writes there that copies of its
     keys would take over (replicas >= 2 with a manager), so its SIGKILL ends the rank with

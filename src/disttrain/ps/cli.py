@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 
+from disttrain import settings
 from disttrain.ps.manager_link import ManagerError, ManagerLink, status_party
 
 __all__ = ["add_ps_parser", "format_status"]
@@ -122,13 +123,13 @@ def _add_server(args) -> int:
               "-- script.py [args] (W: the job's number of workers; the job's script and "
               "arguments after --)", file=sys.stderr)
         return 2
-    if not os.environ.get("DISTTRAIN_SECRET"):
+    if not settings.current().secret:
         print("disttrain ps add-server: error: DISTTRAIN_SECRET is not set: export the job's "
               "(the joining server speaks the job's authenticated wire)", file=sys.stderr)
         return 2
     env = {k: v for k, v in os.environ.items() if k not in _GROUP_VARS
            and not k.startswith("TORCHELASTIC_")}  # NOTE: no process group to join
-    env.update(DISTTRAIN_PS_MANAGER=_address(args.addr), DISTTRAIN_PS_JOIN=str(args.workers))
+    env.update({settings.PS_MANAGER: _address(args.addr), settings.PS_JOIN: str(args.workers)})
     return subprocess.run([sys.executable, *script], env=env).returncode
 
 

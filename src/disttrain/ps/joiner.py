@@ -18,7 +18,6 @@ worker said done). Docs: docs/design/parameter-server.md, "Live membership".
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections.abc import Callable
 
@@ -44,18 +43,15 @@ from disttrain.ps.transfer import accept
 
 __all__ = ["join", "joining", "joined", "JOIN_ENV"]
 
-JOIN_ENV = "DISTTRAIN_PS_JOIN"
+JOIN_ENV = settings.PS_JOIN
 """Set by `disttrain ps add-server` to the job's number of workers: this process is a
 server joining a running job (`ps.connect` calls `join`)."""
 
 
 def joining() -> int:
     """The job's number of workers when this process was started to join a running job
-    (`disttrain ps add-server`), else 0. Reads the environment; does not block."""
-    raw = os.environ.get(JOIN_ENV, "")
-    if raw and not raw.isdigit():
-        raise ValueError(f"{JOIN_ENV}={raw!r} must be the job's number of workers")
-    return int(raw or 0)
+    (`disttrain ps add-server`), else 0. Reads the settings; does not block."""
+    return settings.current().ps_join
 
 
 def joined(manager: str | None = None, *, timeout: float = 120.0) -> int:
