@@ -1,9 +1,9 @@
 """The layout cases of benchmarks/plan_accuracy.py: examples/gpt_char.py in a chosen layout.
 
 Each `LayoutCase` predicts its step with the planner's own model (plan/cost.py's
-`estimate`, device `cpu-here`) from inputs measured once, before any case runs
-(`Calibration`): the GPT's block and LM-head seconds and its AdamW step from `disttrain
-plan profile` of the same model in one process with one thread, at the cases'
+`estimate`, device `cpu-here`) from inputs measured apart from the cases' runs
+(`Calibration`: one profile before each round of runs, their median used): the GPT's
+block and LM-head seconds and its AdamW step from `disttrain plan profile` of the same model in one process with one thread, at the cases'
 micro-batch; the links and CPU-pool terms from devices.json's `cpu-here`
 (benchmarks/allreduce.py's fit); an emulated link of rate R at that fit's efficiency x R. `measure()` runs the real
 job once (`disttrain run --nproc N`, or `--cluster` on an emulated cluster) and returns
@@ -14,6 +14,7 @@ k x tokens per step / rate_k.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from disttrain.plan.cost import Layout, estimate
 from disttrain.plan.devices import device
 from disttrain.plan.gpt import GPTSpec
-from disttrain.plan.profiled import load_profile
+from disttrain.plan.profiled import load_profile, median_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "gpt_char.py")
@@ -62,25 +63,39 @@ class Calibration:
     workdir: str
     profile: str = ""
     lines: list[str] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    """Every `plan profile` run's file; `profile` holds their median."""
 
     def run(self, steps: int = 20) -> None:
-        """Profile the model in one process, then at 2, 4 and 8 ranks at once (blocks ~60 s)."""
+        """Profile the model in one process, then at 2, 4 and 8 ranks at once (blocks ~60 s).
+
+        Each call adds one run; the inputs are the median of the runs so far
+        (plan/profiled.py's `median_profile`), so benchmarks/plan_accuracy.py calls it
+        before each round of jobs and one burst of load moves no input."""
         target = os.path.join(self.workdir, "profile_target.py")
         with open(target, "w") as f:
             f.write(PROFILE_TARGET)
-        self.profile = os.path.join(self.workdir, "profile.json")
-        cmd = [sys.executable, "-m", "disttrain", "plan", "profile", target, "--out", self.profile,
+        out = os.path.join(self.workdir, f"profile_{len(self.runs)}.json")
+        cmd = [sys.executable, "-m", "disttrain", "plan", "profile", target, "--out", out,
                "--steps", str(steps), "--threads", "1", "--ranks", RANKS]
         res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
         if res.returncode:
             raise RuntimeError(f"calibration `{' '.join(cmd)}` failed:\n{res.stdout}{res.stderr}")
+        with open(out) as f:
+            self.runs.append(json.load(f))
+        self.profile = os.path.join(self.workdir, "profile.json")
+        with open(self.profile, "w") as f:
+            json.dump(median_profile(self.runs), f)
+        each = [load_profile(os.path.join(self.workdir, f"profile_{i}.json"), MODEL)
+                for i in range(len(self.runs))]
         p = load_profile(self.profile, MODEL)
         base = device("cpu-here")
         self.lines = [
             f"compute: `disttrain plan profile` of the {MODEL.layers}-layer GPT (hidden {MODEL.hidden}, "
             f"seq {MODEL.seq}) in one process, 1 thread, batch {MICRO}, {steps} steps: block "
             f"{p.fwd_s * 1e3:.2f} / {p.bwd_s * 1e3:.2f} ms fwd / bwd, head {p.head_fwd_s * 1e3:.2f} / "
-            f"{p.head_bwd_s * 1e3:.2f} ms (medians)",
+            f"{p.head_bwd_s * 1e3:.2f} ms (medians; the median of {len(self.runs)} profile runs, blocks "
+            + ", ".join(f"{q.fwd_s * 1e3:.2f}/{q.bwd_s * 1e3:.2f}" for q in each) + ")",
             f"links: devices.json cpu-here ({base.sources.get('inter', '')}); inside one machine "
             f"{base.intra_Bps / 1e9:g} GB/s, alpha {base.intra_alpha * 1e6:g} us; CPU pool "
             f"{base.step_alpha * 1e6:g} us per sender and step ({base.sources.get('cpu', '')})",

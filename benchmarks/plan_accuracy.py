@@ -132,10 +132,7 @@ def _cases(args, workdir: str):
     from _plan_accuracy_layouts import Calibration, Clusters, layout_cases
 
     cal = Calibration(workdir)
-    t0 = time.perf_counter()
-    cal.run(steps=10 if args.quick else 20)
-    print(f"calibrated inputs (measured once, {time.perf_counter() - t0:.0f} s, before any scored job):")
-    print("\n".join(f"  {x}" for x in cal.lines))
+    _calibrate(cal, 10 if args.quick else 20)
     clusters = Clusters()
     cases = list(layout_cases(cal, clusters, args.quick))
     try:
@@ -151,12 +148,24 @@ def _cases(args, workdir: str):
         cases = [c for c in cases if re.search(args.only, c.name)]
         if not cases:
             raise SystemExit(f"--only {args.only!r} matches no case; the cases: {', '.join(names)}")
-    return cases, clusters
+    return cases, clusters, cal
 
 
-def _measure_all(cases, rows: list[Row], reps: int) -> None:
-    """Run every case `reps` times, round-robin; a failed run marks its case failed."""
+def _calibrate(cal, steps: int) -> None:
+    """One more calibration run (blocks ~60 s); prints the inputs, now the runs' median."""
+    t0 = time.perf_counter()
+    cal.run(steps=steps)
+    print(f"calibrated inputs (run {len(cal.runs)} took {time.perf_counter() - t0:.0f} s, "
+          f"load {os.getloadavg()[0]:.1f}; no scored job ran during it):")
+    print("\n".join(f"  {x}" for x in cal.lines), flush=True)
+
+
+def _measure_all(cases, rows: list[Row], reps: int, recalibrate=None) -> None:
+    """Run every case `reps` times, round-robin; a failed run marks its case failed.
+    `recalibrate()`, when given, runs before each round after the first."""
     for rep in range(reps):
+        if rep and recalibrate is not None:
+            recalibrate()
         for case, row in zip(cases, rows):
             if row.failed:
                 continue
@@ -216,13 +225,15 @@ def main(argv=None) -> int:
     start, t0 = os.getloadavg(), time.time()
     print(f"load average at start: {start[0]:.2f} {start[1]:.2f} {start[2]:.2f} ({os.cpu_count()} CPUs)")
     with tempfile.TemporaryDirectory(prefix="plan_accuracy_") as workdir:
-        cases, clusters = _cases(args, workdir)
-        calibration = _read_json(os.path.join(workdir, "profile.json"))
+        cases, clusters, cal = _cases(args, workdir)
         rows = [Row(c.name, c.procs, c.predict()) for c in cases]
         try:
-            _measure_all(cases, rows, args.reps)
+            _measure_all(cases, rows, args.reps, lambda: _calibrate(cal, 10 if args.quick else 20))
         finally:
             clusters.down()
+        for case, row in zip(cases, rows):
+            row.predicted = case.predict()  # from the median of every calibration run
+        calibration = _read_json(os.path.join(workdir, "profile.json"))
     end = os.getloadavg()
     print("\n".join(_table(rows)))
     s = summary(rows)
@@ -232,7 +243,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [vars(r) for r in rows], "summary": s, "load": [start, end],
-                       "calibration": calibration}, f, indent=1)
+                       "calibration": calibration, "calibrations": cal.runs}, f, indent=1)
     return 1 if any(r.failed for r in rows) else 0
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from disttrain.plan.gpt import GPTSpec, parse_gpt
 
-__all__ = ["LayerProfile", "load_profile", "profile_model"]
+__all__ = ["LayerProfile", "load_profile", "median_profile", "profile_model"]
 
 FORMAT = "disttrain-plan-profile/1"
 
@@ -190,3 +190,34 @@ def _measured(path: str, shared) -> tuple[tuple[int, float], ...]:
         raise ValueError(f"--profile {path}: its \"shared\" slowdowns must be {{\"N\": k}} with "
                          f"N >= 2 and k > 0; write it again with `disttrain plan profile --ranks`")
     return rows
+
+
+def median_profile(docs: list[dict]) -> dict:
+    """One profile from several runs of `plan profile` on the same script: each number the
+    median of its runs (a run disturbed by a burst of load then moves no input), each
+    other field the first run's. Refuses runs of different scripts or shapes."""
+    if not docs:
+        raise ValueError("median_profile needs at least one profile")
+    return _median(docs, "profile")
+
+
+def _median(values: list, where: str):
+    first = values[0]
+    if isinstance(first, bool) or not isinstance(first, (int, float, dict, list)):
+        if any(v != first for v in values):
+            raise ValueError(f"profiles differ at {where}: {values!r}; merge runs of one script only")
+        return first
+    if isinstance(first, (int, float)):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"profiles differ at {where}: {values!r}")
+        if all(isinstance(v, int) for v in values):
+            return statistics.median_low(values)
+        return statistics.median(values)
+    if isinstance(first, dict):
+        if any(not isinstance(v, dict) or v.keys() != first.keys() for v in values):
+            raise ValueError(f"profiles differ in the fields of {where}")
+        return {k: _median([v[k] for v in values], f"{where}.{k}") for k in first}
+    if any(not isinstance(v, list) or len(v) != len(first) for v in values):
+        raise ValueError(f"profiles differ in the length of {where}")
+    return [_median([v[i] for v in values], f"{where}[{i}]") for i in range(len(first))]
+
