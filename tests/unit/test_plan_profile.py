@@ -14,7 +14,7 @@ from disttrain.plan.devices import device
 from disttrain.plan.gpt import parse_gpt
 from disttrain.plan.layout import Pins, plan_layouts
 from disttrain.plan.profile import backward_seconds
-from disttrain.plan.profiled import FORMAT, load_profile
+from disttrain.plan.profiled import FORMAT, load_profile, median_profile
 
 TINY = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128"
 SCRIPT = textwrap.dedent("""
@@ -208,3 +208,37 @@ def test_profile_ranks_measures_sharing_and_a_blocking_all_reduce_here(tmp_path,
     assert two.alternate().inline == (c["bytes"], c["call_s"])
     assert cli.main([*argv[:-1], "1"]) == 2
     assert "--ranks '1': each count must be 2..64" in capsys.readouterr().err
+
+
+def test_median_profile_takes_each_numbers_median_and_refuses_other_scripts(tmp_path):
+    runs = [json.loads(open(_synthetic(tmp_path, f, 2 * f, f"r{i}.json")).read())
+            for i, f in enumerate((0.010, 0.030, 0.011))]  # the second run hit a burst of load
+    runs[0]["shared"], runs[1]["shared"], runs[2]["shared"] = {"2": 1.1}, {"2": 0.7}, {"2": 1.2}
+    merged = median_profile(runs)
+    blocks = [r for r in merged["layers"] if r["kind"] == "Block"]
+    assert [b["forward_s"] for b in blocks] == [0.011, 0.011]
+    assert [b["backward_s"] for b in blocks] == [0.022, 0.022]
+    assert merged["shared"] == {"2": 1.1} and merged["gpt"] == TINY and merged["batch"] == 4
+    gpt = parse_gpt(TINY)
+    path = tmp_path / "merged.json"
+    path.write_text(json.dumps(merged))
+    assert load_profile(str(path), gpt).fwd_s == pytest.approx(0.011)  # the file stays valid
+    other = dict(runs[2], gpt="gpt:layers=2,hidden=64,heads=4,seq=64,vocab=256")
+    with pytest.raises(ValueError, match="profiles differ at profile.gpt"):
+        median_profile([runs[0], other])
+    with pytest.raises(ValueError, match="length of profile.layers"):
+        median_profile([runs[0], dict(runs[1], layers=runs[1]["layers"][:2])])
+
+
+@pytest.mark.timeout(60)
+def test_profile_repeat_writes_the_median_of_its_runs(tmp_path, capsys):
+    script, out = tmp_path / "tiny.py", tmp_path / "tiny.json"
+    script.write_text(SCRIPT)
+    argv = ["plan", "profile", str(script), "--out", str(out), "--steps", "2", "--threads", "1"]
+    assert cli.main([*argv, "--repeat", "0"]) == 2
+    assert "--repeat must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main([*argv, "--repeat", "3"]) == 0
+    assert "the median of 3 runs" in capsys.readouterr().out
+    prof = json.loads(out.read_text())
+    assert [r["name"] for r in prof["layers"]] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert all(r["forward_s"] >= r["forward_min_s"] > 0 for r in prof["layers"])

@@ -17,7 +17,9 @@ children, containers expanded):
 - the optimizer: after the layers' steps, one warm-up and `--steps` steps of
   torch.optim.AdamW over the whole model's gradients (the step the examples take);
 - with `--ranks 2,4,8`, how much slower the blocks run when that many copies of this
-  profile run at once (plan/profile_shared.py): the ranks of a job sharing the machine.
+  profile run at once (plan/profile_shared.py): the ranks of a job sharing the machine;
+- with `--repeat N`, all of it N times, each number the median over the runs
+  (plan/profiled.py's `median_profile`): one burst of load during a run moves nothing.
 
 The median over the measured steps (and the minimum, for a loaded machine) goes to a JSON file (format "disttrain-plan-profile/1")
 that `disttrain plan layout --profile FILE` reads (plan/profiled.py). Torch is imported
@@ -36,7 +38,7 @@ import time
 import warnings
 
 from disttrain.plan.profile_shared import inline_collectives, parse_ranks, shared_slowdowns
-from disttrain.plan.profiled import FORMAT
+from disttrain.plan.profiled import FORMAT, median_profile
 
 __all__ = ["profile_script", "backward_seconds", "add_profile_parser"]
 
@@ -218,19 +220,26 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--out", default="profile.json", help="where to write (profile.json)")
     p.add_argument("--ranks", help="also measure the blocks with N copies running at once, for "
                                    "each N of e.g. 2,4,8 (ranks sharing this machine)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="profile N times and write each number's median over the runs, so a "
+                        "burst of load during one run moves nothing (1)")
     p.set_defaults(handler=_plan_profile)
 
 
 def _plan_profile(args: argparse.Namespace) -> int:
     try:
-        for name in ("steps", "threads"):
+        for name in ("steps", "threads", "repeat"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
         ranks = parse_ranks(args.ranks) if args.ranks else []
-        prof = profile_script(args.script, args.steps, args.threads)
-        if ranks:
-            prof["shared"] = shared_slowdowns(args.script, prof, ranks, args.steps, args.threads)
-            prof["collectives"] = inline_collectives(prof, ranks)
+        runs = []
+        for _ in range(args.repeat):
+            prof = profile_script(args.script, args.steps, args.threads)
+            if ranks:
+                prof["shared"] = shared_slowdowns(args.script, prof, ranks, args.steps, args.threads)
+                prof["collectives"] = inline_collectives(prof, ranks)
+            runs.append(prof)
+        prof = median_profile(runs)
     except ValueError as err:
         print(f"disttrain plan profile: error: {err}", file=sys.stderr)
         return 2
@@ -250,5 +259,6 @@ def _plan_profile(args: argparse.Namespace) -> int:
               f"the call {c['call_s'] * 1e3:.3g} ms when ranks alternate compute and it, their "
               f"compute {(c['both_s'] - c['call_s']) / c['compute_cpu_s']:.3g}x slower than alone)")
     print(f"wrote {args.out} ({prof['steps']} steps, batch {prof['batch']} x {prof['seq']}, "
-          f"{prof['threads']} threads)")
+          f"{prof['threads']} threads" + (f"; the median of {args.repeat} runs" if args.repeat > 1 else "")
+          + ")")
     return 0
