@@ -68,12 +68,14 @@ def test_data_parallel_ranks_keep_the_copies_slowdown_and_zero3_alternates(tmp_p
     old, new = _devices(tmp_path)
     assert _terms(_lay(1, 2), new) == pytest.approx(_terms(_lay(1, 2), old))  # compute, then one bucket
     assert not cost.rank_device(_lay(1, 2), new).profile.alternating
-    # ZeRO-3 on full cores blocks on each unit's gather after each module's compute
+    # ZeRO-3 on full cores blocks on each unit's gather after each module's compute, and
+    # on each unit's reduce-scatter in the backward
     a, b = _terms(_lay(1, 2, 3), old), _terms(_lay(1, 2, 3), new)
     assert b["layer compute (profiled)"] == pytest.approx(a["layer compute (profiled)"] * 2.0 / 1.5)
     assert b["ZeRO-3 gathers (exposed)"] - a["ZeRO-3 gathers (exposed)"] == pytest.approx(
-        2 * (2 * 2 * cost.UNITS + 2 * cost.ENDS) * 0.002)  # micro-batches x (layers x
-    # (fwd + bwd) x units + (fwd + bwd) x the embeddings', final LayerNorm's and head's units)
+        2 * (2 * 3 * cost.UNITS + 3 * cost.ENDS) * 0.002)  # micro-batches x (layers x (fwd
+    # gather + bwd gather + bwd reduce-scatter) x units + the same 3 of the embeddings',
+    # final LayerNorm's and head's units)
 
 
 @pytest.mark.timeout(10)

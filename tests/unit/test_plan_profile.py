@@ -167,13 +167,14 @@ def test_measured_sharing_and_blocking_collectives_replace_the_formula(tmp_path)
     assert 0 < extra < 0.004
     calls = est.layout.microbatches * 2 * 4  # micro-batches x 2 layers x 4 all-reduces each
     assert b["tp all-reduce"] - a["tp all-reduce"] == pytest.approx(calls * extra)
-    # ZeRO-3 with the cores full: each layer's UNITS gathers block, none hidden by prefetch
+    # ZeRO-3 with the cores full: each layer's UNITS gathers block, none hidden by prefetch,
+    # and so do their reduce-scatters in the backward
     z3 = Pins(micro_batch=2, tp=1, pp=1, zero=3)
     _, a = _terms(gpt, plain, 2, z3)
     est, b = _terms(gpt, measured, 2, z3)
-    mb = est.layout.microbatches  # x (2 layers x UNITS + the ENDS) x (forward + backward)
+    mb = est.layout.microbatches  # x (2 layers x UNITS + the ENDS) x (fwd gather + bwd
     assert b["ZeRO-3 gathers (exposed)"] - a["ZeRO-3 gathers (exposed)"] == pytest.approx(
-        mb * (2 * 2 * UNITS + 2 * ENDS) * extra)
+        mb * (2 * 3 * UNITS + 3 * ENDS) * extra)  # gather + bwd reduce-scatter)
     assert a["ZeRO-3 gathers (exposed)"] > 0  # 1 CPU: nothing hides a gather
 
 

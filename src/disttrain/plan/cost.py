@@ -175,37 +175,43 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
     remote = lay.dp * lay.tp >= nodes_of  # NOTE: pp is the outermost mesh axis
     p2p = (_collective("p2p", act, 2, 1 if remote else 2, dev.links()) + per["blocking"]
            if lay.pp > 1 else 0.0)
-    z3_f = z3_b = z3_first = 0.0
+    z3_f = z3_b = z3_first = z3_first_b = 0.0
     if lay.zero == 3:
         unit = lay.wire * m.layer_params / t
         local = _group_local(lay.dp, t, nodes_of)
-        ag = _collective("all-gather", unit, lay.dp, local, dev.links(nics=local))
-        rs = _collective("reduce-scatter", unit, lay.dp, local, dev.links(nics=local))
+        links = dev.links(nics=local)
+        ag = _collective("all-gather", unit, lay.dp, local, links)
+        rs = _collective("reduce-scatter", unit, lay.dp, local, links)
         if dev.profile is not None and dev.profile.full:
             # NOTE: ranks fill the cores: the prefetched gather's CPU work cannot run beside
-            # the compute, so every unit's gather (UNITS per layer) is a blocking collective
-            units = UNITS * _collective("all-gather", unit / UNITS, lay.dp, local, dev.links(nics=local))
-            x = UNITS * per["blocking"]
+            # the compute, so every unit's gather (UNITS per layer) is a blocking collective,
+            # and so is every unit's reduce-scatter in the backward (stage3.py issues one per
+            # unit as its gradient is ready: 56 per step of dp2 zero3 in a trace, 2 x 28)
+            blocking = per["blocking"]
+            units = UNITS * (_collective("all-gather", unit / UNITS, lay.dp, local, links) + blocking)
+            unit_rs = UNITS * (_collective("reduce-scatter", unit / UNITS, lay.dp, local, links) + blocking)
             # NOTE: so do the ends' units, ENDS per pass (models/gpt.py: token and position
             # embeddings on the first stage, final LayerNorm and head on the last), here
             # sharing the embeddings' (V + s)h parameters; chunks are priced alike, so with
             # pp > 2 a middle stage is charged two of them too
             ends = ENDS if lay.pp == 1 else ENDS // 2
-            end = _collective("all-gather", lay.wire * m.embed_params / t / ends, lay.dp, local,
-                              dev.links(nics=local))
-            z3_f, z3_b, z3_first = units + x, units + rs + x, ends * (end + per["blocking"])
+            end_bytes = lay.wire * m.embed_params / t / ends
+            end = _collective("all-gather", end_bytes, lay.dp, local, links) + blocking
+            end_rs = _collective("reduce-scatter", end_bytes, lay.dp, local, links) + blocking
+            z3_f, z3_b, z3_first, z3_first_b = units, units + unit_rs, ends * end, ends * (end + end_rs)
         else:
             z3_f, z3_b, z3_first = max(0.0, ag - per["fwd"]), max(0.0, ag + rs - per["bwd"]), ag
+            z3_first_b = z3_first
     lc = m.layers // (lay.pp * lay.virtual)
     # NOTE: autograd accumulates each micro-batch's weight gradients into .grad (read it
     # and the new gradient, write it: 6 B/param in bf16) unless ZeRO-3 reduce-scatters them
     acc = 0.0 if lay.zero == 3 else 3 * lay.wire * m.layer_params / t / dev.memory_Bps
     fwd = lc * (per["fwd"] + z3_f) + z3_first
-    bwd = lc * (per["bwd"] + z3_b + acc) + z3_first
+    bwd = lc * (per["bwd"] + z3_b + acc) + z3_first_b
     w = lc * (per["w"] + acc)  # ZB-H1's W: the weight-gradient matmuls and their accumulation
     return {"F": fwd, "B": bwd, "W": w, "B_split": bwd - w, "emb_f": emb_f, "head_comm": half + loss,
             "p2p": p2p, "head_f": head_f, "head_b": head_b,
-            "z3_f": z3_f, "z3_b": z3_b, "z3_first": z3_first, "p2p_bytes": act, "lc": lc,
+            "z3_f": z3_f, "z3_b": z3_b, "z3_first": z3_first, "z3_first_b": z3_first_b, "p2p_bytes": act, "lc": lc,
             "acc": acc}
 
 

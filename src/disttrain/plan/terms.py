@@ -150,11 +150,11 @@ def time_terms(m, lay, dev, per, d, dp, makespan, bubble, opt) -> list[Term]:
     out += _parallel_terms(lay, dev, per, d, mb, layers, bubble)
     if lay.zero == 3:
         out.append(Term("ZeRO-3 gathers (exposed)", mb * (lc * lay.virtual) * (d["z3_f"] + d["z3_b"])
-                        + 2 * mb * lay.virtual * d["z3_first"],
-                        (f"the ranks fill the cores: every unit's gather blocks ({UNITS} units per "
-                         f"layer, each an all-gather + {per['blocking'] * 1e3:.3g} ms measured per "
-                         "blocking collective), + the reduce-scatter backward; the embeddings', "
-                         "final LayerNorm's and head's units each pass alike"
+                        + mb * lay.virtual * (d["z3_first"] + d["z3_first_b"]),
+                        (f"the ranks fill the cores: every unit's gather blocks, and in the backward "
+                         f"its reduce-scatter ({UNITS} units per layer, each collective + "
+                         f"{per['blocking'] * 1e3:.3g} ms measured per blocking collective); the "
+                         "embeddings', final LayerNorm's and head's units each pass alike"
                          if dev.profile is not None and dev.profile.full else
                          "per layer max(0, all-gather [+ reduce-scatter] - compute), prefetching "
                          "the next layer; the first layer's gather exposed"),
