@@ -33,7 +33,9 @@ drain`): with --replicas 1 its keys move to the other servers while the workers 
 with --replicas >= 2 its copies take them over; then it leaves, and under sync the final
 parameters are those of a run without the drain.
 With --replicas 1, --add-server-at STEP has worker 0 start this script as a new server
-(`disttrain ps add-server`): it takes its share of the keys while the workers train.
+(`disttrain ps add-server`): it takes its share of the keys while the workers train
+(with --replicas >= 2 the manager refuses the join, not built yet, and the job stops
+at once with its reason).
 Worker 0 ends with `final test accuracy: 0.9xxx` and a sha256 of the final parameters.
 """
 
@@ -155,7 +157,7 @@ def add_server(step: int) -> subprocess.Popen | None:
     proc = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "add-server",
                              os.environ["DISTTRAIN_PS_MANAGER"], "--workers", str(workers),
                              "--", *sys.argv])
-    ps.joined()  # NOTE: blocks while its process starts (seconds): the keys move mid-run
+    ps.joined(process=proc)  # NOTE: blocks while it starts (seconds): the keys move mid-run
     return proc
 
 # -----------------------------------------------------------------------------

@@ -54,15 +54,20 @@ def joining() -> int:
     return settings.current().ps_join
 
 
-def joined(manager: str | None = None, *, timeout: float = 120.0) -> int:
+def joined(manager: str | None = None, *, timeout: float = 120.0, process=None) -> int:
     """Block until a server joined the ring of the manager (default DISTTRAIN_PS_MANAGER):
     its index. Raises ManagerError after `timeout` s (a joining server starts a Python
-    process: seconds). Asks the manager every 0.1 s."""
+    process: seconds), or at once when `process` (the joining server's `subprocess.Popen`,
+    if given) exited first: its join was refused or it failed. Asks every 0.1 s."""
     address = manager or settings.current().ps_manager
     link = ManagerLink(address, status_party(), timeout=timeout)
     deadline = time.monotonic() + timeout
     try:
         while (new := joiner(link.request("lookup").meta)) is None:
+            if process is not None and process.poll() is not None:
+                raise ManagerError(f"the joining server's process exited with "
+                                   f"{process.returncode} before it joined the ring of the "
+                                   f"manager at {address} (its error is in its output)")
             if time.monotonic() > deadline:
                 raise ManagerError(f"no server joined the ring of the manager at {address} "
                                    f"within {timeout:g} s")

@@ -140,7 +140,8 @@ class Membership:
                 or m.state in (LEAVING, JOINING) or m.state == LEFT and m.shard]
         why = ("this job has one server, whose keys are whole tensors (two cut them otherwise):"
                " start it with --servers 2 or more" if self.expected < 2 else
-               "with replicas >= 2 a join moves no keys yet (re-linking chains is not built)"
+               "with replicas >= 2 a join moves no keys yet (designed, not built: docs/design/"
+               "parameter-server.md, \"A server joins\"), with replicas=1 a server joins live"
                if any(len(c) > 1 for m in self.members.values() for _, _, c in m.shard) else
                f"server {busy[0][0]} is {busy[0][1]}: one membership change that moves keys "
                "per job (a join or a drain)" if busy else "")
