@@ -41,7 +41,7 @@ import torch
 
 from disttrain.ps.frame import Message
 from disttrain.ps.membership import JOINING
-from disttrain.ps.move import Moves, _Handoff, _say
+from disttrain.ps.move import Handoff, Moves, say
 from disttrain.ps.placement import place
 from disttrain.ps.server import Server
 from disttrain.ps.transfer import extend
@@ -75,7 +75,7 @@ def joined_owners(params: list[tuple[str, int, int]], servers: int, new: int, ol
     return out
 
 
-class Giving(_Handoff):
+class Giving(Handoff):
     """takeover.py's route, started for keys an old owner gave (to a joiner, or its own)."""
 
     gone_as = "giving"
@@ -127,8 +127,8 @@ class Joins:
             self.done = True  # NOTE: before the hand-over: this server keeps its keys
             if self.ext is not None:
                 s.chain.drop(self.new)
-            _say(f"[ps server{s.index}] joining server {self.new} died before it took the "
-                 f"keys: they stay here")
+            say(f"[ps server{s.index}] joining server {self.new} died before it took the "
+                f"keys: they stay here")
             return
         if self.ext is None:
             if not any(y == x == self.new for y, x in ring.get("accepting", [])) or s.partial:
@@ -155,8 +155,8 @@ class Joins:
                                [c.key for c in self.plan[me]], self.chunk_bytes)
         self.keys = [k for k, o in owners.items() if o == new]
         self.done = not self.keys
-        _say(f"[ps server{me}] server {new} joins (ring version {self.ring}): "
-             f"{len(self.keys)} of its {len(owners)} keys move to it")
+        say(f"[ps server{me}] server {new} joins (ring version {self.ring}): "
+            f"{len(self.keys)} of its {len(owners)} keys move to it")
 
     def _hand_over(self, ring: dict) -> None:
         """Take no frame more on the old address; serve the kept keys as route "X@X"."""
@@ -175,9 +175,9 @@ class Joins:
             s.watch = self
             self.handoff.serve(s.index, self._own_route(kept, before), ring["version"], t0)
         st = self.ext.stats
-        _say(f"[ps server{s.index}] handed {st['keys']} keys ({st['bytes'] / 1e6:.2f} MB with "
-             f"optimizer state) to joining server {self.new} at version {s.policy.version}; "
-             f"cut paused it {st['pause_s'] * 1e3:.1f} ms; keeps {len(kept)} keys")
+        say(f"[ps server{s.index}] handed {st['keys']} keys ({st['bytes'] / 1e6:.2f} MB with "
+            f"optimizer state) to joining server {self.new} at version {s.policy.version}; "
+            f"cut paused it {st['pause_s'] * 1e3:.1f} ms; keeps {len(kept)} keys")
 
     def _own_route(self, kept: list[str], before: set[int]) -> Server:
         """A Server for this server's kept keys: its values, optimizer state, version and
@@ -209,7 +209,7 @@ class Joins:
         return rows + (routes_done(self.handoff) if self.handoff is not None else [])
 
 
-def routes_done(handoff: _Handoff) -> list[dict]:
+def routes_done(handoff: Handoff) -> list[dict]:
     """Block until every route of `handoff` ended (each ends once its workers said done, or
     were silent past its timeout: a worker lost), then their rows (takeover.py)."""
     while any(thread.is_alive() for _, thread, _ in handoff.routes):
