@@ -101,6 +101,7 @@ class Joins:
         self.ring = 0  # the ring version the join was seen at
         self.keys: list[str] = []  # this server's keys that move to it
         self.ext = None
+        self.copied = 0  # frames sent to the joiner up to the cut's last
         self.handoff: Giving | None = None
         self.done = False
         self.seen = -1  # the last ring version looked at for a join
@@ -139,9 +140,12 @@ class Joins:
                               chunk_bytes=self.chunk_bytes, at_version=_NEVER)
             s.chain.patience = max(s.chain.patience, _NEW_PATIENCE)
             self.ext.cut()
+            self.copied = s.chain.sent[self.new]  # the frames that carry the state
             return
         if s.partial or s.complete:  # NOTE: a received push is applied here first, whole
             return
+        if s.chain.committed[self.new] < self.copied:  # NOTE: hand over once the joiner holds
+            return  # the state: one that dies before leaves the keys here (marked dead above)
         self._hand_over(ring)
 
     def _begin(self, ring: dict) -> None:
