@@ -8,32 +8,21 @@ equal to a single-process reference of the same training (what a run without the
 ends with); under Async every push applied exactly once (one-hot gradients count it).
 """
 
-import importlib.util
 import re
-import sys
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from tests.e2e import test_ps_failover as failover
+from tests.e2e._ps_membership import (
+    assert_bitwise_reference,
+    assert_each_push_once,
+    assert_example_matches_plain,
+    reference,  # noqa: F401  (kept: `drain.reference()`)
+)
 
 SCRIPT = Path(__file__).parent / "scripts" / "ps_drain.py"
-EXAMPLE = Path(__file__).parents[2] / "examples" / "digits_ps.py"
-
-
-@cache
-def reference() -> str:
-    """The digest a single process computes for the script's Sync training."""
-    sys.path.insert(0, str(SCRIPT.parent))  # NOTE: the script imports ps_failover beside it
-    try:
-        spec = importlib.util.spec_from_file_location("ps_drain_script", SCRIPT)
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
-        return script.reference()
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-
 
 launch = partial(failover.launch, servers=3, script=SCRIPT)
 """(exit code, output) of a job of this script (3 servers unless told); -1 if it hangs."""
@@ -56,8 +45,7 @@ def check_drain(code: int, out: str, victim: int) -> None:
 def test_sync_drain_mid_run_ends_bitwise_equal():
     code, out = launch("sync", "4", "1", "pushed")
     check_drain(code, out, victim=1)
-    assert sorted(re.findall(r"worker (\d) digest (\w+)", out)) == [
-        ("0", reference()), ("1", reference())], out
+    assert_bitwise_reference(out)
 
 
 @pytest.mark.slow
@@ -67,7 +55,7 @@ def test_sync_drain_mid_run_ends_bitwise_equal():
 def test_sync_drain_at_any_point_ends_bitwise_equal(servers, step, victim, when):
     code, out = launch("sync", str(step), str(victim), when, servers=servers)
     check_drain(code, out, victim)
-    assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    assert_bitwise_reference(out)
 
 
 @pytest.mark.slow
@@ -77,23 +65,14 @@ def test_sync_drain_at_any_point_ends_bitwise_equal(servers, step, victim, when)
 def test_async_and_ssp_drain_apply_every_push_exactly_once(mode, servers, step, victim, when):
     code, out = launch(mode, str(step), str(victim), when, servers=servers)
     check_drain(code, out, victim)
-    # each entry counts how often its push was applied: 0 lost, 2 applied twice
-    assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
-                                                                   ("1", "[1.0]")], out
+    assert_each_push_once(out)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_digits_example_drain_server_flag_matches_an_uninterrupted_run():
-    args = ["--epochs", "4"]
-    code, plain = launch(*args, script=EXAMPLE)
-    assert code == 0, plain
-    code, drained = launch(*args, "--drain-server-at", "20", "--drain-server", "2",
-                           script=EXAMPLE)
-    assert code == 0, drained
-    assert re.search(r"\[ps server2\] handed \d+ keys .* over at version \d+", drained), drained
-    digest = re.compile(r"final parameters sha256 (\w+)")
-    assert digest.findall(drained) == digest.findall(plain) != [], drained
+    assert_example_matches_plain(launch, ["--drain-server-at", "20", "--drain-server", "2"],
+                                 r"\[ps server2\] handed \d+ keys .* over at version \d+")
 
 
 # ---- replicas >= 2: the drained server's copies take its keys over (ps/handover.py) ----
@@ -120,7 +99,7 @@ def test_sync_drain_with_two_replicas_hands_over_to_the_copies_bitwise(servers, 
                                                                         when):
     code, out = launch("sync", str(step), str(victim), when, "2", servers=servers)
     check_handover(code, out, victim)
-    assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    assert_bitwise_reference(out)
 
 
 @pytest.mark.slow
@@ -131,8 +110,7 @@ def test_async_drain_with_two_replicas_applies_every_push_exactly_once(mode, ste
                                                                         when):
     code, out = launch(mode, str(step), str(victim), when, "2")
     check_handover(code, out, victim)
-    assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
-                                                                   ("1", "[1.0]")], out
+    assert_each_push_once(out)
 
 
 # ---- faults while a server is drained (issue 23 item 6) ----------------------------------
@@ -148,7 +126,7 @@ def test_a_drained_server_killed_mid_drain_with_two_replicas_loses_nothing(fault
     assert code == 0, out
     assert re.search(r"\[ps server\d\] took over \d+ keys \([\d.]+ MB\) of (dead|drained) "
                      "server 1 at", out), out
-    assert set(re.findall(r"worker \d digest (\w+)", out)) == {reference()}, out
+    assert_bitwise_reference(out)
 
 
 @pytest.mark.slow

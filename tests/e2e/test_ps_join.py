@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import test_ps_drain as drain
 from tests.e2e import test_ps_failover as failover
+from tests.e2e._ps_membership import (
+    assert_bitwise_reference,
+    assert_each_push_once,
+    assert_example_matches_plain,
+)
 
 SCRIPT = Path(__file__).parent / "scripts" / "ps_join.py"
-EXAMPLE = Path(__file__).parents[2] / "examples" / "digits_ps.py"
 
 launch = partial(failover.launch, servers=2, script=SCRIPT)
 """(exit code, output) of a job of this script (2 servers unless told); -1 if it hangs."""
@@ -49,8 +52,7 @@ def check_join(code: int, out: str, new: int) -> set[str]:
 def test_sync_join_mid_run_ends_bitwise_equal():
     code, out = launch("sync", "3")
     check_join(code, out, new=2)
-    assert sorted(re.findall(r"worker (\d) digest (\w+)", out)) == [
-        ("0", drain.reference()), ("1", drain.reference())], out
+    assert_bitwise_reference(out)
 
 
 @pytest.mark.slow
@@ -59,7 +61,7 @@ def test_sync_join_mid_run_ends_bitwise_equal():
 def test_sync_join_at_any_point_ends_bitwise_equal(servers, step):
     code, out = launch("sync", str(step), servers=servers)
     check_join(code, out, new=servers)
-    assert set(re.findall(r"worker \d digest (\w+)", out)) == {drain.reference()}, out
+    assert_bitwise_reference(out)
 
 
 @pytest.mark.slow
@@ -68,19 +70,11 @@ def test_sync_join_at_any_point_ends_bitwise_equal(servers, step):
 def test_async_join_applies_every_push_exactly_once(servers, step):
     code, out = launch("count", str(step), servers=servers)
     check_join(code, out, new=servers)
-    # each entry counts how often its push was applied: 0 lost, 2 applied twice
-    assert sorted(re.findall(r"worker (\d) counts (.*)", out)) == [("0", "[1.0]"),
-                                                                   ("1", "[1.0]")], out
+    assert_each_push_once(out)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_digits_example_add_server_flag_matches_an_uninterrupted_run():
-    args = ["--epochs", "4"]
-    code, plain = launch(*args, script=EXAMPLE)
-    assert code == 0, plain
-    code, joined = launch(*args, "--add-server-at", "10", script=EXAMPLE)
-    assert code == 0, joined
-    assert re.search(r"\[ps server\d\] handed \d+ keys .* to joining server 2", joined), joined
-    digest = re.compile(r"final parameters sha256 (\w+)")
-    assert digest.findall(joined) == digest.findall(plain) != [], joined
+    assert_example_matches_plain(launch, ["--add-server-at", "10"],
+                                 r"\[ps server\d\] handed \d+ keys .* to joining server 2")

@@ -41,7 +41,7 @@ import torch
 
 from disttrain.ps.frame import Message
 from disttrain.ps.membership import JOINING
-from disttrain.ps.move import Moves, _Handoff, _say
+from disttrain.ps.move import Handoff, Moves, say
 from disttrain.ps.placement import place
 from disttrain.ps.server import Server
 from disttrain.ps.transfer import extend
@@ -75,7 +75,7 @@ def joined_owners(params: list[tuple[str, int, int]], servers: int, new: int, ol
     return out
 
 
-class Giving(_Handoff):
+class Giving(Handoff):
     """takeover.py's route, started for keys an old owner gave (to a joiner, or its own)."""
 
     gone_as = "giving"
@@ -101,6 +101,7 @@ class Joins:
         self.ring = 0  # the ring version the join was seen at
         self.keys: list[str] = []  # this server's keys that move to it
         self.ext = None
+        self.copied = 0  # frames sent to the joiner up to the cut's last
         self.handoff: Giving | None = None
         self.done = False
         self.seen = -1  # the last ring version looked at for a join
@@ -127,8 +128,8 @@ class Joins:
             self.done = True  # NOTE: before the hand-over: this server keeps its keys
             if self.ext is not None:
                 s.chain.drop(self.new)
-            _say(f"[ps server{s.index}] joining server {self.new} died before it took the "
-                 f"keys: they stay here")
+            say(f"[ps server{s.index}] joining server {self.new} died before it took the "
+                f"keys: they stay here")
             return
         if self.ext is None:
             if not any(y == x == self.new for y, x in ring.get("accepting", [])) or s.partial:
@@ -139,9 +140,12 @@ class Joins:
                               chunk_bytes=self.chunk_bytes, at_version=_NEVER)
             s.chain.patience = max(s.chain.patience, _NEW_PATIENCE)
             self.ext.cut()
+            self.copied = s.chain.sent[self.new]  # the frames that carry the state
             return
         if s.partial or s.complete:  # NOTE: a received push is applied here first, whole
             return
+        if s.chain.committed[self.new] < self.copied:  # NOTE: hand over once the joiner holds
+            return  # the state: one that dies before leaves the keys here (marked dead above)
         self._hand_over(ring)
 
     def _begin(self, ring: dict) -> None:
@@ -155,8 +159,8 @@ class Joins:
                                [c.key for c in self.plan[me]], self.chunk_bytes)
         self.keys = [k for k, o in owners.items() if o == new]
         self.done = not self.keys
-        _say(f"[ps server{me}] server {new} joins (ring version {self.ring}): "
-             f"{len(self.keys)} of its {len(owners)} keys move to it")
+        say(f"[ps server{me}] server {new} joins (ring version {self.ring}): "
+            f"{len(self.keys)} of its {len(owners)} keys move to it")
 
     def _hand_over(self, ring: dict) -> None:
         """Take no frame more on the old address; serve the kept keys as route "X@X"."""
@@ -175,9 +179,9 @@ class Joins:
             s.watch = self
             self.handoff.serve(s.index, self._own_route(kept, before), ring["version"], t0)
         st = self.ext.stats
-        _say(f"[ps server{s.index}] handed {st['keys']} keys ({st['bytes'] / 1e6:.2f} MB with "
-             f"optimizer state) to joining server {self.new} at version {s.policy.version}; "
-             f"cut paused it {st['pause_s'] * 1e3:.1f} ms; keeps {len(kept)} keys")
+        say(f"[ps server{s.index}] handed {st['keys']} keys ({st['bytes'] / 1e6:.2f} MB with "
+            f"optimizer state) to joining server {self.new} at version {s.policy.version}; "
+            f"cut paused it {st['pause_s'] * 1e3:.1f} ms; keeps {len(kept)} keys")
 
     def _own_route(self, kept: list[str], before: set[int]) -> Server:
         """A Server for this server's kept keys: its values, optimizer state, version and
@@ -209,7 +213,7 @@ class Joins:
         return rows + (routes_done(self.handoff) if self.handoff is not None else [])
 
 
-def routes_done(handoff: _Handoff) -> list[dict]:
+def routes_done(handoff: Handoff) -> list[dict]:
     """Block until every route of `handoff` ended (each ends once its workers said done, or
     were silent past its timeout: a worker lost), then their rows (takeover.py)."""
     while any(thread.is_alive() for _, thread, _ in handoff.routes):

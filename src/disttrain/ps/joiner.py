@@ -34,7 +34,7 @@ from disttrain.ps.manager_link import (
     fingerprint,
     status_party,
 )
-from disttrain.ps.move import _say
+from disttrain.ps.move import say
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Policy, Sync
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES
@@ -122,8 +122,8 @@ class _Takes:
                 self.server.watch = self  # NOTE: the Takeover made itself the watch
             elif x in ended:
                 self.skipped.add(x)
-                _say(f"[ps server{me}] server {x}'s job ended before it handed its keys over: "
-                     "they stayed on it")
+                say(f"[ps server{me}] server {x}'s job ended before it handed its keys over: "
+                    "they stayed on it")
 
     def finish(self) -> list[dict]:
         """Block until the routes end (the job's end); their rows."""

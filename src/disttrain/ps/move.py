@@ -42,7 +42,7 @@ from disttrain.ps.server import PSError
 from disttrain.ps.takeover import Takeover
 from disttrain.ps.transfer import accept, extend
 
-__all__ = ["Moves", "owners_after", "gone", "drain"]
+__all__ = ["Moves", "Handoff", "owners_after", "gone", "drain", "say"]
 
 _NEVER = 2**62  # an Extension's at_version: Moves cuts it itself, between two pushes
 _SERVING = ("alive", "exited")  # states whose servers keep their keys
@@ -87,7 +87,7 @@ def gone(ring: dict) -> dict[int, str]:
     return {r["server"]: r["state"] for r in ring["servers"] if r["state"] in ("dead", LEFT)}
 
 
-class _Handoff(Takeover):
+class Handoff(Takeover):
     """takeover.py's route, started for a server that left (not one that died)."""
 
     gone_as = "drained"
@@ -115,7 +115,7 @@ class Moves:
         self.exts: list = []
         self.copied = False  # the leaving server cut and extended every target's chains
         self.intake = None
-        self.handoff: _Handoff | None = None
+        self.handoff: Handoff | None = None
         self.ended = False
         self.seen = -1  # the last ring version looked at
         server.watch = self
@@ -148,9 +148,9 @@ class Moves:
             for k, y in owners.items():
                 self.targets.setdefault(y, []).append(k)
             self.addresses = {r["server"]: r["address"] for r in ring["servers"]}
-            _say(f"[ps server{me}] leaving (ring version {ring['version']}): {len(keys)} keys "
-                 "move to " + ", ".join(f"server {y} ({len(ks)})"
-                                        for y, ks in sorted(self.targets.items())))
+            say(f"[ps server{me}] leaving (ring version {ring['version']}): {len(keys)} keys "
+                "move to " + ", ".join(f"server {y} ({len(ks)})"
+                                       for y, ks in sorted(self.targets.items())))
             return
         mine = [k for k, y in owners.items() if y == me]
         if mine:
@@ -183,9 +183,9 @@ class Moves:
             s.ep.send(s.ep.active[w], s.gone)
         moved = [e.stats for e in self.exts]
         pause = max([m["pause_s"] for m in moved], default=0.0)
-        _say(f"[ps server{s.index}] handed {sum(m['keys'] for m in moved)} keys "
-             f"({sum(m['bytes'] for m in moved) / 1e6:.2f} MB with optimizer state) over at "
-             f"version {s.policy.version}; cut paused it {pause * 1e3:.1f} ms")
+        say(f"[ps server{s.index}] handed {sum(m['keys'] for m in moved)} keys "
+            f"({sum(m['bytes'] for m in moved) / 1e6:.2f} MB with optimizer state) over at "
+            f"version {s.policy.version}; cut paused it {pause * 1e3:.1f} ms")
 
     def _serve_moved(self, ring: dict) -> None:
         """On a target: once the leaving server left and its final marker came (after every
@@ -195,9 +195,9 @@ class Moves:
         if not left or self.intake.stats is None or not any(
                 o == i for o, _ in self.server.chain.finals):
             return
-        self.handoff = _Handoff(self.server, self.beat, self.plan, self.init, self.policy,
-                                self.optimizer, self.secret, host=self.host,
-                                chunk_bytes=self.chunk_bytes)
+        self.handoff = Handoff(self.server, self.beat, self.plan, self.init, self.policy,
+                               self.optimizer, self.secret, host=self.host,
+                               chunk_bytes=self.chunk_bytes)
         self.server.watch = self  # NOTE: the Takeover made itself the watch
         self.handoff.start(i, ring["version"])
 
@@ -206,5 +206,7 @@ class Moves:
         return self.handoff.finish(wait) if self.handoff is not None else []
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
+    """Print a server's line about a membership change to stderr, flushed at once; the
+    drain's and the join's (join_moves.py, joiner.py). Does not block."""
     print(text, file=sys.stderr, flush=True)

@@ -33,6 +33,13 @@ __all__ = ["Routes"]
 _ASK_EVERY = 0.5  # seconds between two lookups while a server is silent
 
 
+def _lost(s: int, new: int, ring: dict, where: str = "") -> str:
+    """Why the job stops: server s handed keys to joining server `new`, which died."""
+    return (f"server {s} handed keys to joining server {new}, which died (the manager's ring "
+            f"version {ring['version']} marks it dead{where}): with replicas=1 they are lost; "
+            "restart the job (from a snapshot)")
+
+
 class Routes:
     """Worker `worker`'s failover state: dead servers' routes, unacknowledged pushes."""
 
@@ -145,13 +152,13 @@ class Routes:
         new = joiner(ring)
         if s in self._told and s not in states and new is not None and s < len(self.plan):
             if states.get(new) == "dead":  # NOTE: replicas=1: the keys it took died with it
-                return (f"server {s} handed keys to joining server {new}, which died (the "
-                        f"manager's ring version {ring['version']} marks it dead): with "
-                        "replicas=1 they are lost; restart the job (from a snapshot)")
+                return _lost(s, new, ring)
             return self._joined(s, new, ring)  # NOTE: handed keys to a joining server (join_moves.py)
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
         if host not in states:
             return None
+        if s != d and host == new and self.r == 1:  # NOTE: its route on the joiner died with it
+            return _lost(d, new, ring, f"; they were served at {self.w.addresses[s]}")
         self.dead_since.setdefault(s, now)
         where = self.w.addresses[s]
         name = f"server {s}" if s == d else f"server {d}'s route on server {host}"

@@ -1,0 +1,55 @@
+"""Checks shared by the tests of a membership change mid-run (test_ps_drain.py, test_ps_join.py
+and their fault tests): what a job's output must say once a server left or joined.
+
+The jobs are scripts/ps_drain.py, scripts/ps_join.py and their kin, run by `disttrain run`
+(test_ps_failover.launch): worker 0 prints the final parameters' digest under Sync, or,
+under Async, SSP and the K modes with one-hot gradients, how often each push was applied.
+"""
+
+import importlib.util
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent / "scripts"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "digits_ps.py"
+DIGEST = re.compile(r"worker (\d) digest (\w+)")
+COUNTS = re.compile(r"worker (\d) counts (.*)")
+
+
+@cache
+def reference() -> str:
+    """The digest one process computes for the membership scripts' Sync training (30 steps)."""
+    sys.path.insert(0, str(SCRIPTS))  # NOTE: the script imports ps_failover beside it
+    try:
+        spec = importlib.util.spec_from_file_location("ps_drain_script", SCRIPTS / "ps_drain.py")
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        return script.reference()
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def assert_bitwise_reference(out: str, workers: int = 2) -> None:
+    """Under Sync every worker printed the single-process reference's digest."""
+    assert sorted(DIGEST.findall(out)) == [(str(w), reference()) for w in range(workers)], out
+
+
+def assert_each_push_once(out: str, workers: int = 2) -> None:
+    """One-hot gradients: every parameter saw each worker's push exactly once (each printed
+    entry counts how often its push was applied: 0 lost, 2 applied twice)."""
+    assert sorted(COUNTS.findall(out)) == [(str(w), "[1.0]") for w in range(workers)], out
+
+
+def assert_example_matches_plain(launch, flags: list[str], changed: str) -> None:
+    """examples/digits_ps.py for 4 epochs with `flags` (a membership change) ends with rc 0,
+    its output matching `changed`, and the final parameters of the run without them."""
+    args = ["--epochs", "4"]
+    code, plain = launch(*args, script=EXAMPLE)
+    assert code == 0, plain
+    code, out = launch(*args, *flags, script=EXAMPLE)
+    assert code == 0, out
+    assert re.search(changed, out), out
+    digest = re.compile(r"final parameters sha256 (\w+)")
+    assert digest.findall(out) == digest.findall(plain) != [], out
