@@ -8,10 +8,10 @@ thread (compute and upload on separate threads, as the user's documents describe
 backward still runs for the layers below it.
 
 Who talks to whom: the compute thread queues commands, the communication thread
-(worker_loop.py, which `Worker` inherits) owns one `WorkerLink` (transport.py) per server. Cancellation (KSync, KBatchSync) raises
-`Cancelled` from the next hook, `push()` or `sleep()`; top-k pushes go through
-compress.py. How both behave: docs/design/parameter-server.md ("Notes from
-ps/worker.py").
+(worker_loop.py, which `Worker` inherits) owns one `WorkerLink` (transport.py) per
+server. Cancellation (KSync, KBatchSync) raises `Cancelled` from the next hook, `push()`
+or `sleep()`; top-k pushes go through compress.py. How both behave:
+docs/design/parameter-server.md ("Notes from ps/worker.py").
 """
 
 from __future__ import annotations
