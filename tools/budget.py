@@ -24,17 +24,6 @@ EXCEPTIONS: dict[str, str] = {
     "ps/membership.py": "the membership state machine, pure; a join's state, its refusals "
     "and its routes' rows (about 25 lines) belong beside the state they read and change; "
     "the join itself is ps/join_moves.py and ps/joiner.py",
-    "ps/worker.py": "one object whose state (versions, floors, handles, the model's shard "
-    "map) both the compute thread's API and the communication thread use; splitting the "
-    "two halves apart is its own change; a server's takeover adds the route methods "
-    "reroute.py calls (about 40 lines), the re-routing itself is ps/reroute.py; a "
-    "drained server's `moved` answer, 3 lines (ps/move.py)",
-    "ps/server.py": "the server loop and the decisions it carries out; replication hooks "
-    "into that loop's own steps (links polled with the socket, acks and pull answers "
-    "deferred until committed, updates forwarded per stepped batch), about 30 lines; the "
-    "replication itself is ps/replica.py and ps/chain.py; a takeover adds the pushes' clocks "
-    "and the loop's watch, about 15 lines: the takeover is ps/takeover.py; a drained "
-    "server's `moved` answer, 3 lines: the drain is ps/move.py",
     "ps/replica.py": "one chain's links, forwarding and commits, which a takeover (`drop`, "
     "the pushes' clocks) and a new tail's admission (`open_link`, `admit`) both hook into, "
     "about 35 lines together; what they do is ps/takeover.py and ps/transfer.py",

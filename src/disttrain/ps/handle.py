@@ -1,4 +1,4 @@
-"""A pending push or pull (ps-lite's timestamp you `Wait` on), and `Cancelled`.
+"""A pending push or pull (ps-lite's timestamp you `Wait` on), `Cancelled` and `PSError`.
 
 `Worker.push()` / `pull()` (worker.py) return a `Handle` at once. The compute thread
 adds one outstanding reply per message it queues (`add`) and seals the handle when the
@@ -6,7 +6,8 @@ op is fully queued (`seal`); the worker's communication thread calls `finish_one
 each server's reply arrives. `wait()` blocks until all have, calling the `check` it was
 given (the worker's failure check: a server error or silence past the timeout raises)
 so it never hangs; the handle never sees the worker itself. `Cancelled` is raised by
-the worker when a server closed the round this worker was computing for.
+the worker when a server closed the round this worker was computing for; `PSError`, by
+either side when the job cannot go on (also importable from disttrain.ps.server).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from collections.abc import Callable
 
 from disttrain.trace import events as trace_events
 
-__all__ = ["Handle", "Cancelled"]
+__all__ = ["Handle", "Cancelled", "PSError"]
 
 
 class Cancelled(Exception):
     """This worker's round closed without it: abandon the step and pull() again."""
+
+
+class PSError(RuntimeError):
+    """The parameter-server job cannot go on (lost worker in Sync, dead server...)."""
 
 
 class Handle:

@@ -5,6 +5,8 @@ is a consistency policy (policy.py). One thread runs `serve()`: it reads authent
 messages from its ROUTER socket (transport.py), feeds the policy, and carries out its
 decisions: average the chosen gradients and take one step of a torch optimizer built
 here over this shard's keys, drop late gradients, tell cancelled workers, answer pulls.
+This module is the loop and what it reads; carrying out the policy's decisions is
+server_steps.py (`ServerSteps`, which `Server` inherits).
 
 Who talks to whom: each worker's DEALER sends hello, push (gradients of this shard's
 keys), pull, beat and done; the server answers welcome, ack, params, cancel, pong, bye,
@@ -19,7 +21,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -28,10 +29,12 @@ import zmq
 from disttrain.ps import snapshot as snap
 from disttrain.ps.compress import densify
 from disttrain.ps.frame import DEFAULT_LIMITS, FrameError, Limits, Message, group_keys
+from disttrain.ps.handle import PSError  # re-exported: disttrain.ps.server.PSError
 from disttrain.ps.keys import encrypt_setting, mac_setting, shm_setting
-from disttrain.ps.policy import Decision, Policy
+from disttrain.ps.policy import Policy
 from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.schema import check_keys
+from disttrain.ps.server_steps import ServerSteps
 from disttrain.ps.session import Session
 from disttrain.ps.staleness import StaleStep
 from disttrain.ps.transport import ServerEndpoint, bind, remove_folder
@@ -51,11 +54,7 @@ class PartialPush(NamedTuple):
     """key -> gradient received so far (None: already stepped on arrival)."""
 
 
-class PSError(RuntimeError):
-    """The parameter-server job cannot go on (lost worker in Sync, dead server...)."""
-
-
-class Server:
+class Server(ServerSteps):
     """Serves the keys `chunks` (initial values from `init`) to workers `workers`."""
 
     def __init__(self, index: int, chunks: list[Chunk], init: dict[str, torch.Tensor],
@@ -264,90 +263,6 @@ class Server:
             self.complete[pid] = {k: g for k, g in have.grads.items() if g is not None}
             self._execute(self.policy.push(pid, w, have.version))
         return True
-
-    # ---- decisions ------------------------------------------------------------------
-    def _execute(self, d: Decision) -> None:
-        if d.error:
-            for s in self.ep.active.values():
-                self.ep.send(s, Message("error", {"message": d.error}))
-            raise PSError(f"server {self.index}: {d.error}")
-        if self.chain is not None:
-            self.chain.pushes = [self.clocks[p] for p in d.apply]
-        for p in [*d.apply, *d.drop]:
-            self.clocks.pop(p, None)
-        if d.apply:
-            with trace_events.span("apply", "ps", server=self.index, pushes=len(d.apply)):
-                self._apply([self.complete.pop(p) for p in d.apply], d.staleness)
-                trace_events.ps_applied(self.index, d.apply, self.policy.version)
-            self._after_update()
-            if self.chain is not None:
-                self.chain.mark(self.policy.version)
-        for p in [*d.apply, *d.drop]:
-            self.complete.pop(p, None)
-            self._ack_later(self.push_acks.pop(p, []))
-        for w in d.cancel:
-            if w in self.ep.active:
-                self.ep.send(self.ep.active[w], Message("cancel", {"version": self.policy.version}))
-        if self.chain and self.policy.per_batch and len(self.policy.live) < getattr(self.policy, "k", 1):
-            for pid, _, _ in self.policy.buffer:  # NOTE: a round no waiting worker can fill:
-                self._ack_later(self.push_acks.pop(pid, []))  # ack on receipt, as with replicas=1
-        for w in [w for w in d.release if w in self.parked]:
-            answer = partial(self._send_params, w, self.parked.pop(w))
-            if self.chain is None:
-                answer()
-            else:  # NOTE: a pull sees only what every copy has
-                self.chain.when_committed(answer)
-
-    def _ack_later(self, sessions: list[Session]) -> None:
-        """Ack these push frames once all this head applied is on every copy (replicas)."""
-        for s in sessions:
-            self.chain.when_committed(lambda s=s: self.ep.send(s, Message("ack")))
-
-    def _apply(self, grads: list[dict[str, torch.Tensor]], staleness: list[int]) -> None:
-        """Average `grads` (dicts over the same keys, of these staleness values) and step
-        those keys' parameters under the policy's update rule (staleness.py)."""
-        staleness = [s for g, s in zip(grads, staleness) if g]
-        grads = [g for g in grads if g]
-        if self.optimizer is None or not grads:
-            return
-        keys = list(grads[0])
-        batches = [keys] if self.chain is None else self.chain.batches(
-            keys, [self.params[k].numel() * self.params[k].element_size() for k in keys])
-        for batch in batches:
-            for k in batch if self._sending else []:
-                # NOTE: copy on write: a zero-copy params frame may still read this memory
-                if any(not t.done for t in self._sending.pop(k, [])):
-                    self.params[k].data = self.params[k].data.clone()
-            # NOTE: a key stepped alone with one unscaled gradient steps on the received buffer
-            stepped, hyper = self.stepper.apply([self.params[k] for k in batch],
-                                                [[g[k] for k in batch] for g in grads],
-                                                staleness, self.policy.mean_staleness,
-                                                keep=self.chain is not None)
-            if self.chain is not None:  # NOTE: batch by batch: the copy overlaps the next
-                self.chain.forward(self.index, dict(zip(batch, stepped)), self.policy.version,
-                                   hyper)
-
-    def _send_params(self, w: int, have: int) -> None:
-        """Answer worker w's pull: the shard as a stream of chunk messages, the last one
-        marked, the first one carrying the ack of w's push if it is owed (`acks`); an
-        unchanged shard costs one empty message. Does not block."""
-        version, session, ack = self.policy.version, self.ep.active[w], self.acks.pop(w, 0)
-        groups = self._groups if have != version and self._groups else [[]]
-        for i, keys in enumerate(groups):
-            meta = {"version": version, "last": int(i == len(groups) - 1), "ack": ack * (i == 0)}
-            tensors = [self.params[k].detach() for k in keys]
-            tracker = self.ep.send(session, Message("params", meta, keys, tensors), track=True)
-            if tracker is not None:  # NOTE: sent without a copy: see _apply
-                for k in keys:
-                    self._sending.setdefault(k, []).append(tracker)
-
-    def _check_liveness(self) -> None:
-        now = time.monotonic()
-        for w in self.workers:
-            if w not in self.finished and now - self.last_seen[w] > self.timeout:
-                self.finished.add(w)
-                self.partial.pop(w, None)
-                self._execute(self.policy.lost(w))
 
     # ---- reporting and snapshots ----------------------------------------------------
     def stats(self) -> dict:
