@@ -1,7 +1,9 @@
 """Module-level functions run by tests/dist/test_spawn.py in spawned ranks."""
 
+import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,3 +26,14 @@ def rank_one_sleeps():
     if disttrain.rank() == 1:
         time.sleep(60)
     return disttrain.rank()
+
+
+def rank_one_exits():
+    if disttrain.rank() == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+def environment_and_seed(names):
+    return {"env": {n: os.environ.get(n) for n in names}, "numpy": int(np.random.randint(2**31)),
+            "threads": torch.get_num_threads()}
