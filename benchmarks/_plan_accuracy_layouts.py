@@ -3,8 +3,8 @@
 Each `LayoutCase` predicts its step with the planner's own model (plan/cost.py's
 `estimate`, device `cpu-here`) from inputs measured apart from the cases' runs
 (`Calibration`: one profile before each round of runs, their median used): the GPT's
-block and LM-head seconds and its AdamW step from `disttrain plan profile` of the same model in one process with one thread, at the cases'
-micro-batch; the links and CPU-pool terms from devices.json's `cpu-here`
+block and LM-head seconds and its AdamW step from `disttrain plan profile` of the same
+model in one process with one thread, at the cases' micro-batch; the links and CPU-pool terms from devices.json's `cpu-here`
 (benchmarks/allreduce.py's fit); an emulated link of rate R at that fit's efficiency x R. `measure()` runs the real
 job once (`disttrain run --nproc N`, or `--cluster` on an emulated cluster) and returns
 the median of its steady-state step times, read from rank 0's log: the example prints

@@ -180,26 +180,29 @@ def _durations(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, per: dict) -
         unit = lay.wire * m.layer_params / t
         local = _group_local(lay.dp, t, nodes_of)
         links = dev.links(nics=local)
-        ag = _collective("all-gather", unit, lay.dp, local, links)
-        rs = _collective("reduce-scatter", unit, lay.dp, local, links)
+
+        def coll(op: str, nbytes: float) -> float:
+            return _collective(op, nbytes, lay.dp, local, links)
+
         if dev.profile is not None and dev.profile.full:
             # NOTE: ranks fill the cores: the prefetched gather's CPU work cannot run beside
             # the compute, so every unit's gather (UNITS per layer) is a blocking collective,
             # and so is every unit's reduce-scatter in the backward (stage3.py issues one per
             # unit as its gradient is ready: 56 per step of dp2 zero3 in a trace, 2 x 28)
             blocking = per["blocking"]
-            units = UNITS * (_collective("all-gather", unit / UNITS, lay.dp, local, links) + blocking)
-            unit_rs = UNITS * (_collective("reduce-scatter", unit / UNITS, lay.dp, local, links) + blocking)
+            units = UNITS * (coll("all-gather", unit / UNITS) + blocking)
+            unit_rs = UNITS * (coll("reduce-scatter", unit / UNITS) + blocking)
             # NOTE: so do the ends' units, ENDS per pass (models/gpt.py: token and position
             # embeddings on the first stage, final LayerNorm and head on the last), here
             # sharing the embeddings' (V + s)h parameters; chunks are priced alike, so with
             # pp > 2 a middle stage is charged two of them too
             ends = ENDS if lay.pp == 1 else ENDS // 2
             end_bytes = lay.wire * m.embed_params / t / ends
-            end = _collective("all-gather", end_bytes, lay.dp, local, links) + blocking
-            end_rs = _collective("reduce-scatter", end_bytes, lay.dp, local, links) + blocking
+            end = coll("all-gather", end_bytes) + blocking
+            end_rs = coll("reduce-scatter", end_bytes) + blocking
             z3_f, z3_b, z3_first, z3_first_b = units, units + unit_rs, ends * end, ends * (end + end_rs)
         else:
+            ag, rs = coll("all-gather", unit), coll("reduce-scatter", unit)
             z3_f, z3_b, z3_first = max(0.0, ag - per["fwd"]), max(0.0, ag + rs - per["bwd"]), ag
             z3_first_b = z3_first
     lc = m.layers // (lay.pp * lay.virtual)
