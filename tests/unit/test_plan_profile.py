@@ -243,3 +243,37 @@ def test_profile_repeat_writes_the_median_of_its_runs(tmp_path, capsys):
     prof = json.loads(out.read_text())
     assert [r["name"] for r in prof["layers"]] == ["embed", "blocks.0", "blocks.1", "head"]
     assert all(r["forward_s"] >= r["forward_min_s"] > 0 for r in prof["layers"])
+
+
+def test_copies_meet_before_measuring_and_a_failed_copy_stops_the_others(tmp_path):
+    """--ranks' copies measure together (each waits at `_meet` for all n), and a copy that
+    fails is reported at once with its own error, the others killed, not waited for."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from disttrain.plan.profile import _meet
+    from disttrain.plan.profile_shared import _wait_all
+
+    met = []
+    first = threading.Thread(target=lambda: met.append(_meet(str(tmp_path), "warm", 2)))
+    first.start()
+    time.sleep(0.3)
+    assert first.is_alive() and not met  # NOTE: alone it waits for the second copy
+    with open(tmp_path / "warm.999999", "w"):
+        pass
+    first.join(timeout=5)
+    assert met == [None]
+    with pytest.raises(ValueError, match="fewer than 3 copies reached 'measured'"):
+        _meet(str(tmp_path), "measured", 3, timeout=0.2)
+
+    errs = [str(tmp_path / "a.err"), str(tmp_path / "b.err")]
+    code = ["import time; time.sleep(60)", "import sys; sys.exit('copy 1: boom')"]
+    procs = []
+    for c, e in zip(code, errs):
+        with open(e, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-c", c], stderr=f))
+    t = time.monotonic()
+    assert _wait_all(procs, errs, timeout=30) == ["copy 1: boom"]
+    assert time.monotonic() - t < 20 and procs[0].poll() is not None

@@ -173,10 +173,27 @@ def _gpt_spec(model, batch) -> str | None:
             f"seq={batch[0].shape[1]},vocab={cfg.vocab_size}")
 
 
-def profile_script(script: str, steps: int = 10, threads: int | None = None) -> dict:
+def _meet(folder: str, name: str, copies: int, work=None, timeout: float = 600.0) -> None:
+    """Mark `name` in `folder`, then wait until `copies` marks of that name are there,
+    calling `work()` meanwhile if given (else polling). Blocks; ValueError after `timeout`."""
+    with open(os.path.join(folder, f"{name}.{os.getpid()}"), "w"):
+        pass
+    end = time.monotonic() + timeout
+    while sum(f.startswith(name + ".") for f in os.listdir(folder)) < copies:
+        if time.monotonic() > end:
+            raise ValueError(f"--together: fewer than {copies} copies reached {name!r} "
+                             f"within {timeout:.0f} s")
+        work() if work else time.sleep(0.001)
+
+
+def profile_script(script: str, steps: int = 10, threads: int | None = None,
+                   together: tuple[str, int] | None = None) -> dict:
     """Run `script`'s profile_target() for 1 + `steps` steps here; the profile as a dict.
 
     Blocks for the whole run. `threads` sets torch's intra-op threads (default: torch's).
+    `together` = (folder, n): one of n copies started at once (plan/profile_shared.py);
+    each measures only once all n have warmed up, and keeps computing (unmeasured) until
+    all n have measured, so every measured step runs beside n - 1 computing copies.
     """
     import torch
 
@@ -188,7 +205,12 @@ def profile_script(script: str, steps: int = 10, threads: int | None = None) -> 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     clock = _Clock(layers, params)
     try:
-        runs = [_step(model, batch, clock) for _ in range(1 + steps)][1:]  # the first warms up
+        _step(model, batch, clock)  # NOTE: the first step warms up (allocations, first use)
+        if together:
+            _meet(together[0], "warm", together[1])
+        runs = [_step(model, batch, clock) for _ in range(steps)]
+        if together:
+            _meet(together[0], "measured", together[1], lambda: _step(model, batch, clock))
     finally:
         for h in clock.handles:
             h.remove()
@@ -220,6 +242,7 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--out", default="profile.json", help="where to write (profile.json)")
     p.add_argument("--ranks", help="also measure the blocks with N copies running at once, for "
                                    "each N of e.g. 2,4,8 (ranks sharing this machine)")
+    p.add_argument("--together", help=argparse.SUPPRESS)  # NOTE: DIR:N, set by --ranks' copies
     p.add_argument("--repeat", type=int, default=1,
                    help="profile N times and write each number's median over the runs, so a "
                         "burst of load during one run moves nothing (1)")
@@ -232,9 +255,13 @@ def _plan_profile(args: argparse.Namespace) -> int:
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
         ranks = parse_ranks(args.ranks) if args.ranks else []
+        together = None
+        if args.together:
+            folder, _, n = args.together.rpartition(":")
+            together = (folder, int(n))
         runs = []
         for _ in range(args.repeat):
-            prof = profile_script(args.script, args.steps, args.threads)
+            prof = profile_script(args.script, args.steps, args.threads, together)
             if ranks:
                 prof["shared"] = shared_slowdowns(args.script, prof, ranks, args.steps, args.threads)
                 prof["collectives"] = inline_collectives(prof, ranks)

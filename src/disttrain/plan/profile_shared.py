@@ -3,11 +3,14 @@
 The ranks of a job on one machine share its cores, its caches and its memory bus. The
 planner's `cpu-here` gives each of N ranks 1/N of the machine once N x threads exceeds
 the CPUs (processor sharing), which leaves out what sharing costs beyond the cores:
-measured here, two single-thread copies of the 4-layer GPT each ran their blocks 1.10x
-slower on 2 cores (sharing alone says 1.0), four 2.33x (2.0), eight 5.0x (4.0).
+measured here, two single-thread copies of the 4-layer GPT each ran their blocks 1.00-1.17x
+slower on 2 cores (sharing alone says 1.0), four 2.18-2.55x (2.0), eight 5.0x (4.0).
 So `--ranks` measures it, and what a blocking collective costs between computing ranks
-(plan/profile_sync.py: "collectives" in the file): for each N, N copies of the same profile run at once (separate
-processes, started together), and the file records the median copy's block seconds
+(plan/profile_sync.py: "collectives" in the file): for each N, N copies of the same
+profile run at once (separate processes; each measures once all N have warmed up and
+computes on until all N have measured, `--together`: started alone, two copies'
+measured steps barely overlapped and read 0.86-0.99x), and the file records the median
+copy's block seconds
 (forward + backward) over the single run's, under "shared" (`{"2": 1.10, ...}`).
 `plan/profiled.py` then uses the measured slowdown for a layout of exactly N ranks on
 the machine, and the sharing formula for any other N.
@@ -21,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 __all__ = ["shared_slowdowns", "block_seconds", "inline_collectives", "parse_ranks"]
 
@@ -36,20 +40,23 @@ def block_seconds(profile: dict) -> float:
 
 
 def _copies(script: str, n: int, steps: int, threads: int | None, workdir: str) -> list[dict]:
-    """Run `n` profiles of `script` at once (blocks until all end); their dicts."""
+    """Run `n` profiles of `script` at once (blocks until all end); their dicts. The copies
+    measure together (`--together`): each starts its measured steps once all n warmed up
+    and computes on until all n measured, so no copy measures alone while the others
+    still import torch (they did before: two copies measured 0.86-0.99x of one)."""
     procs, outs = [], []
+    meet = os.path.join(workdir, f"together{n}")
+    os.makedirs(meet, exist_ok=True)
     for i in range(n):
         out = os.path.join(workdir, f"copy{n}_{i}.json")
         cmd = [sys.executable, "-m", "disttrain", "plan", "profile", script, "--steps", str(steps),
-               "--out", out, *(["--threads", str(threads)] if threads else [])]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True))
+               "--out", out, "--together", f"{meet}:{n}",
+               *(["--threads", str(threads)] if threads else [])]
+        with open(out + ".err", "w") as err:  # NOTE: a file, not a pipe nobody reads yet
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err))
         outs.append(out)
-    errors = []
-    for p in procs:
-        _, err = p.communicate(timeout=900)
-        if p.returncode:
-            errors.append(err.strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+    failed = _wait_all(procs, [o + ".err" for o in outs], timeout=900)
+    errors = [] if failed is None else [failed]
     if errors:
         raise ValueError(f"--ranks {n}: a copy of the profile failed: {errors[0][0]}")
     result = []
@@ -57,6 +64,29 @@ def _copies(script: str, n: int, steps: int, threads: int | None, workdir: str) 
         with open(out) as f:
             result.append(json.load(f))
     return result
+
+
+def _wait_all(procs: list, errs: list[str], timeout: float) -> list[str] | None:
+    """Wait for every process; at the first that fails, kill the rest (they would wait
+    for it at --together's meeting) and return its last stderr line. Blocks."""
+    end, bad = time.monotonic() + timeout, None
+    while bad is None and None in [p.poll() for p in procs]:  # NOTE: a list: poll every one
+        bad = next((p for p in procs if p.returncode), None)
+        if bad is None and time.monotonic() > end:
+            for p in procs:
+                p.kill()
+            return [f"no result within {timeout:.0f} s"]
+        time.sleep(0.05)
+    bad = bad or next((p for p in procs if p.returncode), None)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if bad is None:
+        return None
+    with open(errs[procs.index(bad)]) as f:
+        err = f.read()
+    return err.strip().splitlines()[-1:] or [f"exit {bad.returncode}"]
 
 
 def shared_slowdowns(script: str, alone: dict, ranks: list[int], steps: int,
