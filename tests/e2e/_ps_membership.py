@@ -7,6 +7,7 @@ under Async, SSP and the K modes with one-hot gradients, how often each push was
 """
 
 import importlib.util
+import json
 import re
 import sys
 from functools import cache
@@ -40,6 +41,17 @@ def assert_each_push_once(out: str, workers: int = 2) -> None:
     """One-hot gradients: every parameter saw each worker's push exactly once (each printed
     entry counts how often its push was applied: 0 lost, 2 applied twice)."""
     assert sorted(COUNTS.findall(out)) == [(str(w), "[1.0]") for w in range(workers)], out
+
+
+def assert_each_push_at_most_once(out: str, k: int, workers: int = 2) -> None:
+    """The K modes (KSync(k), KBatchSync(k)) with one-hot gradients: a round averages k
+    pushes and drops the late ones (computed on a closed round's version), so each entry
+    is 1/k (applied once, in a whole round) or 0 (dropped, or cancelled before it was
+    sent), never 2/k (applied twice) nor another fraction (a round half applied)."""
+    counts = dict(COUNTS.findall(out))
+    assert sorted(counts) == [str(w) for w in range(workers)], out
+    for seen in counts.values():
+        assert set(json.loads(seen)) <= {0.0, 1 / k} and 1 / k in json.loads(seen), out
 
 
 def assert_example_matches_plain(launch, flags: list[str], changed: str) -> None:

@@ -1,7 +1,8 @@
 """A parameter-server job (replicas=1) that a server joins mid-run (disttrain run).
 
-argv: mode ("sync" or "count", as scripts/ps_failover.py), join step (0: none). At that
-step, right after its push was sent, worker 0 starts this script again as a joining server
+argv: mode ("sync" or "count", as scripts/ps_failover.py; "count-ssp", "count-ksync",
+"count-kbatch": "count" under SSP(2), KSync(1), KBatchSync(2)), join step (0: none). At
+that step, right after its push was sent, worker 0 starts this script again as a joining server
 (`disttrain ps add-server ADDR --workers 2 -- ps_join.py ARGS`, as a user would): it
 takes its share of the keys while both workers train on, and worker 0 waits for it at the
 end. Worker 0 prints the final parameters' digest (sync) or each push's apply count
@@ -31,6 +32,18 @@ def givers(model: torch.nn.Module, servers: int) -> set[int]:
         spec, servers, servers, x, [c.key for c in plan[x]], 4 << 20).values()}
 
 
+def policy(mode: str):
+    """(policy, optimizer) of `mode`: Sync with momentum, else lr 1 and a constant step."""
+    from disttrain import ps
+
+    if mode == "sync":
+        return ps.Sync(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)
+    chosen = {"count": lambda: ps.Async(step="constant"),
+              "count-ssp": lambda: ps.SSP(2, step="constant"), "count-ksync": lambda: ps.KSync(1),
+              "count-kbatch": lambda: ps.KBatchSync(2)}
+    return chosen[mode](), lambda p: torch.optim.SGD(p, lr=1.0)
+
+
 def main(mode: str, add_at: int) -> None:
     import disttrain
     from disttrain import ps
@@ -38,12 +51,10 @@ def main(mode: str, add_at: int) -> None:
     torch.set_num_threads(1)
     if not ps.joining():  # NOTE: the joining server has no process group
         disttrain.init()
+    chosen, opt = policy(mode)
+    mode = "count" if mode.startswith("count") else mode
     model = build(mode)
-    if mode == "sync":
-        policy, opt = ps.Sync(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)
-    else:
-        policy, opt = ps.Async(step="constant"), lambda p: torch.optim.SGD(p, lr=1.0)
-    conn = ps.connect(model, policy, optimizer=opt)  # servers (the joining one too) exit here
+    conn = ps.connect(model, chosen, optimizer=opt)  # servers (the joining one too) exit here
     store = torch.distributed.distributed_c10d._get_default_store()
     rank, servers = disttrain.rank(), disttrain.world_size() - WORKERS
     give = givers(model, servers) if rank == 0 else set()
@@ -52,14 +63,18 @@ def main(mode: str, add_at: int) -> None:
     for step in range(1, STEPS + 1):
         conn.pull().wait()
         gradient(model, mode, rank, gen, step)
-        handle = conn.push()
+        try:
+            handle = conn.push()
+        except ps.Cancelled:  # NOTE: KSync: the round closed without this step; it is dropped
+            handle = None
         if rank == 0 and step == add_at:
             print(f"worker 0: adding server {servers} at step {step}", flush=True)
             added = subprocess.Popen([sys.executable, "-m", "disttrain", "ps", "add-server",
                                       os.environ["DISTTRAIN_PS_MANAGER"], "--workers",
                                       str(WORKERS), "--", *sys.argv])
             ps.joined()  # NOTE: its process starts in seconds; the job waits for its join
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         if added is not None and not give <= set(conn.routes.routes):
             time.sleep(PACE)
     base.finish(conn, model, store, "join", mode, rank)
