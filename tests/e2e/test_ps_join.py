@@ -87,16 +87,19 @@ def test_ssp_join_applies_every_push_exactly_once(servers, step):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("servers,step", [(2, 4), (3, 2)])
-def test_ksync_join_applies_no_push_twice_nor_half_a_round(servers, step):
+@pytest.mark.parametrize("mode,k,servers,step", [("count-ksync", 1, 2, 4), ("count-ksync", 1, 3, 2),
+                                                  ("count-kbatch", 2, 2, 4), ("count-kbatch", 2, 3, 6)])
+def test_k_modes_join_applies_no_push_twice_nor_half_a_round(mode, k, servers, step):
     """KSync(1): a round applies its first push alone, a later one on a closed round's
-    version is dropped; across the hand-over no push is applied twice (a re-sent one is
-    on a closed round's version, or the route's clocks hold it) and no round half (the
-    owner hands over between pushes). KBatchSync under a join can hang (the design page,
-    "A server joins"): not tested here."""
-    code, out = launch("count-ksync", str(step), servers=servers)
+    version is dropped. KBatchSync(2): a round averages the first 2 pushes from any
+    workers and cancels the rest. Across the hand-over no push is applied twice (a re-sent
+    one is on a closed round's version, or the route's clocks hold it) and no round half
+    (the owner hands over between rounds). KBatchSync also must not hang: while its keys
+    are copied an owner acknowledges a push on receipt, as without a copy (a half-filled
+    round waits for a push that a worker blocked on its acknowledgement never sends)."""
+    code, out = launch(mode, str(step), servers=servers)
     check_join(code, out, new=servers)
-    assert_each_push_at_most_once(out, k=1)
+    assert_each_push_at_most_once(out, k=k)
 
 
 @pytest.mark.slow
