@@ -200,6 +200,11 @@ class Joins:
                     route.optimizer.state[dst] = {n: v.clone() if torch.is_tensor(v) else v
                                                   for n, v in old[src].items()}
         route.policy.version = s.policy.version
+        # NOTE: workers open a route only once the manager lists every route of this
+        # hand-over; if the joiner dies first they never come, and each fails naming it
+        # once the manager marks it dead (one timeout). Until then a worker never heard
+        # from is not lost here (its error, not this route's, must be the job's first)
+        route.grace = route.timeout
         route.done_clock = {w: c for w, (c, _) in s.chain.clocks.get(s.index, {}).items()}
         for w in sorted(before):  # NOTE: said done here already
             route.finished.add(w)

@@ -110,6 +110,7 @@ class Server(ServerSteps):
         self.watch: Callable[[], None] | None = None  # called every loop (takeover.py)
         self.replicas = 1  # what workers must say without a chain (a takeover's: the job's)
         self.gone: Message | None = None  # the answer to every frame once drained (move.py)
+        self.grace = 0.0  # s more a worker not yet heard from has (a route: workers come late)
 
     # ---- main loop ------------------------------------------------------------------
     def serve(self) -> dict:
@@ -118,7 +119,7 @@ class Server(ServerSteps):
         Raises PSError when the policy stops the job (e.g. Sync lost a worker); the
         workers get the same message.
         """
-        self.last_seen = dict.fromkeys(self.workers, time.monotonic())
+        self.last_seen = dict.fromkeys(self.workers, time.monotonic() + self.grace)
         poller = self.poller = zmq.Poller()  # NOTE: transfer.py registers links it opens
         for sock in [self.ep.sock, *(self.chain.sockets() if self.chain else [])]:
             poller.register(sock, zmq.POLLIN)

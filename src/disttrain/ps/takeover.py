@@ -131,6 +131,7 @@ class Takeover:
                        self.server.workers, self.secret, host=self.host,
                        timeout=self.server.timeout, chunk_bytes=self.chunk_bytes)
         route.replicas = self.chain.r
+        route.grace = route.timeout  # NOTE: workers come once the manager lists it (join_moves.py)
         old = self.chain.optimizer.state if self.chain.optimizer is not None else {}
         with torch.no_grad():
             for k in keys:
