@@ -158,7 +158,7 @@ def test_a_joiner_marked_dead_before_it_served_is_dropped_and_acks_go_on():
         keys = [c.key for c in plan[i]]
         link.send(Message("push", {"clock": 0, "version": 0, "ack": 1}, keys,
                           [grads[(w, 0, k)] for k in keys]))
-    assert not any(link.sock.poll(1000) for link in links.values())  # waiting for the joiner
+    assert not any(link.sock.poll(300) for link in links.values())  # waiting for the joiner
     for b in beats:
         b.ring = _ring(6, "dead", y.address, accepting=False)
     assert [_read(link).op for link in links.values()] == ["ack"] * 4
