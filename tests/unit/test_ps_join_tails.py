@@ -24,6 +24,7 @@ from disttrain.ps.policy import Sync
 from disttrain.ps.replica import Replicas
 from disttrain.ps.server import Server
 from disttrain.ps.takeover import Takeover
+from disttrain.ps.transport import WorkerLink
 from tests.unit.test_ps_manager import KEY
 from tests.unit.test_ps_takeover import _link, _read, _Ring
 
@@ -45,31 +46,45 @@ def test_every_moved_key_is_extended_by_its_tail_once(servers, replicas):
                                           for k in keys)
 
 
-def _ring(version: int, joiner: str, address: str, accepting: bool) -> dict:
-    rows = [{"server": i, "state": "alive", "address": ""} for i in (0, 1)]
-    return {"version": version, "expected": 2, "accepting": [[2, 2]] if accepting else [],
-            "servers": [*rows, {"server": 2, "state": joiner, "address": address}]}
+def _ring(version: int, joiner: str, address: str, accepting: bool, n: int = 2) -> dict:
+    rows = [{"server": i, "state": "alive", "address": ""} for i in range(n)]
+    return {"version": version, "expected": n, "accepting": [[n, n]] if accepting else [],
+            "servers": [*rows, {"server": n, "state": joiner, "address": address}]}
 
 
-def _job(init):
-    """Servers 0 and 1 (r = 2) with their watches, a joiner with its intakes."""
-    spec = [(n, t.numel(), 4) for n, t in init.items()]
-    plan = plan_keys(spec, 2, chunk_bytes=CHUNK)
+def _job(init, n: int = 2, r: int = 2):
+    """Servers 0..n-1 (r copies) with their watches, a joiner (n) with its intakes."""
+    spec = [(name, t.numel(), 4) for name, t in init.items()]
+    plan = plan_keys(spec, n, chunk_bytes=CHUNK)
     servers, beats, watches = [], [], []
-    for i in (0, 1):
+    for i in range(n):
         s = Server(i, plan[i], init, Sync(), OPT, [0, 1], KEY, timeout=60)
-        s.chain = Replicas(i, 2, plan, 2, init, OPT, Sync(), s.ep, KEY, timeout=60)
+        s.chain = Replicas(i, 2, plan, r, init, OPT, Sync(), s.ep, KEY, timeout=60)
         servers.append(s)
     for i, s in enumerate(servers):
-        s.chain.connect({1 - i: servers[1 - i].address})
+        s.chain.connect({j: o.address for j, o in enumerate(servers) if j != i})
         beats.append(_Ring())
         take = Handover(Takeover(s, beats[i], plan, init, Sync(), OPT, KEY, host="127.0.0.1",
                                  chunk_bytes=CHUNK))
         watches.append(TailJoins(take, s, beats[i], spec, plan, init, OPT, KEY,
                                  chunk_bytes=CHUNK))
-    y = _Joiner(2, [], init, Sync(), OPT, [0, 1], KEY, timeout=60)
-    intakes = join_intakes(y, spec, plan, init, OPT, 2, secret=KEY, chunk_bytes=CHUNK)
+    y = _Joiner(n, [], init, Sync(), OPT, [0, 1], KEY, timeout=60)
+    intakes = join_intakes(y, spec, plan, init, OPT, r, secret=KEY, chunk_bytes=CHUNK)
     return plan, servers, beats, watches, y, intakes
+
+
+def _links(ctx, servers, plan, r: int) -> dict:
+    """(worker, server) -> a worker's link, welcomed."""
+    out = {}
+    for w in (0, 1):
+        for i, s in enumerate(servers):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(s.address)
+            out[(w, i)] = link = WorkerLink(sock, KEY, w, i)
+            link.send(Message("hello", {"keys": [c.key for c in plan[i]], "policy": "Sync()",
+                                        "replicas": r}))
+            assert _read(link).op == "welcome"
+    return out
 
 
 def _round(links, plan, grads, clock: int) -> list[str]:
@@ -92,26 +107,26 @@ INIT = {f"t{i}": 40 + 7 * i for i in range(8)}
 
 
 @pytest.mark.timeout(90)
-def test_the_tails_copy_the_moved_ranges_to_the_joiner_which_then_follows_bitwise():
+@pytest.mark.parametrize("n,r", [(2, 2), (3, 3)])
+def test_the_tails_copy_the_moved_ranges_to_the_joiner_which_then_follows_bitwise(n, r):
     torch.manual_seed(0)
-    init = {n: torch.randn(size) for n, size in INIT.items()}
-    plan, servers, beats, watches, y, intakes = _job(init)
-    assert {x for x, _ in intakes} == {0, 1}, intakes  # both old owners give keys here
+    init = {name: torch.randn(size) for name, size in INIT.items()}
+    plan, servers, beats, watches, y, intakes = _job(init, n, r)
+    assert len({x for x, _ in intakes}) == 2, intakes  # two old owners give keys here
     threads = [threading.Thread(target=s.serve, daemon=True) for s in [*servers, y]]
     for t in threads:
         t.start()
     ctx = zmq.Context()
-    links = {(w, i): _link(ctx, servers[i].address, w, i, [c.key for c in plan[i]])
-             for w in (0, 1) for i in (0, 1)}
+    links = _links(ctx, servers, plan, r)
     grads = {(w, c, ch.key): torch.randn(ch.numel) for w in (0, 1) for c in range(3)
              for chunks in plan for ch in chunks}
-    assert _round(links, plan, grads, 0) == ["ack"] * 4
+    assert _round(links, plan, grads, 0) == ["ack"] * 2 * n
     for b in beats:
-        b.ring = _ring(5, "joining", y.address, accepting=True)
+        b.ring = _ring(5, "joining", y.address, accepting=True, n=n)
     _wait("the joiner never installed the moved ranges",
           lambda: all(i.stats is not None for i in intakes.values()))
     for c in (1, 2):
-        assert _round(links, plan, grads, c) == ["ack"] * 4
+        assert _round(links, plan, grads, c) == ["ack"] * 2 * n
         for x, _ in intakes:  # NOTE: acknowledged, so on the joiner too
             assert y.chain.version[x] == c + 1
     for (x, tail), intake in intakes.items():
@@ -119,7 +134,7 @@ def test_the_tails_copy_the_moved_ranges_to_the_joiner_which_then_follows_bitwis
             intake.chunks)
         head = servers[x]
         for k in intake.chunks:
-            assert y.chain.chains[k] == [x, tail, 2]
+            assert y.chain.chains[k] == [*plan.indices(k, r), n] and tail == y.chain.chains[k][-2]
             mine, theirs = y.chain.params[k], head.params[k]
             assert torch.equal(mine, theirs)
             assert torch.equal(y.chain.optimizer.state[mine]["momentum_buffer"],
@@ -127,12 +142,12 @@ def test_the_tails_copy_the_moved_ranges_to_the_joiner_which_then_follows_bitwis
     for link in links.values():
         link.send(Message("done", {}))
         assert _read(link).op == "bye"
-    for t in threads[:2]:
+    for t in threads[:n]:
         t.join(20)
         assert not t.is_alive(), "a server did not end once the joiner committed"
     assert {(x, tail) for x, tail in intakes} <= y.chain.finals  # every head's final came
     y.takes = SimpleNamespace(started=set(), skipped=set(), intakes={})  # ends its loop
-    threads[2].join(10)
+    threads[n].join(10)
     for link in links.values():
         link.close()
     ctx.term()
