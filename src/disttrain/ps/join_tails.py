@@ -19,7 +19,8 @@ awaited from it); a head's job that ended before the cut skips it (transfer.py).
 Who talks to whom: `TailJoins` is every server's watch with replicas >= 2 and a manager
 (connect.py): it runs the watch it wraps (takeover and drain, handover.py) first, then
 its own part, on the server loop's thread. `join_intakes` is the joiner's side, called
-before its loop serves. Not here (not built): the hand-over at the head, the relink of
+before its loop serves. The hand-over at the head is join_head.py (each
+watch makes its server's copies follow its `handed` markers). Not built: the relink of
 the copies to Y, Y serving the moved keys, the workers' re-route (the design page says
 what each needs); until they are, the manager refuses a join with replicas >= 2.
 """
@@ -27,6 +28,7 @@ what each needs); until they are, the manager refuses a join with replicas >= 2.
 from __future__ import annotations
 
 from disttrain.ps.join_chains import extensions, join_moves
+from disttrain.ps.join_head import follow_handed
 from disttrain.ps.join_moves import joiner
 from disttrain.ps.move import say
 from disttrain.ps.transfer import Intake, accept, extend
@@ -63,6 +65,7 @@ class TailJoins:
         self.done = False
         self.seen = -1  # the last ring version looked at for a join
         server.watch = self
+        follow_handed(server.chain)  # NOTE: a head's hand-over marker passes its copies
 
     def __call__(self) -> None:
         self.inner()
@@ -139,4 +142,5 @@ def join_intakes(server, params, plan, init: dict, optimizer, replicas: int, *,
         intakes.get(pair, first).handle(session, msg)
 
     chain.intake = route
+    follow_handed(chain)
     return intakes

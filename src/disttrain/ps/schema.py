@@ -110,7 +110,9 @@ SCHEMA: dict[str, Op] = {
                                "momentum": Field("float", 0, 1, required=False),
                                "final": FLAG, "shm": SHM,
                                # [worker, clock] of each push the update holds (takeover.py)
-                               "pushes": Field("pairs", required=False)}, tensors=(0, MAX)),
+                               "pushes": Field("pairs", required=False),
+                               # no tensors: origin hands these keys over (join_head.py)
+                               "handed": Field("strs", required=False)}, tensors=(0, MAX)),
     # the tail of a chain -> its new tail (transfer.py): part `part` of `parts` of the
     # state of keys headed by `origin`, cut at its `version`; per key its value, then one
     # tensor per optimizer field in `fields` (named key|field); the last part: `clocks`

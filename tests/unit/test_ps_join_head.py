@@ -1,0 +1,114 @@
+"""A join with replicas >= 2, step 3 (ps/join_head.py), on the real wire: after the tails
+copied the moved ranges to the joiner (join_tails.py), each old owner hands them over
+between two Sync rounds: its workers' old sessions are answered `moved` (a push on one is
+not applied), a new session naming only the kept keys is served, the `handed` marker
+reaches every copy of the moved keys (the joiner last) with the owner's state of them
+bitwise, and the owner goes on heading its kept keys (their copies follow bitwise) until
+the job ends.
+"""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+import zmq
+
+from disttrain.ps.frame import Message
+from disttrain.ps.join_head import HeadHandover, hand_over
+from disttrain.ps.transport import WorkerLink
+from tests.unit.test_ps_join_tails import INIT, KEY, _job, _links, _read, _ring, _round, _wait
+
+
+def _hello(ctx, address: str, w: int, i: int, keys: list[str], r: int) -> WorkerLink:
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    link = WorkerLink(sock, KEY, w, i)
+    link.send(Message("hello", {"keys": keys, "policy": "Sync()", "replicas": r}))
+    return link
+
+
+def _same(a_param, a_opt, b_param, b_opt) -> bool:
+    return torch.equal(a_param, b_param) and torch.equal(
+        a_opt.state[a_param]["momentum_buffer"], b_opt.state[b_param]["momentum_buffer"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n,r", [(2, 2), (3, 3)])
+def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r):
+    torch.manual_seed(0)
+    init = {name: torch.randn(size) for name, size in INIT.items()}
+    plan, servers, beats, watches, y, intakes = _job(init, n, r)
+    threads = [threading.Thread(target=s.serve, daemon=True) for s in [*servers, y]]
+    for t in threads:
+        t.start()
+    ctx = zmq.Context()
+    links = _links(ctx, servers, plan, r)
+    grads = {(w, c, ch.key): torch.randn(ch.numel) for w in (0, 1) for c in range(3)
+             for chunks in plan for ch in chunks}
+    assert _round(links, plan, grads, 0) == ["ack"] * 2 * n
+    for b in beats:
+        b.ring = _ring(5, "joining", y.address, accepting=True, n=n)
+    _wait("the joiner never installed the moved ranges",
+          lambda: all(i.stats is not None for i in intakes.values()))
+    assert _round(links, plan, grads, 1) == ["ack"] * 2 * n
+    moved = {x: sorted(k for (o, _), i in intakes.items() if o == x for k in i.chunks)
+             for x, _ in intakes}
+    state = {(x, k): (servers[x].params[k].detach().clone(), servers[x].optimizer.state[
+        servers[x].params[k]]["momentum_buffer"].clone()) for x, ks in moved.items() for k in ks}
+    versions = {x: servers[x].policy.version for x in moved}
+    hands = {x: HeadHandover(servers[x], ks, 6) for x, ks in moved.items()}
+    _wait("an old owner never handed over", lambda: all(h.stats for h in hands.values()))
+    for x in moved:
+        kept = [c.key for c in plan[x] if c.key not in moved[x]]
+        assert servers[x].keys == kept and len(servers[x].optimizer.param_groups[0]["params"]
+                                               ) == len(kept)
+        for w in (0, 1):
+            old = links[(w, x)]
+            assert _read(old).op == "moved"  # NOTE: at the hand-over, unasked
+            keys = [c.key for c in plan[x]]
+            old.send(Message("push", {"clock": 2, "version": 2, "ack": 1}, keys,
+                             [grads[(w, 2, k)] for k in keys]))
+            assert _read(old).op == "moved" and servers[x].policy.version == versions[x]
+            stale = _hello(ctx, servers[x].address, w, x, keys, r)
+            assert _read(stale).op == "error"  # NOTE: the handed keys are not served here
+            stale.close()
+            links[(w, x)] = _hello(ctx, servers[x].address, w, x, kept, r)
+            assert _read(links[(w, x)]).op == "welcome"
+            old.close()
+    for x, ks in moved.items():  # every copy of the moved keys, the joiner last, has x's state
+        _wait("the handed marker never reached the joiner", lambda x=x: x in y.chain.handed)
+        for k in ks:
+            for c in [*plan.indices(k, r)[1:], n]:
+                chain = (servers[c] if c < n else y).chain
+                assert k in chain.handed[x]
+                assert torch.equal(chain.params[k], state[(x, k)][0]) and torch.equal(
+                    chain.optimizer.state[chain.params[k]]["momentum_buffer"], state[(x, k)][1])
+    plan_kept = [[c for c in chunks if c.key not in moved.get(i, [])]
+                 for i, chunks in enumerate(plan)]
+    assert _round(links, plan_kept, grads, 2) == ["ack"] * 2 * n
+    for x in moved:  # the kept keys' copies follow their head bitwise
+        for k in servers[x].keys:
+            for c in plan.indices(k, r)[1:]:
+                ch = servers[c].chain
+                assert _same(ch.params[k], ch.optimizer, servers[x].params[k],
+                             servers[x].optimizer)
+    for link in links.values():
+        link.send(Message("done", {}))
+        assert _read(link).op == "bye"
+    for t in threads[:n]:
+        t.join(20)
+        assert not t.is_alive(), "a server waited for a head's final on handed keys"
+    y.takes = SimpleNamespace(started=set(), skipped=set(), intakes={})  # ends its loop
+    threads[n].join(10)
+    for link in links.values():
+        link.close()
+    ctx.term()
+
+
+def test_a_hand_over_of_keys_the_server_does_not_head_or_of_all_its_keys_is_refused():
+    s = SimpleNamespace(index=0, keys=["a", "b"], chain=None)
+    with pytest.raises(ValueError, match="does not head"):
+        hand_over(s, ["c"], 6)
+    with pytest.raises(ValueError, match="keep no key"):
+        hand_over(s, ["a", "b"], 6)
