@@ -3,8 +3,9 @@ copied the moved ranges to the joiner (join_tails.py), each old owner hands them
 between two Sync rounds: its workers' old sessions are answered `moved` (a push on one is
 not applied), a new session naming only the kept keys is served, the `handed` marker
 reaches every copy of the moved keys (the joiner last) with the owner's state of them
-bitwise, and the owner goes on heading its kept keys (their copies follow bitwise) until
-the job ends.
+bitwise, and the owner goes on heading its kept keys (their copies follow bitwise).
+Step 4's copy side: the moved keys' copies but the joiner's then follow a link with the
+joiner's route id (standing in for the route, not built yet) until its final marker.
 """
 
 import threading
@@ -15,7 +16,7 @@ import torch
 import zmq
 
 from disttrain.ps.frame import Message
-from disttrain.ps.join_head import HeadHandover, hand_over
+from disttrain.ps.join_head import HeadHandover, hand_over, route_id
 from disttrain.ps.transport import WorkerLink
 from tests.unit.test_ps_join_tails import INIT, KEY, _job, _links, _read, _ring, _round, _wait
 
@@ -31,6 +32,38 @@ def _hello(ctx, address: str, w: int, i: int, keys: list[str], r: int) -> Worker
 def _same(a_param, a_opt, b_param, b_opt) -> bool:
     return torch.equal(a_param, b_param) and torch.equal(
         a_opt.state[a_param]["momentum_buffer"], b_opt.state[b_param]["momentum_buffer"])
+
+
+def _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n: int, r: int) -> None:
+    """Each moved range's copies now follow the joiner's route (id n + 1 + x, its link
+    W + id): one update from it reaches every copy but the joiner's (the tail no longer
+    forwards to it), each stepping as one SGD step from x's state; then its final marker."""
+    for x, ks in moved.items():
+        route, firsts = route_id(n, x), {plan.indices(k, r)[1] for k in ks}
+        for c1 in sorted(firsts):
+            keys = [k for k in ks if plan.indices(k, r)[1] == c1]
+            for k in keys:
+                assert servers[c1].chain.chains[k] == [route, *plan.indices(k, r)[1:]]
+                assert servers[plan.indices(k, r)[-1]].chain.hop[k] is None  # the tail
+            link = _hello(ctx, servers[c1].address, 2 + route, c1, keys, r)
+            assert _read(link).op == "welcome"
+            grads = [torch.randn(servers[c1].chain.params[k].numel()) for k in keys]
+            meta = {"origin": route, "version": 9, "lr": 1.0, "final": 0}
+            link.send(Message("replicate", meta, keys, grads))
+            assert _read(link).op == "commit"  # NOTE: every later copy has it
+            for k, g in zip(keys, grads):
+                p = torch.nn.Parameter(state[(x, k)][0].clone())
+                ref = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+                ref.state[p]["momentum_buffer"] = state[(x, k)][1].clone()
+                p.grad = g
+                ref.step()
+                for c in plan.indices(k, r)[1:]:
+                    ch = servers[c].chain
+                    assert _same(ch.params[k], ch.optimizer, p, ref), (k, c)
+                assert torch.equal(y.chain.params[k], state[(x, k)][0])  # NOTE: not forwarded
+            link.send(Message("replicate", {**meta, "final": 1}))
+            assert _read(link).op == "commit"
+            link.close()
 
 
 @pytest.mark.timeout(90)
@@ -93,6 +126,7 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r)
                 ch = servers[c].chain
                 assert _same(ch.params[k], ch.optimizer, servers[x].params[k],
                              servers[x].optimizer)
+    _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n, r)
     for link in links.values():
         link.send(Message("done", {}))
         assert _read(link).op == "bye"

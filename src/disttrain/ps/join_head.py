@@ -21,13 +21,17 @@ drain's clean point, handover.py), X in one turn:
 Each copy that receives a `handed` marker (`follow_handed`) forwards it along those keys'
 chains, commits it once the next copies did, and, when no key of that head comes on that
 link any more, counts the link's feed as ended (nothing more comes for those keys from
-that head, so its loop need not wait for the head's final marker on it).
+that head, so its loop need not wait for the head's final marker on it). Step 4's copy
+side (`relink`): each copy but the joiner then names those keys' chain [route, c1, ...,
+T], the route being the joiner's server for X's moved keys under a party id of its own
+(`route_id`: S + 1 + X, no new wire field), c1 takes their updates from the route's link
+and T forwards nothing more to the joiner.
 
 Who talks to whom: `HeadHandover` is a tick of X's loop (`Server.ticks`); `follow_handed`
 wraps a server's `Replicas.hold` (every server with replicas >= 2 and a manager, and the
 joiner). Not here (not built): what starts the hand-over (the ring listing Y's installs),
-the copies' relink to Y's route and its wire id S+1+X, Y serving the moved keys, the
-workers' re-route; until they are, the manager refuses a join with replicas >= 2.
+the route on Y that serves the moved keys, the workers' re-route; until they are, the
+manager refuses a join with replicas >= 2.
 """
 
 from __future__ import annotations
@@ -115,23 +119,79 @@ def _drop(server, moved: set[str]) -> int:
     return nbytes
 
 
-def follow_handed(chain) -> None:
-    """Make `chain` (a server's Replicas) take `handed` markers: forward each along its
-    keys' chains, commit it once they did, and record the keys in `chain.handed` (head ->
-    keys). Wraps `chain.hold`; never blocks."""
+def route_id(servers: int, head: int) -> int:
+    """The party id of the route that serves old owner `head`'s moved keys on the joiner
+    (server index `servers`, one join per job): servers + 1 + head, above every server
+    index, so its links (W + id) and `origin` need no new wire field."""
+    return servers + 1 + head
+
+
+def follow_handed(chain, servers: int) -> None:
+    """Make `chain` (a server's Replicas, in a job of `servers` launched servers, the
+    joiner's index) take `handed` markers: forward each along its keys' chains, commit it
+    once they did, record the keys in `chain.handed` (head -> keys) and, on a copy other
+    than the joiner, relink them to their new head (`relink`). Wraps `chain.hold`; never
+    blocks."""
     before = chain.hold
     chain.handed = defaultdict(set)
 
     def hold(session, msg) -> bool:
         if msg.op == "replicate" and "handed" in msg.meta:
-            _handed(chain, session, msg)
+            _handed(chain, session, msg, servers)
             return True
         return bool(before and before(session, msg))
 
     chain.hold = hold
 
 
-def _handed(chain, session, msg: Message) -> None:
+def relink(chain, head: int, keys: list[str], servers: int) -> None:
+    """On a copy of `keys` (headed by `head`, handed to the joiner `servers`): their chain
+    becomes [route, c1, ..., T] (route_id: the joiner's route replaces the head, the
+    joiner's tail copy goes, the route being built from it), so the first copy takes their
+    updates from the route's link (link id W + route) under origin route, and the tail
+    forwards nothing more to the joiner. Never blocks.
+
+    NOTE: the marker passes every copy before the joiner, so each has relinked before the
+    route can exist: nothing it sends needs buffering."""
+    route, i, keys = route_id(servers, head), chain.index, set(keys)
+    for k in keys:
+        old = chain.chains[k]
+        chain.chains[k] = new = [route, *(c for c in old[1:] if c != servers)]
+        at = new.index(i)
+        chain.hop[k] = new[at + 1] if at + 1 < len(new) else None
+        for c in [c for c in chain.ranges.get(tuple(old), []) if c.key == k]:
+            chain.ranges[tuple(old)].remove(c)  # NOTE: the report lists the new chains
+            chain.ranges[tuple(new)].append(c)
+    for ch in [ch for ch, cs in chain.ranges.items() if not cs]:
+        del chain.ranges[ch]
+    prev = {chain.chains[k][chain.chains[k].index(i) - 1] for k in keys}
+    if prev == {route}:  # NOTE: the first copy: the route's link feeds it now
+        chain.admit(chain.base + route)
+        was = chain.expect[chain.base + head]
+        chain.expect[chain.base + route].update({k: v for k, v in was.items() if k in keys})
+        chain.expect[chain.base + head] = {k: v for k, v in was.items() if k not in keys}
+    chain.origins.add(route)
+    chain.version[route] = chain.version.get(head, 0)
+    chain.clocks[route] = {w: (c, ks & keys) for w, (c, ks) in chain.clocks[head].items()}
+    chain.feeds |= {(route, p) for p in prev}
+    for o in (head, route):
+        _paths(chain, o)
+
+
+def _paths(chain, origin: int) -> None:
+    """Recompute where `origin`'s updates and markers go on from here (its keys' hops)."""
+    chain.origin_hops[origin] = set()
+    for key in [p for p in chain.paths if p[0] == origin]:
+        del chain.paths[key]
+    for k, j in chain.hop.items():
+        ch = chain.chains[k]
+        if j is not None and ch[0] == origin:
+            at = ch.index(chain.index)
+            chain.origin_hops[origin].add(j)
+            chain.paths[(origin, ch[at - 1] if at else None)].add(j)
+
+
+def _handed(chain, session, msg: Message, servers: int) -> None:
     """One `handed` marker from a predecessor: checked, recorded, forwarded, committed."""
     peer, o, keys = session.worker, msg.meta["origin"], msg.meta["handed"]
     have = chain.expect.get(peer, {})
@@ -156,5 +216,7 @@ def _handed(chain, session, msg: Message) -> None:
         chain.send(j, Message("replicate", {**msg.meta, "handed": ks}))
     if all(k in chain.handed[o] for k in have if chain.chains[k][0] == o):
         chain.finals.add((o, peer - chain.base))  # NOTE: nothing more of o comes on this link
+    if chain.index != servers:  # NOTE: after forwarding; the joiner builds the route instead
+        relink(chain, o, keys, servers)
     chain.when_committed(lambda: chain.ep.send(session, Message("commit", {"frame": n})),
                          {j: chain.sent[j] for j in per})

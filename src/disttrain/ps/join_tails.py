@@ -65,7 +65,7 @@ class TailJoins:
         self.done = False
         self.seen = -1  # the last ring version looked at for a join
         server.watch = self
-        follow_handed(server.chain)  # NOTE: a head's hand-over marker passes its copies
+        follow_handed(server.chain, len(plan))  # NOTE: a head's hand-over marker passes
 
     def __call__(self) -> None:
         self.inner()
@@ -142,5 +142,5 @@ def join_intakes(server, params, plan, init: dict, optimizer, replicas: int, *,
         intakes.get(pair, first).handle(session, msg)
 
     chain.intake = route
-    follow_handed(chain)
+    follow_handed(chain, len(plan))
     return intakes
