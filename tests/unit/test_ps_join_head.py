@@ -4,8 +4,9 @@ between two Sync rounds: its workers' old sessions are answered `moved` (a push 
 not applied), a new session naming only the kept keys is served, the `handed` marker
 reaches every copy of the moved keys (the joiner last) with the owner's state of them
 bitwise, and the owner goes on heading its kept keys (their copies follow bitwise).
-Step 4's copy side: the moved keys' copies but the joiner's then follow a link with the
-joiner's route id (standing in for the route, not built yet) until its final marker.
+Step 4 (join_route.py): the moved keys' copies but the joiner's then follow the joiner's
+route under its own id: a bare link with that id standing in for it ("stand-in"), or the
+route itself, serving the workers a Sync round ("route"), until its final marker.
 """
 
 import threading
@@ -17,8 +18,21 @@ import zmq
 
 from disttrain.ps.frame import Message
 from disttrain.ps.join_head import HeadHandover, hand_over, route_id
+from disttrain.ps.join_route import route_of
+from disttrain.ps.policy import Sync
 from disttrain.ps.transport import WorkerLink
-from tests.unit.test_ps_join_tails import INIT, KEY, _job, _links, _read, _ring, _round, _wait
+from tests.unit.test_ps_join_tails import (
+    CHUNK,
+    INIT,
+    KEY,
+    OPT,
+    _job,
+    _links,
+    _read,
+    _ring,
+    _round,
+    _wait,
+)
 
 
 def _hello(ctx, address: str, w: int, i: int, keys: list[str], r: int) -> WorkerLink:
@@ -66,9 +80,43 @@ def _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n: int, r: int)
             link.close()
 
 
+def _the_joiner_serves(ctx, plan, servers, y, init, moved, links, grads, n: int, r: int):
+    """The joiner serves each old owner's handed keys as a route (join_route.py): the
+    workers' sessions to it (as server x, the moved keys) get a Sync round acknowledged
+    once every copy c1..T applied it, each equal bitwise to the route's values and
+    momentum. Returns the routes' threads."""
+    routes, threads = {}, []
+    for x in moved:
+        routes[x] = route_of(y, x, plan, init, Sync(), OPT, KEY,
+                             {i: s.address for i, s in enumerate(servers)},
+                             host="127.0.0.1", chunk_bytes=CHUNK)
+        assert routes[x].keys == [c.key for c in plan[x] if c.key in moved[x]]
+        threads.append(threading.Thread(target=routes[x].serve, daemon=True))
+        threads[-1].start()
+        for w in (0, 1):
+            links[(w, n + 1 + x)] = _hello(ctx, routes[x].address, w, x, routes[x].keys, r)
+            assert _read(links[(w, n + 1 + x)]).op == "welcome"
+    sent = []
+    for (w, i), link in links.items():
+        s = servers[i] if i < n else routes[i - n - 1]
+        link.send(Message("push", {"clock": 3, "version": s.policy.version, "ack": 1}, s.keys,
+                          [grads[(w, 2, k)] for k in s.keys]))
+        sent.append(link)
+    assert [_read(link).op for link in sent] == ["ack"] * len(sent)
+    for x, route in routes.items():
+        assert route.policy.version == y.chain.version[x] + 1 and route.chain.index == n + 1 + x
+        for k in route.keys:
+            assert k not in y.chain.params  # NOTE: the joiner's copy is the route's now
+            for c in plan.indices(k, r)[1:]:
+                ch = servers[c].chain
+                assert _same(ch.params[k], ch.optimizer, route.params[k], route.optimizer)
+    return threads
+
+
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("with_route", [False, True], ids=["stand-in", "route"])
 @pytest.mark.parametrize("n,r", [(2, 2), (3, 3)])
-def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r):
+def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r, with_route):
     torch.manual_seed(0)
     init = {name: torch.randn(size) for name, size in INIT.items()}
     plan, servers, beats, watches, y, intakes = _job(init, n, r)
@@ -126,13 +174,19 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r)
                 ch = servers[c].chain
                 assert _same(ch.params[k], ch.optimizer, servers[x].params[k],
                              servers[x].optimizer)
-    _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n, r)
+    if with_route:
+        routes = _the_joiner_serves(ctx, plan, servers, y, init, moved, links, grads, n, r)
+    else:
+        _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n, r)
     for link in links.values():
         link.send(Message("done", {}))
         assert _read(link).op == "bye"
     for t in threads[:n]:
         t.join(20)
         assert not t.is_alive(), "a server waited for a head's final on handed keys"
+    for t in (routes if with_route else []):
+        t.join(20)
+        assert not t.is_alive(), "a route did not end once its copies committed"
     y.takes = SimpleNamespace(started=set(), skipped=set(), intakes={})  # ends its loop
     threads[n].join(10)
     for link in links.values():

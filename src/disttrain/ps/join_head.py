@@ -30,8 +30,8 @@ and T forwards nothing more to the joiner.
 Who talks to whom: `HeadHandover` is a tick of X's loop (`Server.ticks`); `follow_handed`
 wraps a server's `Replicas.hold` (every server with replicas >= 2 and a manager, and the
 joiner). Not here (not built): what starts the hand-over (the ring listing Y's installs),
-the route on Y that serves the moved keys, the workers' re-route; until they are, the
-manager refuses a join with replicas >= 2.
+what starts the route on Y that serves the moved keys (join_route.py builds it), the
+workers' re-route; until they are, the manager refuses a join with replicas >= 2.
 """
 
 from __future__ import annotations

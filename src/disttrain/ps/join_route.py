@@ -1,0 +1,84 @@
+"""A server joins a job with `replicas >= 2`: the joiner heads the moved ranges.
+
+Step 4 of the join with replicas (docs/design/parameter-server.md, "A server joins", "With
+`replicas >= 2`"), the joiner Y's side. Once old owner X's `handed` marker reached Y (the
+last copy of X's moved keys: join_head.py), Y holds exactly X's state of them, and every
+other copy has already relinked them to the chain [route, c1, ..., T]. Y then serves them
+as a route "X@Y": a `Server` of their own in Y's process (takeover.py's route: its own
+socket, policy instance, X's version, the copy's values, optimizer state and per-worker
+push clocks), answering workers as server X (their hello names X and the moved keys) and
+heading the chain under a party id of its own, `route_id` (S + 1 + X): its link to c1 is
+W + S + 1 + X and its `replicate` frames' origin S + 1 + X, so a route of X and X itself
+(which heads its kept keys on) never feed one copy under one name. Y then forgets its own
+copy of the keys (the route's chain has r copies: the route and c1..T).
+
+Who talks to whom: `route_of` builds the route on Y (its links to c1 opened, not yet
+serving); the caller runs `route.serve()` on a thread of its own. Not here (not built): Y's
+watch that starts it once the marker came and reports it to the manager (`adopted`), the
+workers' re-route to it; until they are, the manager refuses a join with replicas >= 2.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from disttrain.ps.join_head import route_id
+from disttrain.ps.replica import Replicas
+from disttrain.ps.server import PSError, Server
+
+__all__ = ["route_of"]
+
+
+def route_of(y, head: int, plan, init: dict, policy, optimizer, secret: bytes,
+             addresses: dict[int, str], *, host: str, chunk_bytes: int) -> Server:
+    """On the joiner `y` (index S = len(plan)): a route serving `head`'s handed keys from
+    y's copies, heading their chains as route_id(S, head), its links to the first copies
+    (`addresses`: server index -> address) opened. Raises PSError if a key's marker has not
+    come. Never blocks."""
+    chain, keys = y.chain, sorted(getattr(y.chain, "handed", {}).get(head, ()))
+    order = [c for c in plan[head] if c.key in set(keys)]
+    if not order or any(k not in chain.params for k in keys):
+        raise PSError(f"server {y.index}: no handed copy of server {head}'s keys to serve yet")
+    route = Server(head, order, init, copy.deepcopy(policy), optimizer, y.workers, secret,
+                   host=host, timeout=y.timeout, chunk_bytes=chunk_bytes)
+    old = chain.optimizer.state if chain.optimizer is not None else {}
+    with torch.no_grad():
+        for c in order:
+            src, dst = chain.params[c.key], route.params[c.key]
+            dst.copy_(src)
+            if src in old:  # NOTE: the momentum (or Adam's moments) goes on, bitwise
+                route.optimizer.state[dst] = {n: v.clone() if torch.is_tensor(v) else v
+                                              for n, v in old[src].items()}
+    want = set(keys)
+    clocks = {w: (c, ks & want) for w, (c, ks) in chain.clocks[head].items()}
+    if any(ks != want for _, ks in clocks.values()):  # NOTE: X hands over between updates
+        raise PSError(f"server {y.index}: server {head} handed keys with a push half applied")
+    route.done_clock = {w: c for w, (c, _) in clocks.items()}
+    route.policy.version = chain.version[head]
+    route.chain = _head_chain(route, y, head, order, plan, init, optimizer, policy, secret,
+                              chunk_bytes)
+    route.chain.connect({j: addresses[j] for j in route.chain.origin_hops[route.chain.index]})
+    for c in order:  # NOTE: nothing feeds y's copy any more: the route's values go on
+        del chain.params[c.key]
+        chain.hop.pop(c.key, None)
+    return route
+
+
+def _head_chain(route: Server, y, head: int, order: list, plan, init: dict, optimizer,
+                policy, secret: bytes, chunk_bytes: int) -> Replicas:
+    """The route's Replicas: party route_id, head of [route, c1, ..., T] for its keys."""
+    me = route_id(len(plan), head)
+    rc = Replicas(me, len(y.workers), plan, y.chain.r, init, optimizer, policy, route.ep,
+                  secret, timeout=y.timeout, chunk_bytes=chunk_bytes)
+    rc.patience = y.chain.patience
+    for c in order:
+        new = [me, *(s for s in y.chain.chains[c.key][1:] if s != y.index)]
+        rc.chains[c.key], rc.hop[c.key] = new, new[1] if len(new) > 1 else None
+        rc.nbytes[c.key] = c.numel * init[c.name].element_size()
+        rc.ranges[tuple(new)].append(c)
+        if rc.hop[c.key] is not None:
+            rc.origin_hops[me].add(new[1])
+            rc.paths[(me, None)].add(new[1])
+    return rc
