@@ -18,7 +18,7 @@ import zmq
 
 from disttrain.ps.frame import Message
 from disttrain.ps.join_head import HeadHandover, hand_over, route_id
-from disttrain.ps.join_route import route_of
+from disttrain.ps.join_route import JoinRoutes
 from disttrain.ps.policy import Sync
 from disttrain.ps.transport import WorkerLink
 from tests.unit.test_ps_join_tails import (
@@ -33,6 +33,7 @@ from tests.unit.test_ps_join_tails import (
     _round,
     _wait,
 )
+from tests.unit.test_ps_takeover import _Ring
 
 
 def _hello(ctx, address: str, w: int, i: int, keys: list[str], r: int) -> WorkerLink:
@@ -80,21 +81,19 @@ def _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n: int, r: int)
             link.close()
 
 
-def _the_joiner_serves(ctx, plan, servers, y, init, moved, links, grads, n: int, r: int):
-    """The joiner serves each old owner's handed keys as a route (join_route.py): the
-    workers' sessions to it (as server x, the moved keys) get a Sync round acknowledged
-    once every copy c1..T applied it, each equal bitwise to the route's values and
-    momentum. Returns the routes' threads."""
-    routes, threads = {}, []
-    for x in moved:
-        routes[x] = route_of(y, x, plan, init, Sync(), OPT, KEY,
-                             {i: s.address for i, s in enumerate(servers)},
-                             host="127.0.0.1", chunk_bytes=CHUNK)
+def _the_joiner_serves(ctx, plan, servers, y, joins, beat, moved, links, grads, n: int,
+                       r: int) -> None:
+    """The joiner serves each old owner's handed keys as a route (join_route.py), listed
+    in its heartbeat's `adopted` rows: the workers' sessions to it (as server x, the moved
+    keys) get a Sync round acknowledged once every copy c1..T applied it, each equal
+    bitwise to the route's values and momentum."""
+    routes = {route.index: route for route, _, _ in joins.routes}
+    for row in beat.adopted:
+        x = row["server"]
+        assert row["by"] == n and row["address"] == routes[x].address
         assert routes[x].keys == [c.key for c in plan[x] if c.key in moved[x]]
-        threads.append(threading.Thread(target=routes[x].serve, daemon=True))
-        threads[-1].start()
         for w in (0, 1):
-            links[(w, n + 1 + x)] = _hello(ctx, routes[x].address, w, x, routes[x].keys, r)
+            links[(w, n + 1 + x)] = _hello(ctx, row["address"], w, x, routes[x].keys, r)
             assert _read(links[(w, n + 1 + x)]).op == "welcome"
     sent = []
     for (w, i), link in links.items():
@@ -110,7 +109,6 @@ def _the_joiner_serves(ctx, plan, servers, y, init, moved, links, grads, n: int,
             for c in plan.indices(k, r)[1:]:
                 ch = servers[c].chain
                 assert _same(ch.params[k], ch.optimizer, route.params[k], route.optimizer)
-    return threads
 
 
 @pytest.mark.timeout(90)
@@ -138,6 +136,13 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
     state = {(x, k): (servers[x].params[k].detach().clone(), servers[x].optimizer.state[
         servers[x].params[k]]["momentum_buffer"].clone()) for x, ks in moved.items() for k in ks}
     versions = {x: servers[x].policy.version for x in moved}
+    if with_route:  # the joiner's watch: it serves each owner's keys once its marker came
+        ybeat = _Ring()
+        ybeat.ring = _ring(6, "joining", y.address, accepting=True, n=n)
+        for row in ybeat.ring["servers"][:n]:
+            row["address"] = servers[row["server"]].address
+        joins = JoinRoutes(y, ybeat, moved, plan, init, Sync(), OPT, KEY, host="127.0.0.1",
+                           chunk_bytes=CHUNK)
     hands = {x: HeadHandover(servers[x], ks, 6) for x, ks in moved.items()}
     _wait("an old owner never handed over", lambda: all(h.stats for h in hands.values()))
     for x in moved:
@@ -163,8 +168,12 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
             for c in [*plan.indices(k, r)[1:], n]:
                 chain = (servers[c] if c < n else y).chain
                 assert k in chain.handed[x]
-                assert torch.equal(chain.params[k], state[(x, k)][0]) and torch.equal(
-                    chain.optimizer.state[chain.params[k]]["momentum_buffer"], state[(x, k)][1])
+                held = chain  # NOTE: the joiner's copy, or the route made of it
+                if c == n and with_route:
+                    _wait("no route", lambda x=x: x in {ro.index for ro, _, _ in joins.routes})
+                    held = next(ro for ro, _, _ in joins.routes if ro.index == x)
+                assert torch.equal(held.params[k], state[(x, k)][0]) and torch.equal(
+                    held.optimizer.state[held.params[k]]["momentum_buffer"], state[(x, k)][1])
     plan_kept = [[c for c in chunks if c.key not in moved.get(i, [])]
                  for i, chunks in enumerate(plan)]
     assert _round(links, plan_kept, grads, 2) == ["ack"] * 2 * n
@@ -175,7 +184,8 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
                 assert _same(ch.params[k], ch.optimizer, servers[x].params[k],
                              servers[x].optimizer)
     if with_route:
-        routes = _the_joiner_serves(ctx, plan, servers, y, init, moved, links, grads, n, r)
+        _wait("the joiner never served the handed keys", lambda: len(joins.routes) == len(moved))
+        _the_joiner_serves(ctx, plan, servers, y, joins, ybeat, moved, links, grads, n, r)
     else:
         _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n, r)
     for link in links.values():
@@ -184,11 +194,14 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
     for t in threads[:n]:
         t.join(20)
         assert not t.is_alive(), "a server waited for a head's final on handed keys"
-    for t in (routes if with_route else []):
-        t.join(20)
-        assert not t.is_alive(), "a route did not end once its copies committed"
-    y.takes = SimpleNamespace(started=set(), skipped=set(), intakes={})  # ends its loop
+    if with_route:
+        rows = joins.finish(20)  # NOTE: raises if a route did not end
+        assert sorted(row["server"] for row in rows) == sorted(moved) and all(
+            row["stats"]["keys"] == len(moved[row["server"]]) for row in rows)
+    else:
+        y.takes = SimpleNamespace(started=set(), skipped=set(), intakes={})  # ends its loop
     threads[n].join(10)
+    assert not threads[n].is_alive(), "the joiner's loop did not end"
     for link in links.values():
         link.close()
     ctx.term()

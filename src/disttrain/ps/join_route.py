@@ -12,23 +12,29 @@ W + S + 1 + X and its `replicate` frames' origin S + 1 + X, so a route of X and 
 (which heads its kept keys on) never feed one copy under one name. Y then forgets its own
 copy of the keys (the route's chain has r copies: the route and c1..T).
 
-Who talks to whom: `route_of` builds the route on Y (its links to c1 opened, not yet
-serving); the caller runs `route.serve()` on a thread of its own. Not here (not built): Y's
-watch that starts it once the marker came and reports it to the manager (`adopted`), the
-workers' re-route to it; until they are, the manager refuses a join with replicas >= 2.
+Who talks to whom: `JoinRoutes` is Y's watch (`Server.watch`, the joiner's loop): once an
+old owner's marker came it builds that owner's route (`route_of`: its links to c1
+opened), serves it on a thread of its own and lists it in the heartbeat's `adopted` rows
+(the manager's takeover rows, where workers find routes: reroute.py). Not here (not
+built): `ps.join` installing it (it sets up the r = 1 join), the workers' re-route to a
+route of an old owner that stays alive; until they are, the manager refuses a join with
+replicas >= 2.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import torch
 
 from disttrain.ps.join_head import route_id
+from disttrain.ps.move import say
 from disttrain.ps.replica import Replicas
 from disttrain.ps.server import PSError, Server
 
-__all__ = ["route_of"]
+__all__ = ["JoinRoutes", "route_of"]
 
 
 def route_of(y, head: int, plan, init: dict, policy, optimizer, secret: bytes,
@@ -82,3 +88,66 @@ def _head_chain(route: Server, y, head: int, order: list, plan, init: dict, opti
             rc.origin_hops[me].add(new[1])
             rc.paths[(me, None)].add(new[1])
     return rc
+
+
+class JoinRoutes:
+    """The joiner `y`'s watch with replicas >= 2: serves each old owner's handed keys as
+    a route once that owner's `handed` marker came (`route_of`), each on a thread of its
+    own, and reports them in `beat.adopted`. `owners`: old owner -> the keys it gives y.
+    Never blocks; raises PSError if a route failed."""
+
+    def __init__(self, y, beat, owners: dict[int, list[str]], plan, init: dict, policy,
+                 optimizer, secret: bytes, *, host: str, chunk_bytes: int):
+        self.y, self.beat, self.owners, self.intakes = y, beat, owners, owners
+        self.make = lambda x, at: route_of(y, x, plan, init, policy, optimizer, secret, at,
+                                           host=host, chunk_bytes=chunk_bytes)
+        self.started: set[int] = set()
+        self.skipped: set[int] = set()  # NOTE: the joiner's loop ends once all started
+        self.routes: list[tuple] = []  # (route, thread, row)
+        self.failure: BaseException | None = None
+        y.watch = y.takes = self
+
+    def __call__(self) -> None:
+        if self.failure is not None:
+            raise PSError(f"server {self.y.index}: a route of keys it took failed: "
+                          f"{self.failure}")
+        handed = getattr(self.y.chain, "handed", {})
+        for x, keys in sorted(self.owners.items()):
+            if x in self.started or not set(keys) <= handed.get(x, set()):
+                continue  # NOTE: x's marker came after every update x applied to them
+            self.started.add(x)
+            t0, ring = time.monotonic(), self.beat.ring
+            at = {r["server"]: r["address"] for r in ring.get("servers", [])}
+            route = self.make(x, at)
+            row = {"server": x, "by": self.y.index, "address": route.address,
+                   "keys": len(route.keys), "bytes": sum(p.numel() * p.element_size()
+                                                         for p in route.params.values()),
+                   "version": route.policy.version, "after": time.monotonic() - t0}
+            thread = threading.Thread(target=self._serve, args=(route, row), daemon=True,
+                                      name=f"ps-route-{x}@{self.y.index}")
+            self.routes.append((route, thread, row))
+            thread.start()
+            self.beat.adopted = [dict(r) for _, _, r in self.routes]
+            say(f"[ps server{self.y.index}] serves {row['keys']} keys of server {x} at "
+                f"version {row['version']} (ring version {ring.get('version', 0)}), heading "
+                f"their chains as {route.chain.index}; workers reach them at {route.address}")
+
+    def _serve(self, route: Server, row: dict) -> None:
+        try:
+            row["stats"] = route.serve()
+        except BaseException as e:  # noqa: BLE001 - surfaced on the joiner loop's thread
+            self.failure = e
+
+    def finish(self, wait: float) -> list[dict]:
+        """Wait (at most `wait` s) for every route to end; their rows with their stats.
+        Raises PSError for a route that failed or did not end."""
+        for _, thread, row in self.routes:
+            thread.join(wait)
+            if thread.is_alive():
+                raise PSError(f"server {self.y.index}: the route of server {row['server']}'s "
+                              f"keys did not end within {wait:g} s (its workers never said "
+                              "done)")
+        if self.failure is not None:
+            raise PSError(f"server {self.y.index}: a route of keys it took failed: "
+                          f"{self.failure}")
+        return [dict(row) for _, _, row in self.routes]
