@@ -17,9 +17,12 @@ import torch
 import zmq
 
 from disttrain.ps.frame import Message
-from disttrain.ps.join_head import HeadHandover, hand_over, route_id
+from disttrain.ps.join_head import HeadHandover, follow_handed, hand_over, route_id
 from disttrain.ps.join_route import JoinRoutes
+from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
+from disttrain.ps.replica import Replicas
+from disttrain.ps.server import Server
 from disttrain.ps.transport import WorkerLink
 from tests.unit.test_ps_join_tails import (
     CHUNK,
@@ -213,3 +216,42 @@ def test_a_hand_over_of_keys_the_server_does_not_head_or_of_all_its_keys_is_refu
         hand_over(s, ["c"], 6)
     with pytest.raises(ValueError, match="keep no key"):
         hand_over(s, ["a", "b"], 6)
+
+
+def _pump(server, link) -> Message:
+    """Run server's receive side on this thread until `link` has a reply; the reply."""
+    for _ in range(500):
+        if server.ep.sock.poll(10) and (got := server.ep.recv()) is not None:
+            server._handle(*got)
+        if link.sock.poll(0):
+            return _read(link)
+    raise AssertionError("no reply")
+
+
+@pytest.mark.timeout(60)
+def test_a_handed_marker_for_keys_the_copy_does_not_take_from_that_link_is_refused():
+    torch.manual_seed(2)
+    init = {name: torch.randn(size) for name, size in INIT.items()}
+    spec = [(name, t.numel(), 4) for name, t in init.items()]
+    plan = plan_keys(spec, 2, chunk_bytes=CHUNK)
+    s = Server(1, plan[1], init, Sync(), OPT, [0, 1], KEY, timeout=60)
+    s.chain = Replicas(1, 2, plan, 2, init, OPT, Sync(), s.ep, KEY, timeout=60)
+    follow_handed(s.chain, 2)
+    ctx = zmq.Context()
+    mine = list(s.chain.expect[2])  # server 0's keys copied here, on its link (id W + 0)
+    link = _hello(ctx, s.address, 2, 1, mine, 2)
+    assert _pump(s, link).op == "welcome"
+    meta = {"origin": 0, "version": 1, "lr": 1.0, "final": 0}
+    for bad in (["nope"], [plan[1][0].key], []):  # unknown, headed by server 1, none
+        link.send(Message("replicate", {**meta, "handed": bad}))
+        reply = _pump(s, link)
+        assert reply.op == "error" and "handed marker" in reply.meta["message"], reply.meta
+    assert s.ep.rejected["schema:replicate.handed"] == 3 and not s.chain.handed
+    assert s.chain.chains[mine[0]][0] == 0 and s.chain.received[2] == 0  # nothing changed
+    link.send(Message("replicate", {**meta, "handed": mine[:1]}))
+    assert _pump(s, link).meta["frame"] == 1  # committed: this copy is the tail
+    assert s.chain.handed[0] == {mine[0]} and s.chain.chains[mine[0]] == [route_id(2, 0), 1]
+    assert list(s.chain.expect[2 + route_id(2, 0)]) == mine[:1]  # the route's link feeds it
+    link.close()
+    s.close()
+    ctx.term()
