@@ -19,9 +19,12 @@ import zmq
 from disttrain.ps.frame import Message
 from disttrain.ps.join_head import HeadHandover, follow_handed, hand_over, route_id
 from disttrain.ps.join_route import JoinRoutes
+from disttrain.ps.manager import _answer
+from disttrain.ps.membership import Membership
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
 from disttrain.ps.replica import Replicas
+from disttrain.ps.schema import check
 from disttrain.ps.server import Server
 from disttrain.ps.transport import WorkerLink
 from tests.unit.test_ps_join_tails import (
@@ -129,6 +132,13 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
     grads = {(w, c, ch.key): torch.randn(ch.numel) for w in (0, 1) for c in range(3)
              for chunks in plan for ch in chunks}
     assert _round(links, plan, grads, 0) == ["ack"] * 2 * n
+    if with_route:  # the joiner's watch: reports its installs, serves the handed keys
+        ybeat = _Ring()
+        ybeat.copied, ybeat.ring = [], _ring(5, "joining", y.address, accepting=True, n=n)
+        for row in ybeat.ring["servers"][:n]:
+            row["address"] = servers[row["server"]].address
+        joins = JoinRoutes(y, ybeat, intakes, plan, init, Sync(), OPT, KEY,
+                           host="127.0.0.1", chunk_bytes=CHUNK)
     for b in beats:
         b.ring = _ring(5, "joining", y.address, accepting=True, n=n)
     _wait("the joiner never installed the moved ranges",
@@ -139,14 +149,18 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
     state = {(x, k): (servers[x].params[k].detach().clone(), servers[x].optimizer.state[
         servers[x].params[k]]["momentum_buffer"].clone()) for x, ks in moved.items() for k in ks}
     versions = {x: servers[x].policy.version for x in moved}
-    if with_route:  # the joiner's watch: it serves each owner's keys once its marker came
-        ybeat = _Ring()
-        ybeat.ring = _ring(6, "joining", y.address, accepting=True, n=n)
-        for row in ybeat.ring["servers"][:n]:
-            row["address"] = servers[row["server"]].address
-        joins = JoinRoutes(y, ybeat, moved, plan, init, Sync(), OPT, KEY, host="127.0.0.1",
-                           chunk_bytes=CHUNK)
-    hands = {x: HeadHandover(servers[x], ks, 6) for x, ks in moved.items()}
+    if with_route:  # NOTE: each old owner hands over once the ring lists the installs
+        _wait("the joiner never reported its installs", lambda: len(ybeat.copied) == len(
+            intakes))
+        assert all(w.hand is None for w in watches)
+        for b in beats:
+            b.ring = dict(_ring(6, "joining", y.address, accepting=True, n=n),
+                          copies=ybeat.copied)
+        _wait("an old owner never started its hand-over",
+              lambda: all(watches[x].hand is not None for x in moved))
+        hands = {x: watches[x].hand for x in moved}
+    else:
+        hands = {x: HeadHandover(servers[x], ks, 6) for x, ks in moved.items()}
     _wait("an old owner never handed over", lambda: all(h.stats for h in hands.values()))
     for x in moved:
         kept = [c.key for c in plan[x] if c.key not in moved[x]]
@@ -255,3 +269,20 @@ def test_a_handed_marker_for_keys_the_copy_does_not_take_from_that_link_is_refus
     link.close()
     s.close()
     ctx.term()
+
+
+def test_the_manager_lists_a_joiners_installs_in_the_ring_for_the_old_owners():
+    """The joiner reports each installed range as a `copied` row; the ring lists it under
+    `copies` (what starts each old owner's hand-over: join_tails.py) with an event."""
+    m = Membership()
+    for i in range(2):
+        m.register(i, f"ipc://s{i}", "fp", 2, [], 0.0)
+    m.join(2, "ipc://y", "fp", m.version, 0.0)
+    row = {"server": 0, "by": 1, "to": 2, "keys": 3, "bytes": 4096, "version": 7}
+    beat = {"server": 2, "ring": m.version, "version": 0, "pushes": 0, "final": 0,
+            "accepting": 2, "drained": 0, "copied": [row]}
+    ring = _answer(m, Message("report", beat), 0.0, {})
+    assert ring.op == "ring" and ring.meta["copies"] == [row], ring.meta
+    check(Message("ring", ring.meta), "worker")
+    assert m.events[-1].endswith("server 2 holds a copy of 3 keys (0.00 MB) of server 0, from "
+                                 "server 1 at version 7: a join: handed over next"), m.events

@@ -91,14 +91,20 @@ def _head_chain(route: Server, y, head: int, order: list, plan, init: dict, opti
 
 
 class JoinRoutes:
-    """The joiner `y`'s watch with replicas >= 2: serves each old owner's handed keys as
-    a route once that owner's `handed` marker came (`route_of`), each on a thread of its
-    own, and reports them in `beat.adopted`. `owners`: old owner -> the keys it gives y.
-    Never blocks; raises PSError if a route failed."""
+    """The joiner `y`'s watch with replicas >= 2: reports each installed range in
+    `beat.copied` (the old owners hand over once the ring lists all of theirs: join_tails.py),
+    serves each old owner's handed keys as a route once that owner's `handed` marker came
+    (`route_of`), each on a thread of its own, and reports them in `beat.adopted`.
+    `intakes`: join_intakes' (old owner, tail) -> Intake. Never blocks; raises PSError if
+    a route failed."""
 
-    def __init__(self, y, beat, owners: dict[int, list[str]], plan, init: dict, policy,
-                 optimizer, secret: bytes, *, host: str, chunk_bytes: int):
-        self.y, self.beat, self.owners, self.intakes = y, beat, owners, owners
+    def __init__(self, y, beat, intakes: dict, plan, init: dict, policy, optimizer,
+                 secret: bytes, *, host: str, chunk_bytes: int):
+        self.y, self.beat, self.installs = y, beat, intakes
+        self.owners: dict[int, list[str]] = {}  # old owner -> the keys it gives y
+        for (x, _), intake in sorted(intakes.items()):
+            self.owners.setdefault(x, []).extend(intake.chunks)
+        self.intakes = self.owners  # NOTE: the joiner's loop ends once each started
         self.make = lambda x, at: route_of(y, x, plan, init, policy, optimizer, secret, at,
                                            host=host, chunk_bytes=chunk_bytes)
         self.started: set[int] = set()
@@ -111,6 +117,11 @@ class JoinRoutes:
         if self.failure is not None:
             raise PSError(f"server {self.y.index}: a route of keys it took failed: "
                           f"{self.failure}")
+        rows = [{"server": x, "by": t, "to": self.y.index, "keys": i.stats["keys"],
+                 "bytes": i.stats["bytes"], "version": i.stats["version"]}
+                for (x, t), i in sorted(self.installs.items()) if i.stats is not None]
+        if len(rows) > len(self.beat.copied):
+            self.beat.copied = rows  # NOTE: replaced whole, as the heartbeat reads it
         handed = getattr(self.y.chain, "handed", {})
         for x, keys in sorted(self.owners.items()):
             if x in self.started or not set(keys) <= handed.get(x, set()):

@@ -19,16 +19,18 @@ awaited from it); a head's job that ended before the cut skips it (transfer.py).
 Who talks to whom: `TailJoins` is every server's watch with replicas >= 2 and a manager
 (connect.py): it runs the watch it wraps (takeover and drain, handover.py) first, then
 its own part, on the server loop's thread. `join_intakes` is the joiner's side, called
-before its loop serves. The hand-over at the head is join_head.py (each
-watch makes its server's copies follow its `handed` markers). Not built: the relink of
-the copies to Y, Y serving the moved keys, the workers' re-route (the design page says
-what each needs); until they are, the manager refuses a join with replicas >= 2.
+before its loop serves. The watch also starts its server's part as an old owner: once
+the ring lists the joiner's install of each of its moved ranges (`copies` rows, which the
+joiner reports: join_route.py), it hands them over (join_head.py); and it makes its
+server's copies follow `handed` markers. Not built: `ps.join` with replicas >= 2, the
+workers' re-route (the design page says what each needs); until they are, the manager
+refuses a join with replicas >= 2.
 """
 
 from __future__ import annotations
 
 from disttrain.ps.join_chains import extensions, join_moves
-from disttrain.ps.join_head import follow_handed
+from disttrain.ps.join_head import HeadHandover, follow_handed
 from disttrain.ps.join_moves import joiner
 from disttrain.ps.move import say
 from disttrain.ps.transfer import Intake, accept, extend
@@ -62,6 +64,8 @@ class TailJoins:
         self.new: int | None = None  # the joining server
         self.pairs: dict[tuple[int, int], list[str]] = {}  # what this tail extends to it
         self.exts: dict[int, object] = {}  # old owner -> transfer.Extension, once cut
+        self.gives: dict[tuple[int, int], list[str]] = {}  # this server's moved ranges
+        self.hand: HeadHandover | None = None  # their hand-over, once the joiner has them
         self.done = False
         self.seen = -1  # the last ring version looked at for a join
         server.watch = self
@@ -71,7 +75,7 @@ class TailJoins:
         self.inner()
         self.server.watch = self  # NOTE: a watch it wraps may make itself the watch again
         ring = self.beat.ring
-        if self.done or "servers" not in ring:
+        if "servers" not in ring:
             return
         if self.new is None:
             if ring["version"] != self.seen:  # NOTE: once per ring version until a join
@@ -79,6 +83,10 @@ class TailJoins:
                 self._begin(ring)
             return
         state = {r["server"]: r["state"] for r in ring["servers"]}.get(self.new)
+        if self.gives and self.hand is None and state not in ("dead", "left", None):
+            self._hand(ring)  # NOTE: the head's part; the rest is the tail's
+        if self.done:
+            return
         if state in ("dead", "left", None):
             return self._lost()
         if self.exts:
@@ -104,9 +112,20 @@ class TailJoins:
             return
         s = self.server
         self.new = new
-        self.pairs = tail_pairs(self.params, self.plan, new, s.chain.r, self.chunk_bytes,
-                                tail=s.index)
+        every = tail_pairs(self.params, self.plan, new, s.chain.r, self.chunk_bytes)
+        self.pairs = {p: keys for p, keys in every.items() if p[1] == s.index}
+        self.gives = {p: keys for p, keys in every.items() if p[0] == s.index}
         self.done = not self.pairs
+
+    def _hand(self, ring: dict) -> None:
+        """This server gives keys to the joiner: hand them over (join_head.py) once the
+        ring lists the joiner's install of each of its moved ranges (its `copied` rows)."""
+        installed = {(r["server"], r["by"]) for r in ring.get("copies", [])
+                     if r["to"] == self.new}
+        if set(self.gives) <= installed:
+            keys = {k for ks in self.gives.values() for k in ks}
+            self.hand = HeadHandover(self.server, [k for k in self.server.keys if k in keys],
+                                     ring["version"])
 
     def _lost(self) -> None:
         """The joiner is gone before the hand-over: drop it from the chains it was added

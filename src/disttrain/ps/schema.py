@@ -165,7 +165,9 @@ SCHEMA: dict[str, Op] = {
                           "servers": Field("rows", row=RING_ROW),
                           "takeovers": Field("rows", row=TAKEOVER_ROW, required=False),
                           # [server, leaving server]: ready to take its keys (move.py)
-                          "accepting": Field("pairs", required=False)}),
+                          "accepting": Field("pairs", required=False),
+                          # ranges copied again (recopy.py) or to a joiner (join_tails.py)
+                          "copies": Field("rows", row=COPY_ROW, required=False)}),
     "state": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                            "servers": Field("rows", row=STATE_ROW),
                            "shard": Field("rows", row=dict(SHARD_ROW, server=SERVER)),
