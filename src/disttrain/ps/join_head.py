@@ -59,7 +59,6 @@ class HeadHandover:
         if self.stats is not None or s.partial or s.complete:  # NOTE: a received push first
             return
         self.stats = hand_over(s, self.keys, self.ring)
-        s.ticks.remove(self)
 
 
 def hand_over(server, keys: list[str], ring: int) -> dict:

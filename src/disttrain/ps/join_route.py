@@ -12,8 +12,10 @@ W + S + 1 + X and its `replicate` frames' origin S + 1 + X, so a route of X and 
 (which heads its kept keys on) never feed one copy under one name. Y then forgets its own
 copy of the keys (the route's chain has r copies: the route and c1..T).
 
-Who talks to whom: `JoinRoutes` is Y's watch (`Server.watch`, the joiner's loop): once an
-old owner's marker came it builds that owner's route (`route_of`: its links to c1
+Who talks to whom: `JoinRoutes` is Y's watch (`Server.watch`, the joiner's loop): it
+reports each installed range in the heartbeat's `copied` rows (the ring's `copies`, which
+start each old owner's hand-over: join_tails.py) and, once an old owner's marker came,
+builds that owner's route (`route_of`: its links to c1
 opened), serves it on a thread of its own and lists it in the heartbeat's `adopted` rows
 (the manager's takeover rows, where workers find routes: reroute.py). Not here (not
 built): `ps.join` installing it (it sets up the r = 1 join), the workers' re-route to a
