@@ -37,6 +37,7 @@ from disttrain.ps.compress import TopK, parse_compression
 from disttrain.ps.handover import Handover
 from disttrain.ps.heap import keep_freed_memory
 from disttrain.ps.join_moves import Joins
+from disttrain.ps.join_tails import TailJoins
 from disttrain.ps.joiner import join, joining
 from disttrain.ps.manager_link import (
     ManagerError,
@@ -216,10 +217,10 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
 
 def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, policy: Policy,
                beat, host: str | None, addresses: list[str], workers: int,
-               chunk_bytes: int) -> Handover | None:
+               chunk_bytes: int) -> TailJoins | None:
     """Give `server` its copies and links to the next servers of its chains (replica.py)
     and, with a manager (whose ring says who is dead or drained), its takeover and
-    hand-over watch (takeover.py, handover.py)."""
+    hand-over watch (takeover.py, handover.py) and a join's tail copies (join_tails.py)."""
     init = dict(model.named_parameters())
     server.chain = Replicas(server.index, workers, plan, replicas, init, optimizer, policy,
                             server.ep, job_secret(), timeout=server.timeout,
@@ -228,8 +229,11 @@ def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, poli
     if beat is None:
         return None
     _tell_supervisor(replicas)
-    return Handover(Takeover(server, beat, plan, init, policy, optimizer, job_secret(),
+    spec = [(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
+    take = Handover(Takeover(server, beat, plan, init, policy, optimizer, job_secret(),
                              host=host or settings.current().ps_host, chunk_bytes=chunk_bytes))
+    return TailJoins(take, server, beat, spec, plan, init, optimizer, job_secret(),
+                     chunk_bytes=chunk_bytes)  # NOTE: a join's copies at the tails
 
 
 def _moves(server: Server, beat, model, plan: Plan, policy: Policy, optimizer,

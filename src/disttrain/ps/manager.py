@@ -113,7 +113,7 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
     return Message("ring", {"version": members.version, "expected": members.expected,
                             "complete": int(members.complete()), "stale": int(held < members.version),
                             "servers": members.ring_rows(), "takeovers": members.takeovers,
-                            "accepting": members.accepting()})
+                            "accepting": members.accepting(), "copies": members.copies})
 
 
 def serve_manager(state: str, *, host: str = "127.0.0.1", timeout: float = 10.0,

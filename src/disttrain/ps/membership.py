@@ -288,12 +288,12 @@ class Membership:
             if r["to"] != to or to not in self.members:
                 raise Refused(f"server {to} reports a copy held by server {r['to']}: a server "
                               "reports only the copies it holds itself")
-        new = [r for r in rows if r not in self.copies]
+        self.copies += (new := [r for r in rows if r not in self.copies])
         for r in new:
-            self.copies.append(r)
+            why = ("a join: handed over next", "the range has its replicas again")[to < self.expected]
             self._change(f"server {to} holds a copy of {r['keys']} keys ({r['bytes'] / 1e6:.2f} "
-                         f"MB) of server {r['server']} again, from server {r['by']} at version "
-                         f"{r['version']}: the range has its replicas again")
+                         f"MB) of server {r['server']}{' again' * (to < self.expected)}, from "
+                         f"server {r['by']} at version {r['version']}: {why}")
         return bool(new)
 
     # ---- views --------------------------------------------------------------------------

@@ -110,7 +110,9 @@ SCHEMA: dict[str, Op] = {
                                "momentum": Field("float", 0, 1, required=False),
                                "final": FLAG, "shm": SHM,
                                # [worker, clock] of each push the update holds (takeover.py)
-                               "pushes": Field("pairs", required=False)}, tensors=(0, MAX)),
+                               "pushes": Field("pairs", required=False),
+                               # no tensors: origin hands these keys over (join_head.py)
+                               "handed": Field("strs", required=False)}, tensors=(0, MAX)),
     # the tail of a chain -> its new tail (transfer.py): part `part` of `parts` of the
     # state of keys headed by `origin`, cut at its `version`; per key its value, then one
     # tensor per optimizer field in `fields` (named key|field); the last part: `clocks`
@@ -163,7 +165,9 @@ SCHEMA: dict[str, Op] = {
                           "servers": Field("rows", row=RING_ROW),
                           "takeovers": Field("rows", row=TAKEOVER_ROW, required=False),
                           # [server, leaving server]: ready to take its keys (move.py)
-                          "accepting": Field("pairs", required=False)}),
+                          "accepting": Field("pairs", required=False),
+                          # ranges copied again (recopy.py) or to a joiner (join_tails.py)
+                          "copies": Field("rows", row=COPY_ROW, required=False)}),
     "state": Op("worker", {"version": VERSION, "expected": Field("int", 0, 1 << 16),
                            "servers": Field("rows", row=STATE_ROW),
                            "shard": Field("rows", row=dict(SHARD_ROW, server=SERVER)),

@@ -173,9 +173,9 @@ class Server(ServerSteps):
         if self.chain is not None and self.chain.is_peer(w):
             return self.chain.handle(session, msg)
         self.last_seen[w] = time.monotonic()
-        if w in self.finished and msg.op != "done":
-            if self.gone is not None:  # NOTE: its keys moved away (move.py): say where to ask
-                self.ep.send(session, self.gone)
+        if session.gone is not None or w in self.finished and msg.op != "done":
+            if (gone := session.gone or self.gone) is not None:  # NOTE: keys moved: ask
+                self.ep.send(session, gone)  # the manager (move.py; join_head.py)
             return
         if msg.op == "hello":
             self._hello(session, msg)

@@ -95,7 +95,7 @@ class ServerSteps:
                                                 staleness, self.policy.mean_staleness,
                                                 keep=self.chain is not None)
             if self.chain is not None:  # NOTE: batch by batch: the copy overlaps the next
-                self.chain.forward(self.index, dict(zip(batch, stepped)), self.policy.version,
+                self.chain.forward(self.chain.index, dict(zip(batch, stepped)), self.policy.version,
                                    hyper)
 
     def _send_params(self, w: int, have: int) -> None:

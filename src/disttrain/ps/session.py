@@ -157,6 +157,7 @@ class Session:
         self.peer_local = False  # the peer is this user on a Unix socket (server side)
         self.ident: bytes | None = None  # the server's ROUTER identity of this connection
         self.shm = None  # shm.Segment: tensors of both directions go through it (transport.py)
+        self.gone = None  # the answer to its every frame once its keys moved (join_head.py)
 
     def _cipher(self, direction: int, seq: int, tag: bytes | None = None):
         iv = struct.pack("<IQ", direction, seq)

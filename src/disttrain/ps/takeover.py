@@ -74,7 +74,8 @@ class Takeover:
         if ring.get("version", -1) <= self.seen:
             return
         self.seen = ring["version"]
-        dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"}
+        dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"
+                and r["server"] < len(self.plan)}  # NOTE: a joiner is join_tails.py's
         left = {r["server"] for r in ring["servers"] if r["state"] == "left"  # NOTE: drained
                 and r["server"] < len(self.plan)}  # (handover.py): taken over like a death
         self.left |= left

@@ -1,0 +1,165 @@
+"""A server joins a job with `replicas >= 2`: the tails copy the moved ranges to it.
+
+Step 2 of the join with replicas (docs/design/parameter-server.md, "A server joins", "With
+`replicas >= 2`"). The joiner Y takes the keys it takes with r = 1 (join_chains.py: the
+moved keys of each old owner X, chain [X, c1, ..., T]). Each tail T extends those chains
+to Y by chain extension (transfer.py; van Renesse & Schneider 2004, sec. 3), so the range
+holds r + 1 copies, Y the last: T cuts between two updates it applied (a tail applies a
+`replicate` frame whole, so any loop turn is such a point: no clean point at the head is
+needed), and from the cut on T's commits of those keys, and therefore X's acks and pull
+answers, wait for Y's commits too. Y admits one Intake per (old owner, tail) pair (an
+extension carries one head's keys) and tells a `transfer` frame's intake by the link it
+came on and the head it names (`origin`).
+
+Every party computes the same pairs from the model, the servers launched, r and the
+joiner's index, so the manager sends no key lists. A joiner the ring marks dead before
+the hand-over is dropped from the chains it was added to (r copies again, nothing
+awaited from it); a head's job that ended before the cut skips it (transfer.py).
+
+Who talks to whom: `TailJoins` is every server's watch with replicas >= 2 and a manager
+(connect.py): it runs the watch it wraps (takeover and drain, handover.py) first, then
+its own part, on the server loop's thread. `join_intakes` is the joiner's side, called
+before its loop serves. The watch also starts its server's part as an old owner: once
+the ring lists the joiner's install of each of its moved ranges (`copies` rows, which the
+joiner reports: join_route.py), it hands them over (join_head.py); and it makes its
+server's copies follow `handed` markers. Not built: `ps.join` with replicas >= 2, the
+workers' re-route (the design page says what each needs); until they are, the manager
+refuses a join with replicas >= 2.
+"""
+
+from __future__ import annotations
+
+from disttrain.ps.join_chains import extensions, join_moves
+from disttrain.ps.join_head import HeadHandover, follow_handed
+from disttrain.ps.join_moves import joiner
+from disttrain.ps.move import say
+from disttrain.ps.transfer import Intake, accept, extend
+
+__all__ = ["TailJoins", "join_intakes", "tail_pairs"]
+
+_NEW_PATIENCE = 3.0
+"""x timeout a tail waits for the joiner's commits: a fresh process pays first-use costs
+on its first frames (join_moves.py says the same for r = 1)."""
+
+
+def tail_pairs(params, plan, new: int, replicas: int, chunk_bytes: int,
+               tail: int | None = None) -> dict[tuple[int, int], list[str]]:
+    """(old owner, tail) -> the keys that tail extends to joining server `new`, in plan
+    order; only tail `tail`'s pairs if given. Pure; the same on every rank."""
+    pairs = extensions(join_moves(params, plan, new, replicas, chunk_bytes))
+    return {p: keys for p, keys in pairs.items() if tail is None or p[1] == tail}
+
+
+class TailJoins:
+    """Server T's watch for a join with replicas >= 2: runs `inner` (the watch it wraps),
+    then, once the ring lists a joiner that admitted every link (`accepting` = its own
+    index), extends to it each moved range whose tail T is. Never blocks."""
+
+    def __init__(self, inner, server, beat, params, plan, init: dict, optimizer,
+                 secret: bytes, *, chunk_bytes: int):
+        self.inner, self.server, self.beat, self.params, self.plan = (
+            inner, server, beat, params, plan)
+        self.init, self.optimizer, self.secret, self.chunk_bytes = (
+            init, optimizer, secret, chunk_bytes)
+        self.new: int | None = None  # the joining server
+        self.pairs: dict[tuple[int, int], list[str]] = {}  # what this tail extends to it
+        self.exts: dict[int, object] = {}  # old owner -> transfer.Extension, once cut
+        self.gives: dict[tuple[int, int], list[str]] = {}  # this server's moved ranges
+        self.hand: HeadHandover | None = None  # their hand-over, once the joiner has them
+        self.done = False
+        self.seen = -1  # the last ring version looked at for a join
+        server.watch = self
+        follow_handed(server.chain, len(plan))  # NOTE: a head's hand-over marker passes
+
+    def __call__(self) -> None:
+        self.inner()
+        self.server.watch = self  # NOTE: a watch it wraps may make itself the watch again
+        ring = self.beat.ring
+        if "servers" not in ring:
+            return
+        if self.new is None:
+            if ring["version"] != self.seen:  # NOTE: once per ring version until a join
+                self.seen = ring["version"]
+                self._begin(ring)
+            return
+        state = {r["server"]: r["state"] for r in ring["servers"]}.get(self.new)
+        if self.gives and self.hand is None and state not in ("dead", "left", None):
+            self._hand(ring)  # NOTE: the head's part; the rest is the tail's
+        if self.done:
+            return
+        if state in ("dead", "left", None):
+            return self._lost()
+        if self.exts:
+            return
+        if not any(y == x == self.new for y, x in ring.get("accepting", [])):
+            return  # NOTE: the joiner admits every tail's link before any cuts
+        address = next(r["address"] for r in ring["servers"] if r["server"] == self.new)
+        s = self.server
+        for (x, _), keys in sorted(self.pairs.items()):
+            self.exts[x] = extend(s, self.plan, self.init, self.optimizer, keys, self.new,
+                                  address, replicas=s.chain.r, secret=self.secret,
+                                  chunk_bytes=self.chunk_bytes)
+            self.exts[x].tick()  # NOTE: cut now: between two updates this tail applied
+        s.chain.patience = max(s.chain.patience, _NEW_PATIENCE)
+        say(f"[ps server{s.index}] copies " + ", ".join(
+            f"{len(keys)} keys of server {x}" for (x, _), keys in sorted(self.pairs.items()))
+            + f" to joining server {self.new} (the tail of their chains)")
+
+    def _begin(self, ring: dict) -> None:
+        """A join at this ring version: the moved ranges whose tail this server is."""
+        new = joiner(ring) if "expected" in ring else None
+        if new is None:
+            return
+        s = self.server
+        self.new = new
+        every = tail_pairs(self.params, self.plan, new, s.chain.r, self.chunk_bytes)
+        self.pairs = {p: keys for p, keys in every.items() if p[1] == s.index}
+        self.gives = {p: keys for p, keys in every.items() if p[0] == s.index}
+        self.done = not self.pairs
+
+    def _hand(self, ring: dict) -> None:
+        """This server gives keys to the joiner: hand them over (join_head.py) once the
+        ring lists the joiner's install of each of its moved ranges (its `copied` rows)."""
+        installed = {(r["server"], r["by"]) for r in ring.get("copies", [])
+                     if r["to"] == self.new}
+        if set(self.gives) <= installed:
+            keys = {k for ks in self.gives.values() for k in ks}
+            self.hand = HeadHandover(self.server, [k for k in self.server.keys if k in keys],
+                                     ring["version"])
+
+    def _lost(self) -> None:
+        """The joiner is gone before the hand-over: drop it from the chains it was added
+        to; those ranges keep their r copies (nothing more is sent to it or awaited)."""
+        self.done = True
+        if self.exts:
+            self.server.chain.drop(self.new)
+        say(f"[ps server{self.server.index}] joining server {self.new} is gone before it "
+            f"served: the {sum(len(k) for k in self.pairs.values())} keys this server was "
+            "copying to it keep their chains")
+
+    def finish(self, wait: float) -> list[dict]:
+        """The wrapped watch's rows (routes this server hosted: takeover.py)."""
+        return self.inner.finish(wait)
+
+
+def join_intakes(server, params, plan, init: dict, optimizer, replicas: int, *,
+                 secret: bytes, chunk_bytes: int) -> dict[tuple[int, int], Intake]:
+    """On the joiner `server` (index beyond the plan's servers): admit every tail's link
+    and the keys it will send, one Intake per (old owner, tail); a `transfer` frame goes to
+    the intake of its link and head. Call before `server.serve()`; does not block."""
+    intakes = {pair: accept(server, plan, init, optimizer, pair[1], keys, replicas=replicas,
+                            secret=secret, chunk_bytes=chunk_bytes)
+               for pair, keys in tail_pairs(params, plan, server.index, replicas,
+                                            chunk_bytes).items()}
+    chain = server.chain
+    if not intakes:
+        return intakes
+    first = next(iter(intakes.values()))  # NOTE: refuses a frame no pair expects, by reason
+
+    def route(session, msg) -> None:
+        pair = (msg.meta["origin"], session.worker - chain.base)
+        intakes.get(pair, first).handle(session, msg)
+
+    chain.intake = route
+    follow_handed(chain, len(plan))
+    return intakes
