@@ -73,8 +73,7 @@ def hand_over(server, keys: list[str], ring: int) -> dict:
                             "it would keep no key (an old owner keeps one, join_chains.py)"))
     gone = Message("moved", {"ring": ring})
     ep = server.ep
-    for s in {id(s): s for s in [*ep.active.values(), *ep._by_ident.values(),
-                                 *ep._pending.values()]}.values():
+    for s in ep.sessions():
         s.gone = gone
     for s in ep.active.values():
         if s.worker in server.workers:
@@ -107,7 +106,7 @@ def _drop(server, moved: set[str]) -> int:
     for k in moved:
         del server.params[k], server.shard[k]
         chain.hop.pop(k, None)
-    server._groups = [g for g in ([k for k in g if k not in moved] for g in server._groups) if g]
+    server.drop_from_pulls(moved)
     mine = {j for k, j in chain.hop.items() if j is not None and chain.chains[k][0] == server.index}
     chain.origin_hops[server.index] = mine
     chain.paths[(server.index, None)] = set(mine)

@@ -265,6 +265,10 @@ class Server(ServerSteps):
             self._execute(self.policy.push(pid, w, have.version))
         return True
 
+    def drop_from_pulls(self, moved: set[str]) -> None:
+        """Leave `moved` out of every pull answer from now on (join_head.py hands them over)."""
+        self._groups = [g for g in ([k for k in g if k not in moved] for g in self._groups) if g]
+
     # ---- reporting and snapshots ----------------------------------------------------
     def stats(self) -> dict:
         """Policy counters plus transport and partial-push counters (plain types)."""

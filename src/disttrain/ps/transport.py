@@ -106,6 +106,11 @@ class ServerEndpoint(Endpoint):
         parts, in_shm = self._seal(to, msg)
         return self._put([to.ident], parts, msg.op, track, in_shm)
 
+    def sessions(self) -> list[Session]:
+        """Every session this endpoint knows: live, greeted but unused, by identity; once each."""
+        every = [*self.active.values(), *self._by_ident.values(), *self._pending.values()]
+        return list({id(s): s for s in every}.values())
+
     def close(self) -> None:
         """Close the socket and unmap every session's segment (never blocks)."""
         for s in [*self.active.values(), *self._by_ident.values(), *self._pending.values()]:
