@@ -64,6 +64,7 @@ def route_of(y, head: int, plan, init: dict, policy, optimizer, secret: bytes,
     if any(ks != want for _, ks in clocks.values()):  # NOTE: X hands over between updates
         raise PSError(f"server {y.index}: server {head} handed keys with a push half applied")
     route.done_clock = {w: c for w, (c, _) in clocks.items()}
+    route.grace = route.timeout  # NOTE: workers come once the manager lists it (join_moves.py)
     route.policy.version = chain.version[head]
     route.chain = _head_chain(route, y, head, order, plan, init, optimizer, policy, secret,
                               chunk_bytes)
