@@ -35,6 +35,7 @@ from disttrain.ps.join_head import route_id
 from disttrain.ps.move import say
 from disttrain.ps.replica import Replicas
 from disttrain.ps.server import PSError, Server
+from disttrain.ps.takeover import RouteThreads
 
 __all__ = ["JoinRoutes", "route_of"]
 
@@ -93,7 +94,7 @@ def _head_chain(route: Server, y, head: int, order: list, plan, init: dict, opti
     return rc
 
 
-class JoinRoutes:
+class JoinRoutes(RouteThreads):
     """The joiner `y`'s watch with replicas >= 2: reports each installed range in
     `beat.copied` (the old owners hand over once the ring lists all of theirs: join_tails.py),
     serves each old owner's handed keys as a route once that owner's `handed` marker came
@@ -104,6 +105,7 @@ class JoinRoutes:
     def __init__(self, y, beat, intakes: dict, plan, init: dict, policy, optimizer,
                  secret: bytes, *, host: str, chunk_bytes: int):
         self.y, self.beat, self.installs = y, beat, intakes
+        self.server = y  # NOTE: RouteThreads' host, named in its errors
         self.owners: dict[int, list[str]] = {}  # old owner -> the keys it gives y
         for (x, _), intake in sorted(intakes.items()):
             self.owners.setdefault(x, []).extend(intake.chunks)
@@ -145,23 +147,3 @@ class JoinRoutes:
             say(f"[ps server{self.y.index}] serves {row['keys']} keys of server {x} at "
                 f"version {row['version']} (ring version {ring.get('version', 0)}), heading "
                 f"their chains as {route.chain.index}; workers reach them at {route.address}")
-
-    def _serve(self, route: Server, row: dict) -> None:
-        try:
-            row["stats"] = route.serve()
-        except BaseException as e:  # noqa: BLE001 - surfaced on the joiner loop's thread
-            self.failure = e
-
-    def finish(self, wait: float) -> list[dict]:
-        """Wait (at most `wait` s) for every route to end; their rows with their stats.
-        Raises PSError for a route that failed or did not end."""
-        for _, thread, row in self.routes:
-            thread.join(wait)
-            if thread.is_alive():
-                raise PSError(f"server {self.y.index}: the route of server {row['server']}'s "
-                              f"keys did not end within {wait:g} s (its workers never said "
-                              "done)")
-        if self.failure is not None:
-            raise PSError(f"server {self.y.index}: a route of keys it took failed: "
-                          f"{self.failure}")
-        return [dict(row) for _, _, row in self.routes]

@@ -43,7 +43,37 @@ def first_live(chain: list[int], dead: set[int]) -> int | None:
     return next((s for s in chain if s not in dead), None)
 
 
-class Takeover:
+class RouteThreads:
+    """Routes served each on a thread of its own, by this server (`self.server`): its
+    `routes` (route, thread, row) and the first `failure`, which its loop raises. Shared by
+    `Takeover` and join_route.py's `JoinRoutes`."""
+
+    routes: list[tuple[Server, threading.Thread, dict]]
+    failure: BaseException | None
+    server: Server
+
+    def _serve(self, route: Server, row: dict) -> None:
+        try:
+            row["stats"] = route.serve()
+        except BaseException as e:  # noqa: BLE001 - surfaced on the server loop's thread
+            self.failure = e
+
+    def finish(self, wait: float) -> list[dict]:
+        """Wait (at most `wait` s) for every route to end; their rows with their stats.
+        Raises PSError for a route that failed or did not end."""
+        for _, thread, row in self.routes:
+            thread.join(wait)
+            if thread.is_alive():
+                raise PSError(f"server {self.server.index}: the route of server "
+                              f"{row['server']}'s keys it took over did not end within "
+                              f"{wait:g} s (its workers never said done)")
+        if self.failure is not None:
+            raise PSError(f"server {self.server.index}: a route it took over failed: "
+                          f"{self.failure}")
+        return [dict(row) for _, _, row in self.routes]
+
+
+class Takeover(RouteThreads):
     """Server `server`'s watch on the ring: starts a route for every dead head whose keys
     it is now the first live copy of. Never blocks; raises PSError if a route failed."""
 
@@ -154,23 +184,3 @@ class Takeover:
             route.finished.add(w)
             route.policy.leave(w)  # NOTE: a fresh policy holds nothing: nothing to carry out
         return route
-
-    def _serve(self, route: Server, row: dict) -> None:
-        try:
-            row["stats"] = route.serve()
-        except BaseException as e:  # noqa: BLE001 - surfaced on the server loop's thread
-            self.failure = e
-
-    def finish(self, wait: float) -> list[dict]:
-        """Wait (at most `wait` s) for every route to end; their rows with their stats.
-        Raises PSError for a route that failed or did not end."""
-        for _, thread, row in self.routes:
-            thread.join(wait)
-            if thread.is_alive():
-                raise PSError(f"server {self.server.index}: the route of server "
-                              f"{row['server']}'s keys it took over did not end within "
-                              f"{wait:g} s (its workers never said done)")
-        if self.failure is not None:
-            raise PSError(f"server {self.server.index}: a route it took over failed: "
-                          f"{self.failure}")
-        return [dict(row) for _, _, row in self.routes]
