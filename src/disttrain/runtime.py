@@ -111,7 +111,7 @@ def init(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world of size {world_size}")
     if name == "nccl":
-        torch.cuda.set_device(local_rank())
+        torch.cuda.set_device(gpu_of(local_rank(), torch.cuda.device_count()))
     _limit_cpu_threads(world_size)
     kwargs = {"backend": name, "timeout": timeout, "rank": rank, "world_size": world_size}
     if store is not None:
@@ -121,6 +121,17 @@ def init(
     from disttrain.trace import session  # NOTE: `disttrain run --trace` starts tracing here
 
     session.on_init(rank, world_size, role())
+
+
+def gpu_of(local: int, gpus: int) -> int:
+    """The GPU of local rank `local` under NCCL, which needs one GPU per rank."""
+    if not 0 <= local < gpus:
+        raise RuntimeError(
+            f"local rank {local} has no GPU of its own: torch sees {gpus} GPU(s) on this node "
+            f"and NCCL needs one per rank; start at most {gpus} rank(s) per node "
+            f"(`disttrain run --nproc {gpus}`), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to "
+            "train every rank on the CPU with gloo")
+    return local
 
 
 def shutdown() -> None:

@@ -69,3 +69,11 @@ def test_roles_from_server_count(plain_env, monkeypatch):
         monkeypatch.setenv("RANK", str(r))
         roles.append(disttrain.role())
     assert roles == ["worker", "worker", "worker", "server", "server"]
+
+
+def test_a_local_rank_without_a_gpu_of_its_own_is_refused_naming_the_fix():
+    # NOTE: seen on a one-GPU machine: `disttrain run --nproc 2` failed in rank 1 with
+    # CUDA's "invalid device ordinal" from torch.cuda.set_device(1).
+    assert runtime.gpu_of(0, 1) == 0 and runtime.gpu_of(3, 4) == 3
+    with pytest.raises(RuntimeError, match=r"local rank 1 has no GPU.*sees 1 GPU.*--nproc 1.*CUDA_VISIBLE_DEVICES"):
+        runtime.gpu_of(1, 1)

@@ -25,20 +25,19 @@ import shutil
 import signal
 import sys
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 
 from torch.distributed import DistError
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import elastic_launch
 
 from disttrain import settings
-from disttrain.launch import rendezvous
+from disttrain.launch.agent_config import launch_config
 from disttrain.launch.entry import check_module
-from disttrain.launch.failures import PREFIX_TEMPLATE, node_report, rank_prefix, report_failures
-from disttrain.launch.preemption import AGENT_SIGNALS, DEFAULT_GRACE, Preemption
+from disttrain.launch.failures import node_report, rank_prefix, report_failures
+from disttrain.launch.preemption import DEFAULT_GRACE, Preemption
 from disttrain.launch.ps_manager import ps_manager
 from disttrain.trace.merge import clear as clear_trace
 from disttrain.trace.merge import merge_and_tell
@@ -198,37 +197,6 @@ def rank_env(cfg: RunConfig, environ: dict[str, str]) -> dict[str, str]:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         env["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // cfg.nproc_per_node))
     return env
-
-
-def launch_config(cfg: RunConfig, log_dir: str) -> LaunchConfig:
-    """The torch elastic LaunchConfig for `cfg`, as torchrun would build it."""
-    n = cfg.nproc_per_node
-    if cfg.nnodes == 1 and cfg.master_addr is None:
-        backend, endpoint, run_id, rdzv_configs = "c10d", "localhost:0", uuid.uuid4().hex, {}
-    else:  # NOTE: c10d (rendezvous.py); node 0 hosts the store: no guess from host names
-        rendezvous.register()
-        backend, endpoint = rendezvous.BACKEND, f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port}"
-        run_id, rdzv_configs = cfg.rdzv_id, {"is_host": cfg.node_rank == 0, "watch": cfg.max_restarts > 0}
-    # Local rank 0 of node 0 (global rank 0 when node 0 sorts first) keeps the terminal.
-    first_teed = 1 if cfg.node_rank == 0 else 0
-    tee = {local: Std.ALL for local in range(first_teed, n)}
-    return LaunchConfig(
-        min_nodes=cfg.nnodes,
-        max_nodes=cfg.nnodes,
-        nproc_per_node=n,
-        run_id=run_id,
-        role="default",
-        rdzv_endpoint=endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=rdzv_configs,
-        max_restarts=cfg.max_restarts,
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
-        log_line_prefix_template=PREFIX_TEMPLATE,
-        local_addr=cfg.local_addr or (cfg.master_addr if cfg.node_rank == 0 else None),
-        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 10)),
-        signals_to_handle=AGENT_SIGNALS,  # NOTE: SIGTERM is preemption.py's
-    )
 
 
 def run(cfg: RunConfig) -> int:
