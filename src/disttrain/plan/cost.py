@@ -135,6 +135,8 @@ def lower_bound(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> float:
     still crosses them after it (not under ZB-H1); exposed data-parallel time and the optimizer add.
     """
     dev = rank_device(lay, dev)
+    if lay.pp > 1 and dev.profile is not None:  # NOTE: estimate's eased share is >= 1 copy's
+        dev = replace(dev, profile=dev.profile.computing(0.0))
     per = _per_layer(m, lay, dev, nodes_of)
     d = _durations(m, lay, dev, nodes_of, per)
     v, mb = lay.virtual, lay.microbatches
@@ -297,8 +299,22 @@ def _data_parallel(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int, window: 
 
 
 def estimate(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> Estimate:
-    """The predicted step of `lay` (see the module docstring for the model)."""
+    """The predicted step of `lay` (see the module docstring for the model).
+
+    With pp > 1 on a machine its ranks share, priced twice: a stage waiting in its bubble
+    leaves its core, so the second pricing takes the slowdown of as many ranks as compute
+    at once on average (N x the busy share of the first; `LayerProfile.computing`).
+    """
     dev = rank_device(lay, dev)
+    est = _estimate(m, lay, dev, nodes_of)
+    if lay.pp > 1 and dev.profile is not None and est.step > 0:
+        eased = dev.profile.computing((est.step - est.bubble) / est.step)
+        if eased is not dev.profile:
+            est = _estimate(m, lay, replace(dev, profile=eased), nodes_of)
+    return est
+
+
+def _estimate(m: GPTSpec, lay: Layout, dev: Device, nodes_of: int) -> Estimate:
     per = _per_layer(m, lay, dev, nodes_of)
     d = _durations(m, lay, dev, nodes_of, per)
     makespan, bubble = _pipeline(lay, d)

@@ -73,15 +73,32 @@ class LayerProfile:
     """`loops`' (call seconds, slowdown) for the N of `shared(N)`, if measured."""
     alternating: bool = False
     """Priced as ranks that alternate compute and blocking collectives (`alternate()`)."""
+    ranks: int = 1
+    """The N of `shared(N)`: ranks on this machine."""
+    at_once: float | None = None
+    """Ranks computing at once on average, where `computing()` priced fewer than `ranks`."""
 
     def shared(self, n: int) -> LayerProfile:
         """As one of `n` ranks on this machine sees it: the slowdown measured with `n`
         copies at once (`--ranks`), else slower once n x threads > cpus (processor sharing)."""
         k = dict(self.measured).get(n)
         return replace(self, share=max(1.0, n * self.threads / self.cpus if k is None else k),
-                       share_measured=k is not None, full=n * self.threads >= self.cpus,
+                       share_measured=k is not None, ranks=n, full=n * self.threads >= self.cpus,
                        inline=next(((b, s) for m, b, s in self.collectives if m == n), None),
                        loop=next(((c, x) for m, c, x in self.loops if m == n), None))
+
+    def computing(self, busy: float) -> LayerProfile:
+        """As one of `ranks` ranks that each compute only `busy` of the step (a pipeline
+        stage waits in its bubble, blocked in a receive, leaving its core to the others):
+        the slowdown measured with `ranks x busy` copies at once, linear between the
+        measured counts (one copy: 1.0); itself when not measured or when alternating."""
+        if not self.share_measured or self.alternating or busy >= 1.0:
+            return self
+        n, points = max(1.0, self.ranks * busy), ((1, 1.0), *self.measured)
+        for (a, ka), (b, kb) in zip(points, points[1:]):
+            if a <= n <= b:
+                return replace(self, share=max(1.0, ka + (kb - ka) * (n - a) / (b - a)), at_once=n)
+        return self
 
     def alternate(self) -> LayerProfile:
         """As ranks that block on a collective after every piece of compute (a

@@ -60,6 +60,10 @@ def _share_how(p) -> str:
     if p.alternating:
         return ("measured: compute between blocking pair all-reduces with that many ranks, "
                 "plan profile --ranks")
+    if p.share_measured and p.at_once is not None:
+        return (f"{p.at_once:.3g} of {p.ranks} ranks computing at once on average, the others "
+                "waiting in the bubble: linear between the slowdowns measured with that many "
+                "copies of the profile at once, plan profile --ranks")
     if p.share_measured:
         return "measured: that many copies of the profile at once, plan profile --ranks"
     return "ranks x threads over CPUs"
