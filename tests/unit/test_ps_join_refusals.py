@@ -177,3 +177,16 @@ def test_add_server_passes_on_the_joiners_own_exit_code(live, tmp_path, capsys):
                       f"and os.environ['{settings.PS_MANAGER}'] == {live.address!r} else 4)\n")
     assert cli.main(["ps", "add-server", live.address, "--workers", "2", "--", str(script)]) == 3
     assert "killed" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # NOTE: about 6 s under load (the joiner's process imports torch)
+@pytest.mark.timeout(60)
+def test_add_server_of_another_model_ends_with_the_managers_refusal(live, tmp_path, capfd):
+    script = tmp_path / "joiner.py"
+    script.write_text("import torch\nfrom disttrain import ps\n"
+                      "ps.join(torch.nn.Linear(8, 5), workers=2)\n")
+    assert cli.main(["ps", "add-server", live.address, "--workers", "2", "--", str(script)]) == 1
+    err = capfd.readouterr().err
+    assert "ManagerError: server manager refused join: server 2 serves another model or " \
+           "policy" in err, err
+    assert "build the same model and policy on every rank" in err, err
