@@ -49,6 +49,7 @@ PS_SHM = "DISTTRAIN_PS_SHM"
 PS_MANAGER = "DISTTRAIN_PS_MANAGER"
 PS_TAKEOVER_FILE = "DISTTRAIN_PS_TAKEOVER_FILE"
 PS_JOIN = "DISTTRAIN_PS_JOIN"
+SCRATCH = "DISTTRAIN_SCRATCH"
 LINK_GBPS = "DISTTRAIN_LINK_GBPS"
 ALPHA_US = "DISTTRAIN_ALPHA_US"
 LOCAL_GBPS = "DISTTRAIN_LOCAL_GBPS"
@@ -176,6 +177,10 @@ class Settings:
     """Set by the launcher for a server rank: the server writes there that copies of its
     keys would take over (replicas >= 2 with a manager), so its SIGKILL ends the rank with
     0 and the job goes on (ps/takeover.py)."""
+    scratch: str | None = _var(SCRATCH, TEXT, None, RUN)
+    """Set by `disttrain run`: a folder it removes when the job ends, however its ranks end
+    (SIGTERM, SIGKILL); ranks put their parameter-server ipc folders and takeover files
+    there. Unset: the system's temporary folder (each owner removes its own at its end)."""
     link_gbps: float | None = _var(LINK_GBPS, GBPS, None)
     """The cost model's link between nodes, in Gbit/s (model default 10); `run --cluster`
     sets the cluster's link; the trace report compares collectives with it."""

@@ -161,7 +161,8 @@ def supervise(argv: list[str], role: str) -> int:
     shares, so job shutdown and Ctrl-C still reach it without forwarding.
     """
     env = {**os.environ, settings.SUPERVISED: "1"}
-    fd, said = tempfile.mkstemp(prefix="disttrain-takeover-")
+    # NOTE: in the launcher's scratch folder: a SIGTERMed supervisor skips its `finally`
+    fd, said = tempfile.mkstemp(prefix="disttrain-takeover-", dir=settings.current().scratch)
     os.close(fd)
     env[settings.PS_TAKEOVER_FILE] = said
     try:

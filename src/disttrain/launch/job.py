@@ -214,16 +214,15 @@ def run(cfg: RunConfig) -> int:
     report_dir = shared or os.path.join(log_dir, "reports")
     os.makedirs(report_dir, exist_ok=True)
     preemption = Preemption(report_dir, cfg.grace_seconds)
-    env.update({settings.REPORT_DIR: report_dir}, **preemption.rank_env())
+    scratch = tempfile.mkdtemp(prefix="disttrain-scratch-")  # NOTE: removed in `finally`
+    env.update({settings.REPORT_DIR: report_dir, settings.SCRATCH: scratch},
+               **preemption.rank_env())
     if cfg.trace is not None and not shared:
         clear_trace(cfg.trace)  # NOTE: under `run --cluster` the driver clears it, once
     if cfg.nnodes > 1:  # the rendezvous may wait long for late nodes: say what for
-        print(
-            f"disttrain run: node {cfg.node_rank} of {cfg.nnodes}: meeting the other nodes at "
-            f"{cfg.master_addr}:{cfg.master_port} (c10d rendezvous {cfg.rdzv_id!r})",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"disttrain run: node {cfg.node_rank} of {cfg.nnodes}: meeting the other nodes "
+              f"at {cfg.master_addr}:{cfg.master_port} (c10d rendezvous {cfg.rdzv_id!r})",
+              file=sys.stderr, flush=True)
     try:
         # NOTE: ps_manager first: it forks before the agent's threads and adds its address to env
         with ps_manager(cfg, log_dir, env), _environ(env), _quiet_elastic_logs(), preemption:
@@ -264,6 +263,7 @@ def run(cfg: RunConfig) -> int:
             merge_and_tell(cfg.trace)  # NOTE: under `run --cluster` the driver merges once
         if cfg.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # ranks' ipc folders, takeover files
 
 
 def _signal_in_chain(err: BaseException) -> SignalException | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -129,8 +130,41 @@ def _add_server(args) -> int:
         return 2
     env = {k: v for k, v in os.environ.items() if k not in _GROUP_VARS
            and not k.startswith("TORCHELASTIC_")}  # NOTE: no process group to join
-    env.update({settings.PS_MANAGER: _address(args.addr), settings.PS_JOIN: str(args.workers)})
-    return subprocess.run([sys.executable, *script], env=env).returncode
+    address = _address(args.addr)
+    env.update({settings.PS_MANAGER: address, settings.PS_JOIN: str(args.workers)})
+    index = _next_index(address)
+    code = subprocess.run([sys.executable, *script], env=env).returncode
+    if code >= 0:
+        return code
+    name = f"server {index}" if index is not None else "the joining server"
+    print(f"disttrain ps add-server: error: {name} (the joining server's process, "
+          f"{script[0]}) was killed by {_signal_name(-code)}: exit {128 - code}; the "
+          "manager marks it dead once its heartbeats stop (`disttrain ps status` names "
+          "who kept its keys)", file=sys.stderr)
+    return 128 - code  # NOTE: the shell's 128+n for signal n, as `disttrain run` reports a rank
+
+
+def _next_index(address: str) -> int | None:
+    """The index a joiner takes (ps.join: one past the ring's highest), asked of the manager
+    before it starts (blocks up to 5 s); None when the manager does not answer."""
+    try:
+        link = ManagerLink(address, status_party(), timeout=5.0)
+    except (RuntimeError, OSError, ValueError):
+        return None
+    try:
+        ring = link.request("lookup").meta
+        return max([r["server"] for r in ring["servers"]] + [-1]) + 1
+    except (ManagerError, KeyError, TypeError):
+        return None
+    finally:
+        link.close()
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 _GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",

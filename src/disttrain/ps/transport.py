@@ -70,7 +70,9 @@ def bind(sock: zmq.Socket, host: str) -> tuple[str, str | None]:
     ZeroMQ lacks ipc); any other host gets TCP on a random port.
     """
     if host in _LOOPBACK and settings.current().ps_ipc and zmq.has("ipc"):
-        folder = tempfile.mkdtemp(prefix="disttrain-ps-")  # NOTE: mode 0700: this user only
+        # NOTE: mode 0700: this user only; under `disttrain run` in its scratch folder, which
+        # the launcher removes even when this process is killed before remove_folder
+        folder = tempfile.mkdtemp(prefix="disttrain-ps-", dir=settings.current().scratch)
         address = f"ipc://{folder}/server.sock"
         sock.bind(address)
         return address, folder
