@@ -1,4 +1,4 @@
-"""A server that joins a running job (replicas=1): `ps.join`, the joining server's side.
+"""A server that joins a running job: `ps.join`, the joining server's side.
 
 `disttrain ps add-server ADDR --workers W -- script.py [args]` starts the job's script as
 a joining server (DISTTRAIN_PS_JOIN=W, the manager in DISTTRAIN_PS_MANAGER, the job's
@@ -8,6 +8,9 @@ none (it talks to the manager and the servers over the job's wire only). There `
 `join` the ring as the next free index S (the manager marks it JOINING: a new ring
 version), admits the link and the keys of every old owner X that gives it keys
 (`joined_owners`, join_moves.py; transfer.accept) and says so (`accepting` = its own index).
+With replicas >= 2 (r read from the manager's chains) it admits each range's tail instead
+and serves an old owner's moved keys once its `handed` marker came (join_tails.py,
+join_route.py: "With `replicas >= 2`" in the design page).
 Each X then extends those keys' chains to it and hands them over (join_moves.py); once X's
 final marker came (after every update X applied), this server serves X's moved keys as a
 route "X@S" (takeover.py's route) and reports it (`adopted`). Its own loop talks to no
@@ -163,8 +166,8 @@ def join(model: torch.nn.Module, policy: Policy | None = None,
     model, policy, optimizer, chunk_bytes: as every other rank passes them (the manager
         refuses another model or policy, naming the fix). workers: the job's number of
         workers. timeout, host: as `ps.serve`'s.
-    Raises ManagerError with the manager's reason when the join is refused (replicas >= 2,
-    a job of one server, a drain or another join under way or done).
+    Raises ManagerError with the manager's reason when the join is refused (a job of one
+    server, a drain or another join under way or done).
     """
     address = manager or settings.current().ps_manager
     if not address:

@@ -132,14 +132,11 @@ class Membership:
                             f"on {len(self.members)} servers gives it move to it (joining)")
 
     def _joinable(self, server: int) -> None:
-        """Refused: one server (its keys are whole tensors), replicas >= 2, a second change."""
+        """Refused: one server (its keys are whole tensors), a second change."""
         busy = [(i, m.state) for i, m in sorted(self.members.items()) if i >= self.expected
                 or m.state in (LEAVING, JOINING) or m.state == LEFT and m.shard]
         why = ("this job has one server, whose keys are whole tensors (two cut them otherwise):"
                " start it with --servers 2 or more" if self.expected < 2 else
-               "with replicas >= 2 a join moves no keys yet (designed, not built: docs/design/"
-               "parameter-server.md, \"A server joins\"), with replicas=1 a server joins live"
-               if any(len(c) > 1 for m in self.members.values() for _, _, c in m.shard) else
                f"server {busy[0][0]} is {busy[0][1]}: one membership change that moves keys "
                "per job (a join or a drain)" if busy else "")
         if why:
