@@ -32,10 +32,9 @@ job goes on, and under sync it ends with the same parameters as a run without th
 drain`): with --replicas 1 its keys move to the other servers while the workers train,
 with --replicas >= 2 its copies take them over; then it leaves, and under sync the final
 parameters are those of a run without the drain.
-With --replicas 1, --add-server-at STEP has worker 0 start this script as a new server
-(`disttrain ps add-server`): it takes its share of the keys while the workers train
-(with --replicas >= 2 the manager refuses the join, not built yet, and the job stops
-at once with its reason).
+--add-server-at STEP has worker 0 start this script as a new server (`disttrain ps
+add-server`): it takes its share of the keys while the workers train (with --replicas
+>= 2 the tails copy them to it first, so every key keeps its copies).
 Worker 0 ends with `final test accuracy: 0.9xxx` and a sha256 of the final parameters.
 """
 

@@ -21,9 +21,6 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "disttrain"
 
 # "path relative to src/disttrain[:function qualname]" -> why it may be larger.
 EXCEPTIONS: dict[str, str] = {
-    "ps/membership.py": "the membership state machine, pure; a join's state, its refusals "
-    "and its routes' rows (about 25 lines) belong beside the state they read and change; "
-    "the join itself is ps/join_moves.py and ps/joiner.py",
     "ps/replica.py": "one chain's links, forwarding and commits, which a takeover (`drop`, "
     "the pushes' clocks) and a new tail's admission (`open_link`, `admit`) both hook into, "
     "about 35 lines together; what they do is ps/takeover.py and ps/transfer.py",

@@ -6,7 +6,7 @@ import pytest
 
 from disttrain.ps.join_chains import chains_after, extensions, join_moves
 from disttrain.ps.join_moves import joined_owners
-from disttrain.ps.membership import Membership, Refused
+from disttrain.ps.membership import Membership
 from disttrain.ps.placement import place, plan_keys
 from tests.unit.test_ps_join import MIXED, MLP
 
@@ -60,13 +60,9 @@ def test_a_replicas_or_index_the_job_cannot_have_is_refused_naming_the_fix():
         join_moves(MLP, plan, 1, 2, CHUNK)
 
 
-def test_a_join_with_replicas_is_refused_naming_the_design_and_the_fix():
+def test_a_join_with_replicas_is_taken_by_the_manager():
     m = Membership()
     m.register(0, "ipc://s0", "fp", 2, [["a", 400, [0, 1]]], 0.0)
     m.register(1, "ipc://s1", "fp", 2, [["a", 400, [0, 1]]], 0.0)
-    with pytest.raises(Refused, match=r"server 2 cannot join: with replicas >= 2 a join moves "
-                                      r"no keys yet \(designed, not built: docs/design/parameter"
-                                      r"-server.md, \"A server joins\"\), with replicas=1 a "
-                                      r"server joins live; restart the job with the servers"):
-        m.join(2, "ipc://s2", "fp", ring=2, now=0.0)
-    assert m.version == 2 and 2 not in m.members
+    assert m.join(2, "ipc://s2", "fp", ring=2, now=0.0)
+    assert m.version == 3 and m.members[2].state == "joining"

@@ -28,6 +28,7 @@ from disttrain.ps.cli import format_status
 from disttrain.ps.frame import Message
 from disttrain.ps.manager_link import SERVER_PARTY, Heartbeat, ManagerError, ManagerLink
 from disttrain.ps.membership import MANAGER_INDEX, Membership, Refused, Stale
+from disttrain.ps.membership_file import from_json, save
 
 KEY = bytes(range(32))
 SHARD0 = [["a", 400, [0]], ["b", 100, [0]]]
@@ -178,17 +179,17 @@ def test_the_state_file_is_json_written_atomically_and_reloads_the_same_ring(tmp
     m = _two()
     m.beat(0, 3, 9, False, now=1.0)
     path = str(tmp_path / "m.json")
-    m.save(path, {"address": "ipc://here"})
+    save(m, path, {"address": "ipc://here"})
     assert os.listdir(tmp_path) == ["m.json"]  # no temporary file left
     text = open(path).read()
     assert json.loads(text)["address"] == "ipc://here"
-    back = Membership.from_json(text, now=50.0)
+    back = from_json(text, now=50.0)
     assert (back.version, back.expected, back.fingerprint) == (2, 2, "fp")
     assert back.ring_rows() == m.ring_rows() and back.members[0].shard == SHARD0
     assert back.members[0].beat == 50.0  # a full timeout again after a restart
     assert back.expire(now=52.0, timeout=3.0) == []
     with pytest.raises(ValueError, match="another disttrain version"):
-        Membership.from_json(json.dumps({"format": 99}), 0.0)
+        from_json(json.dumps({"format": 99}), 0.0)
 
 
 # ---- the live manager -----------------------------------------------------------------

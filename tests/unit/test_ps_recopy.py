@@ -19,6 +19,7 @@ import zmq
 
 from disttrain.ps.frame import Message
 from disttrain.ps.membership import Membership, Refused
+from disttrain.ps.membership_file import from_json, save
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
 from disttrain.ps.recopy import moves
@@ -83,8 +84,8 @@ def test_a_copy_made_again_is_one_version_and_an_event_kept_across_a_restart(tmp
     assert not m.recopied(2, [ROW]) and m.version == v + 1  # every report repeats it
     with pytest.raises(Refused, match="reports a copy held by server 2: a server reports only"):
         m.recopied(0, [ROW])
-    m.save(str(tmp_path / "m.json"))
-    again = Membership.from_json((tmp_path / "m.json").read_text(), now=0.0)
+    save(m, str(tmp_path / "m.json"))
+    again = from_json((tmp_path / "m.json").read_text(), now=0.0)
     assert again.copies == [ROW] and again.version == v + 1
     assert not again.recopied(2, [ROW]) and again.version == v + 1  # reports after a restart
 

@@ -23,6 +23,7 @@ from disttrain.ps.frame import Message
 from disttrain.ps.manager import _gone
 from disttrain.ps.manager_link import SERVER_PARTY
 from disttrain.ps.membership import Membership, Refused
+from disttrain.ps.membership_file import from_json, save
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
 from disttrain.ps.replica import Replicas
@@ -71,8 +72,8 @@ def test_a_takeover_is_one_version_an_event_and_part_of_every_ring(tmp_path):
                             "1 at version 7, 12.5 s after its last heartbeat; workers reach "
                             "them at ipc://route")
     assert not m.adopt(0, [ROW], now=13.0) and m.version == 4  # every report repeats it
-    m.save(str(tmp_path / "m.json"))
-    again = Membership.from_json((tmp_path / "m.json").read_text(), now=0.0)
+    save(m, str(tmp_path / "m.json"))
+    again = from_json((tmp_path / "m.json").read_text(), now=0.0)
     assert again.takeovers == [ROW] and again.members[1].pid == 0
     assert m.register(1, "ipc://s1-new", "fp", 2, SHARD1, 20.0) and m.takeovers == []
 

@@ -29,9 +29,9 @@ and T forwards nothing more to the joiner.
 
 Who talks to whom: `HeadHandover` is a tick of X's loop (`Server.ticks`); `follow_handed`
 wraps a server's `Replicas.hold` (every server with replicas >= 2 and a manager, and the
-joiner). Not here (not built): what starts the hand-over (the ring listing Y's installs),
-what starts the route on Y that serves the moved keys (join_route.py builds it), the
-workers' re-route; until they are, the manager refuses a join with replicas >= 2.
+joiner). What starts the hand-over (the ring listing Y's installs) is the tails' watch
+(join_tails.py); the route on Y that serves the moved keys is join_route.py's; the
+workers' re-route is reroute.py's.
 """
 
 from __future__ import annotations

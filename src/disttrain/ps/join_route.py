@@ -17,10 +17,8 @@ reports each installed range in the heartbeat's `copied` rows (the ring's `copie
 start each old owner's hand-over: join_tails.py) and, once an old owner's marker came,
 builds that owner's route (`route_of`: its links to c1
 opened), serves it on a thread of its own and lists it in the heartbeat's `adopted` rows
-(the manager's takeover rows, where workers find routes: reroute.py). Not here (not
-built): `ps.join` installing it (it sets up the r = 1 join), the workers' re-route to a
-route of an old owner that stays alive; until they are, the manager refuses a join with
-replicas >= 2.
+(the manager's takeover rows, where workers find routes: reroute.py). `ps.join`
+installs it with replicas >= 2 (joiner.py).
 """
 
 from __future__ import annotations

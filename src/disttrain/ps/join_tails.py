@@ -22,9 +22,8 @@ its own part, on the server loop's thread. `join_intakes` is the joiner's side, 
 before its loop serves. The watch also starts its server's part as an old owner: once
 the ring lists the joiner's install of each of its moved ranges (`copies` rows, which the
 joiner reports: join_route.py), it hands them over (join_head.py); and it makes its
-server's copies follow `handed` markers. Not built: `ps.join` with replicas >= 2, the
-workers' re-route (the design page says what each needs); until they are, the manager
-refuses a join with replicas >= 2.
+server's copies follow `handed` markers. The joiner's side: `join_intakes` and
+join_route.py, both installed by `ps.join` (joiner.py).
 """
 
 from __future__ import annotations

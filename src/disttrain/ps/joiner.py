@@ -1,4 +1,4 @@
-"""A server that joins a running job (replicas=1): `ps.join`, the joining server's side.
+"""A server that joins a running job: `ps.join`, the joining server's side.
 
 `disttrain ps add-server ADDR --workers W -- script.py [args]` starts the job's script as
 a joining server (DISTTRAIN_PS_JOIN=W, the manager in DISTTRAIN_PS_MANAGER, the job's
@@ -8,6 +8,9 @@ none (it talks to the manager and the servers over the job's wire only). There `
 `join` the ring as the next free index S (the manager marks it JOINING: a new ring
 version), admits the link and the keys of every old owner X that gives it keys
 (`joined_owners`, join_moves.py; transfer.accept) and says so (`accepting` = its own index).
+With replicas >= 2 (r read from the manager's chains) it admits each range's tail instead
+and serves an old owner's moved keys once its `handed` marker came (join_tails.py,
+join_route.py: "With `replicas >= 2`" in the design page).
 Each X then extends those keys' chains to it and hands them over (join_moves.py); once X's
 final marker came (after every update X applied), this server serves X's moved keys as a
 route "X@S" (takeover.py's route) and reports it (`adopted`). Its own loop talks to no
@@ -25,6 +28,8 @@ import torch
 
 from disttrain import settings
 from disttrain.ps.join_moves import Giving, joined_owners, joiner, routes_done
+from disttrain.ps.join_route import JoinRoutes
+from disttrain.ps.join_tails import join_intakes
 from disttrain.ps.keys import job_secret
 from disttrain.ps.manager_link import (
     SERVER_PARTY,
@@ -130,6 +135,25 @@ class _Takes:
         return routes_done(self.handoff) if self.handoff is not None else []
 
 
+def _owner_intakes(server, spec, plan, init: dict, optimizer, secret: bytes,
+                   chunk_bytes: int) -> dict:
+    """replicas=1: admit the link and moved keys of every old owner X that gives `server`
+    keys, one Intake per X (X itself extends its keys to it: join_moves.py). Never blocks."""
+    intakes = {}
+    for x in range(len(plan)):
+        owners = joined_owners(spec, len(plan), server.index, x, [c.key for c in plan[x]],
+                               chunk_bytes)
+        keys = [k for k, o in owners.items() if o == server.index]
+        if keys:
+            intakes[x] = accept(server, plan, init, optimizer, x, keys, replicas=1,
+                                secret=secret, chunk_bytes=chunk_bytes)
+    chain = server.chain
+    if intakes:
+        chain.intake = lambda session, msg: intakes.get(  # NOTE: one Intake per old owner
+            session.worker - chain.base, next(iter(intakes.values()))).handle(session, msg)
+    return intakes
+
+
 def join(model: torch.nn.Module, policy: Policy | None = None,
          optimizer: Callable | None = None, *, workers: int, manager: str | None = None,
          timeout: float | None = None, host: str | None = None,
@@ -142,8 +166,8 @@ def join(model: torch.nn.Module, policy: Policy | None = None,
     model, policy, optimizer, chunk_bytes: as every other rank passes them (the manager
         refuses another model or policy, naming the fix). workers: the job's number of
         workers. timeout, host: as `ps.serve`'s.
-    Raises ManagerError with the manager's reason when the join is refused (replicas >= 2,
-    a job of one server, a drain or another join under way or done).
+    Raises ManagerError with the manager's reason when the join is refused (a job of one
+    server, a drain or another join under way or done).
     """
     address = manager or settings.current().ps_manager
     if not address:
@@ -156,6 +180,7 @@ def join(model: torch.nn.Module, policy: Policy | None = None,
     ask = ManagerLink(address, status_party(), timeout=timeout)
     try:
         ring = ask.request("lookup").meta
+        replicas = max([len(r["chain"]) for r in ask.request("status").meta["shard"]] + [1])
     finally:
         ask.close()
     servers, index = ring["expected"], max([r["server"] for r in ring["servers"]] + [-1]) + 1
@@ -176,25 +201,23 @@ def join(model: torch.nn.Module, policy: Policy | None = None,
     beat = Heartbeat(link, index, lambda: (0, 0), min(1.0, timeout / 5))
     beat.start()
     try:
-        intakes = {}
-        for x in range(servers):
-            owners = joined_owners(spec, servers, index, x, [c.key for c in plan[x]],
-                                   chunk_bytes)
-            keys = [k for k, o in owners.items() if o == index]
-            if keys:
-                intakes[x] = accept(server, plan, init, optimizer, x, keys, replicas=1,
-                                    secret=secret, chunk_bytes=chunk_bytes)
-        chain = server.chain
-        chain.intake = lambda session, msg: intakes.get(  # NOTE: one Intake per old owner
-            session.worker - chain.base, next(iter(intakes.values()))).handle(session, msg)
-        print(f"[ps server{index}] joined ring version {link.ring['version']}: takes "
-              + ", ".join(f"{len(i.chunks)} keys of server {x}" for x, i in intakes.items()),
-              flush=True)
-        takes = _Takes(server, beat, plan, init, fresh, optimizer, secret, intakes,
-                       host=host, chunk_bytes=chunk_bytes)
-        beat.accepting = index  # NOTE: after every Intake admitted its old owner's link
+        if replicas >= 2:  # NOTE: the tails copy the moved keys, then each X hands over
+            intakes = join_intakes(server, spec, plan, init, optimizer, replicas,
+                                   secret=secret, chunk_bytes=chunk_bytes)
+            takes = JoinRoutes(server, beat, intakes, plan, init, fresh, optimizer, secret,
+                               host=host, chunk_bytes=chunk_bytes)
+            gives = {x: len(keys) for x, keys in takes.owners.items()}
+        else:
+            intakes = _owner_intakes(server, spec, plan, init, optimizer, secret, chunk_bytes)
+            takes = _Takes(server, beat, plan, init, fresh, optimizer, secret, intakes,
+                           host=host, chunk_bytes=chunk_bytes)
+            gives = {x: len(i.chunks) for x, i in intakes.items()}
+        print(f"[ps server{index}] joined ring version {link.ring['version']}"
+              f"{f' (replicas={replicas})' if replicas > 1 else ''}: takes "
+              + ", ".join(f"{n} keys of server {x}" for x, n in gives.items()), flush=True)
+        beat.accepting = index  # NOTE: after every Intake admitted its link
         stats = server.serve()
-        stats["takeovers"] = takes.finish()
+        stats["takeovers"] = takes.finish() if replicas < 2 else routes_done(takes)
     finally:
         beat.stop()
     stats.update(servers=servers + 1, joined=index)

@@ -41,6 +41,7 @@ import zmq
 from disttrain.ps.frame import DEFAULT_LIMITS, Message
 from disttrain.ps.keys import encrypt_setting, job_secret, mac_setting
 from disttrain.ps.membership import MANAGER_INDEX, Membership, Refused
+from disttrain.ps.membership_file import from_json, save
 from disttrain.ps.transport import ServerEndpoint, bind, remove_folder
 
 __all__ = ["ManagerEndpoint", "serve_manager", "start", "Running"]
@@ -77,7 +78,7 @@ def _load(state: str, now: float) -> tuple[Membership, str | None]:
         return Membership(), None
     with open(state) as f:
         text = f.read()
-    return Membership.from_json(text, now), json.loads(text).get("address")
+    return from_json(text, now), json.loads(text).get("address")
 
 
 def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Message:
@@ -135,7 +136,7 @@ def serve_manager(state: str, *, host: str = "127.0.0.1", timeout: float = 10.0,
     sock.setsockopt(zmq.MAXMSGSIZE, DEFAULT_LIMITS.max_frame_bytes)
     address, folder = _bind(sock, host, address)
     ep = ManagerEndpoint(sock, secret or job_secret())
-    members.save(state, {"address": address})
+    save(members, state, {"address": address})
     _say(f"ring version {members.version} ({len(members.members)} servers) at {address}, "
          f"state in {state}; `disttrain ps status {address}` shows it")
     if ready is not None:
@@ -146,9 +147,9 @@ def serve_manager(state: str, *, host: str = "127.0.0.1", timeout: float = 10.0,
                 _take(members, ep, sock, state, address)
             for event in members.expire(time.monotonic(), timeout, _gone, min(timeout, 2.0)):
                 _say(event)
-                members.save(state, {"address": address})
+                save(members, state, {"address": address})
     finally:
-        members.save(state, {"address": address})
+        save(members, state, {"address": address})
         _say(f"stopped at ring version {members.version}: " + (", ".join(
             f"server {i} {m.state}" for i, m in sorted(members.members.items())) or "no servers"))
         ep.close()
@@ -171,7 +172,7 @@ def _take(members: Membership, ep: ManagerEndpoint, sock, state: str, address: s
         if reply.op == "error":
             _say(reply.meta["message"])
         if members.version != before or len(members.events) != events:
-            members.save(state, {"address": address})
+            save(members, state, {"address": address})
         ep.send(session, reply)
 
 

@@ -11,21 +11,18 @@ jobs are refused with `Refused`, which names the fix. A change asked for on an o
 version than the current one (`join`, `leave`) is refused with `Stale`: compare and set,
 so two operators never act on two different rings.
 
-The state survives a restart of its process: `save` writes it as JSON atomically (a
-temporary file, fsync, rename) and `load` reads it back; heartbeat times are not saved
-(monotonic clocks are per process), every alive server gets a full timeout again.
+The state survives a restart of its process: membership_file.py writes it as JSON
+atomically and reads it back.
 
 Pure: no sockets, no clocks (callers pass `now`), no torch.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 __all__ = ["Member", "Membership", "Refused", "Stale", "MANAGER_INDEX", "ALIVE", "DEAD",
-           "LEFT", "EXITED", "LEAVING", "JOINING"]
+           "LEFT", "EXITED", "LEAVING", "JOINING", "FORMAT"]
 
 MANAGER_INDEX = 2**31 - 1  # the manager's own "server index" on the wire; never a ring member
 ALIVE, DEAD, LEFT, EXITED = "alive", "dead", "left", "exited"
@@ -135,14 +132,11 @@ class Membership:
                             f"on {len(self.members)} servers gives it move to it (joining)")
 
     def _joinable(self, server: int) -> None:
-        """Refused: one server (its keys are whole tensors), replicas >= 2, a second change."""
+        """Refused: one server (its keys are whole tensors), a second change."""
         busy = [(i, m.state) for i, m in sorted(self.members.items()) if i >= self.expected
                 or m.state in (LEAVING, JOINING) or m.state == LEFT and m.shard]
         why = ("this job has one server, whose keys are whole tensors (two cut them otherwise):"
                " start it with --servers 2 or more" if self.expected < 2 else
-               "with replicas >= 2 a join moves no keys yet (designed, not built: docs/design/"
-               "parameter-server.md, \"A server joins\"), with replicas=1 a server joins live"
-               if any(len(c) > 1 for m in self.members.values() for _, _, c in m.shard) else
                f"server {busy[0][0]} is {busy[0][1]}: one membership change that moves keys "
                "per job (a join or a drain)" if busy else "")
         if why:
@@ -317,37 +311,6 @@ class Membership:
         others = {i for i, m in self.members.items() if i != server and m.state == ALIVE}
         m = self.members.get(server)
         return [k for k, _, chain in (m.shard if m else []) if not others & set(chain)]
-
-    # ---- persistence --------------------------------------------------------------------
-    def to_json(self) -> str:
-        members = [dict(asdict(m), beat=None) for _, m in sorted(self.members.items())]
-        return json.dumps({"format": FORMAT, "expected": self.expected, "version": self.version,
-                           "fingerprint": self.fingerprint, "members": members,
-                           "takeovers": self.takeovers, "copies": self.copies,
-                           "events": self.events[-200:]}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str, now: float) -> Membership:
-        """The state `to_json` wrote; every alive member's heartbeat timer starts at `now`."""
-        d = json.loads(text)
-        if d.get("format") != FORMAT:
-            raise ValueError(f"manager state of format {d.get('format')!r}, this is {FORMAT}: "
-                             "written by another disttrain version; move the file away")
-        members = {m["server"]: Member(**dict(m, beat=now)) for m in d["members"]}
-        return cls(d["expected"], d["version"], d["fingerprint"], members, d["events"],
-                   d.get("takeovers", []), d.get("copies", []))
-
-    def save(self, path: str, extra: dict | None = None) -> None:
-        """Write the state to `path` atomically (blocks for an fsync): a reader sees the old
-        file or the new one, never a part. `extra` (e.g. the manager's address) is kept too."""
-        d = json.loads(self.to_json())
-        d.update(extra or {})
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(d, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     # ---- internals ----------------------------------------------------------------------
     def _same_job(self, server: int, fingerprint: str, expected: int) -> None:

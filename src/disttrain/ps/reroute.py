@@ -192,7 +192,9 @@ class Routes:
 
     def _joined(self, s: int, new: int, ring: dict) -> None:
         """Server s handed the keys a joining server takes to it and serves its others on a
-        route of its own: re-route all of s's keys once both routes are listed."""
+        route of its own (replicas=1), or itself (replicas >= 2: a new session at its own
+        address whose hello names only them): re-route all of s's keys once the joiner's
+        route (and with replicas=1 s's own) is listed."""
         spec = [(n, p.numel(), p.element_size()) for n, p in self.w.params.items()]
         owner = joined_owners(spec, len(self.plan), new, s, [c.key for c in self.plan[s]],
                               self.w.chunk_bytes)
@@ -200,6 +202,8 @@ class Routes:
                        f"{new} (it answered moved at ring version {self._told[s]})")
         rows = {t["by"]: t for t in ring.get("takeovers", [])
                 if t["server"] == s and t["address"] not in self.w.addresses}
+        if self.r >= 2:  # NOTE: s heads its kept keys on; its old session answers moved
+            rows[s] = {"address": self.w.addresses[s], "version": self.w.held(s)}
         if set(owner.values()) <= set(rows):
             self._reroute(s, s, owner, rows)
 

@@ -1,7 +1,8 @@
-"""A parameter-server job (replicas=1) that a server joins mid-run (disttrain run).
+"""A parameter-server job that a server joins mid-run (disttrain run).
 
 argv: mode ("sync" or "count", as scripts/ps_failover.py; "count-ssp", "count-ksync",
-"count-kbatch": "count" under SSP(2), KSync(1), KBatchSync(2)), join step (0: none). At
+"count-kbatch": "count" under SSP(2), KSync(1), KBatchSync(2)), join step (0: none),
+replicas (default 1). At
 that step, right after its push was sent, worker 0 starts this script again as a joining server
 (`disttrain ps add-server ADDR --workers 2 -- ps_join.py ARGS`, as a user would): it
 takes its share of the keys while both workers train on, and worker 0 waits for it at the
@@ -44,7 +45,7 @@ def policy(mode: str):
     return chosen[mode](), lambda p: torch.optim.SGD(p, lr=1.0)
 
 
-def main(mode: str, add_at: int) -> None:
+def main(mode: str, add_at: int, replicas: int = 1) -> None:
     import disttrain
     from disttrain import ps
 
@@ -54,7 +55,8 @@ def main(mode: str, add_at: int) -> None:
     chosen, opt = policy(mode)
     mode = "count" if mode.startswith("count") else mode
     model = build(mode)
-    conn = ps.connect(model, chosen, optimizer=opt)  # servers (the joining one too) exit here
+    # servers (the joining one too) exit here
+    conn = ps.connect(model, chosen, optimizer=opt, replicas=replicas)
     store = torch.distributed.distributed_c10d._get_default_store()
     rank, servers = disttrain.rank(), disttrain.world_size() - WORKERS
     give = givers(model, servers) if rank == 0 else set()
@@ -83,4 +85,4 @@ def main(mode: str, add_at: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:4]))
