@@ -98,12 +98,6 @@ def test_a_join_at_an_index_in_use_is_refused_naming_a_free_one(server):
              server=server)
 
 
-# NOTE: delete this test when a join with replicas >= 2 is built (ps/joiner.py, membership.py)
-def test_a_join_with_replicas_of_two_or_more_is_refused():
-    _refused(_two(chain=(0, 1), other=(1, 0)), "server 2 cannot join: with replicas >= 2 a "
-             "join moves no keys yet .*with replicas=1 a server joins live; restart the job")
-
-
 def test_a_join_on_an_old_ring_version_is_refused():
     m = _two()
     with pytest.raises(ValueError, match="ring version"):
