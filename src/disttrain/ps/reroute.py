@@ -176,6 +176,7 @@ class Routes:
                     "takes over, or with snapshot= and `disttrain run --max-restarts N` to "
                     "restart from a snapshot")
         else:  # NOTE: a drained server's copies serve its keys as a dead one's (handover.py)
+            self._first_death(ring, states)
             keys = [c.key for c in self.plan[s]] if s == d else [
                 k for k, a in self.routes[d].items() if a == s]
             owner = {k: first_live(self._chain(k), set(states)) for k in keys}
@@ -211,6 +212,19 @@ class Routes:
         """Server s answered `moved` (drained at ring version `ring`): ask the manager now,
         without waiting for it to fall silent."""
         self._told[s] = ring
+
+    def _first_death(self, ring: dict, states: dict) -> None:
+        """Learn the first dead server from the ring when this worker re-routed none yet:
+        the dead server whose death's copies (recopy.py's moves, made after the first death
+        only) are those the ring lists copied again, by the same hosts. A worker that learns
+        of two deaths in one lookup then still counts the copies made after the first."""
+        rows = {(r["to"], r["by"]) for r in ring.get("copies", []) if r["to"] < len(self.plan)}
+        if self.first is not None or not rows:
+            return
+        fits = [x for x in states if x < len(self.plan) and rows <= {
+            (m.target, m.host) for m in moves(self.plan, self.r, {x}, x)}]
+        if len(fits) == 1:
+            self.first = fits[0]
 
     def _chain(self, key: str) -> list[int]:
         """`key`'s servers as they hold it: its chain, then the server it was copied to
