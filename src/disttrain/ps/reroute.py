@@ -33,11 +33,14 @@ __all__ = ["Routes"]
 _ASK_EVERY = 0.5  # seconds between two lookups while a server is silent
 
 
-def _lost(s: int, new: int, ring: dict, where: str = "") -> str:
+def _lost(s: int, new: int, ring: dict, where: str = "", r: int = 1) -> str:
     """Why the job stops: server s handed keys to joining server `new`, which died."""
+    why = ("with replicas=1 they are lost" if r == 1 else
+           f"with replicas={r} their other copies hold them, but a takeover after a join is "
+           "not built (docs/design/parameter-server.md, \"A server joins\")")
     return (f"server {s} handed keys to joining server {new}, which died (the manager's ring "
-            f"version {ring['version']} marks it dead{where}): with replicas=1 they are lost; "
-            "restart the job (from a snapshot)")
+            f"version {ring['version']} marks it dead{where}): {why}; restart the job (from a "
+            "snapshot)")
 
 
 class Routes:
@@ -152,7 +155,7 @@ class Routes:
         new = joiner(ring)
         if s in self._told and s not in states and new is not None and s < len(self.plan):
             if states.get(new) == "dead":  # NOTE: replicas=1: the keys it took died with it
-                return _lost(s, new, ring)
+                return _lost(s, new, ring, r=self.r)
             return self._joined(s, new, ring)  # NOTE: handed keys to a joining server (join_moves.py)
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
         if host not in states:
