@@ -14,6 +14,7 @@ k x tokens per step / rate_k.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -114,6 +115,17 @@ class Calibration:
                 f"the call {c * 1e3:.3g} ms, compute {k:.3g}x at {n}" for n, c, k in p.loops)
             + " (plan profile --ranks, plan/profile_sync.py)",
         ]
+
+    @contextlib.contextmanager
+    def only(self, i: int):
+        """Inside: predictions come from calibration run `i` alone (not the median)."""
+        pooled, self.profile = self.profile, os.path.join(self.workdir, "profile_only.json")
+        with open(self.profile, "w") as f:
+            json.dump(self.runs[i], f)
+        try:
+            yield
+        finally:
+            self.profile = pooled
 
     def device(self, rate_bps: float | None, per_node: int):
         """cpu-here with the profile; on an emulated cluster its link at `rate_bps`."""

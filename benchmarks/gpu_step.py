@@ -2,7 +2,7 @@
 plain PyTorch loop (fp32 weights, bf16 autocast, fused AdamW), interleaved; medians and the
 ratio, then where the disttrain step's time goes (torch.profiler, top ops).
 
-    python benchmarks/gpu_step.py --layers 12 --hidden 768 --heads 12 --seq 1024 --batch 8
+    python benchmarks/gpu_step.py --layers 12 --hidden 768 --heads 12 --seq 1024 --batch 8 [--fused]
 
 Needs CUDA. docs/benchmarks.md, "On one H100", records what it printed.
 """
@@ -35,6 +35,9 @@ def main() -> None:
     for name, default in (("layers", 12), ("hidden", 768), ("heads", 12), ("seq", 1024),
                           ("batch", 8), ("steps", 10), ("rounds", 3)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--fused", action="store_true",
+                   help="disttrain's AdamW fused too (the plain loop's always is); default foreach")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiler tables")
     a = p.parse_args()
     disttrain.init()
     dev = disttrain.device()
@@ -62,7 +65,7 @@ def main() -> None:
     base = disttrain.token_loss(None)
     config = disttrain.Parallelism(
         zero=1, precision="bf16", loss_fn=lambda out, t: base(out.float(), t),
-        optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+        optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=a.fused or None))
     ours = disttrain.parallelize(GPT(cfg).to(dev), mesh, GPT.tp_plan, config)
 
     def ours_step():
@@ -80,7 +83,10 @@ def main() -> None:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     n = sum(q.numel() for q in plain.parameters())
     print(f"GPT {n / 1e6:.0f}M params, batch {a.batch} x {a.seq}: plain {med['plain']:.1f} ms, "
-          f"disttrain {med['disttrain']:.1f} ms, ratio {med['disttrain'] / med['plain']:.2f}x")
+          f"disttrain {med['disttrain']:.1f} ms ({'fused' if a.fused else 'foreach'} AdamW), "
+          f"ratio {med['disttrain'] / med['plain']:.2f}x")
+    if a.no_profile:
+        return
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):

@@ -2,6 +2,7 @@
 
     python benchmarks/plan_accuracy.py [--quick] [--reps 3] [--only PATTERN] [--json FILE]
     python benchmarks/plan_accuracy.py --replay FILE   # the runs of FILE, predicted again
+    python benchmarks/plan_accuracy.py --replay FILE --paired  # each round by its own calibration
 
 Needs root for the emulated-cluster cases (clusters `pa*`, removed at the end). Every
 case predicts its seconds per step with the planner's own model, from inputs measured
@@ -51,6 +52,9 @@ class Row:
     predicted: float
     runs: list[float] = field(default_factory=list)
     failed: str = ""
+    paired: list[float] = field(default_factory=list)
+    """Run r's prediction from calibration r alone (the one taken just before its round);
+    empty for a case that does not use the calibration (its prediction is fixed)."""
 
     @property
     def measured(self) -> float:
@@ -64,6 +68,14 @@ class Row:
     def error(self) -> float:
         """predicted / measured - 1 (signed)."""
         return self.predicted / self.measured - 1
+
+    def as_paired(self) -> Row:
+        """This row scored run by run: predicted = measured x the median over rounds of
+        paired_r / run_r, so `error` is the median of the rounds' errors."""
+        if not self.paired or len(self.paired) != len(self.runs):
+            return self
+        ratio = statistics.median(p / m for p, m in zip(self.paired, self.runs))
+        return Row(self.name, self.procs, ratio * self.measured, self.runs, self.failed, self.paired)
 
 
 def kendall_tau(rows: list[Row]) -> tuple[float | None, int]:
@@ -160,15 +172,19 @@ def _calibrate(cal, steps: int) -> None:
     print("\n".join(f"  {x}" for x in cal.lines), flush=True)
 
 
-def _measure_all(cases, rows: list[Row], reps: int, recalibrate=None) -> None:
+def _measure_all(cases, rows: list[Row], reps: int, recalibrate=None, cal=None) -> None:
     """Run every case `reps` times, round-robin; a failed run marks its case failed.
-    `recalibrate()`, when given, runs before each round after the first."""
+    `recalibrate()`, when given, runs before each round after the first; with `cal`, each
+    calibrated case's row records the round's prediction from that round's calibration."""
     for rep in range(reps):
         if rep and recalibrate is not None:
             recalibrate()
         for case, row in zip(cases, rows):
             if row.failed:
                 continue
+            if cal is not None and getattr(case, "calibration", None) is cal:
+                with cal.only(len(cal.runs) - 1):
+                    row.paired.append(case.predict())
             t0 = time.perf_counter()
             try:
                 row.runs.append(case.measure())
@@ -188,22 +204,35 @@ def _read_json(path: str):
         return json.load(f)
 
 
-def _replay(path: str) -> list[Row]:
+def _replay(path: str, paired: bool = False) -> list[Row]:
+    """The rows of a --json file predicted again. `paired`: each layout case's run r is
+    scored against the prediction from calibration r alone (the profile taken just before
+    round r), its error the median over rounds of predicted_r / run_r - 1; its row then
+    shows the median of those predictions and the median of the runs."""
     from _plan_accuracy_layouts import Calibration, Clusters, layout_cases
 
     with open(path) as f:
         data = json.load(f)
+    profiles = data["calibrations"] if paired else [data["calibration"]]
+    rows = [Row(**r) for r in data["rows"]]
+    preds: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="plan_accuracy_") as workdir:
-        cal = Calibration(workdir, os.path.join(workdir, "profile.json"))
-        with open(cal.profile, "w") as f:
-            json.dump(data["calibration"], f)
-        cases = {c.name: c for c in layout_cases(cal, Clusters())}
-        rows = [Row(**r) for r in data["rows"]]
-        for r in rows:
-            if r.name in cases:
-                r.predicted = cases[r.name].predict()
+        for doc in profiles:
+            cal = Calibration(workdir, os.path.join(workdir, "profile.json"))
+            with open(cal.profile, "w") as f:
+                json.dump(doc, f)
+            for c in layout_cases(cal, Clusters()):
+                preds.setdefault(c.name, []).append(c.predict())
+    for r in rows:
+        if r.name in preds:
+            r.predicted = preds[r.name][0] if not paired else statistics.median(preds[r.name])
+            r.paired = preds[r.name] if paired else []
+    if paired:
+        rows = [r.as_paired() for r in rows]
     print(f"replayed {path}: measured under load {data['load'][0][0]:.2f} (start), "
-          f"{data['load'][1][0]:.2f} (end); predictions from the model as it is now")
+          f"{data['load'][1][0]:.2f} (end); predictions from the model as it is now"
+          + (f", each run against the calibration taken just before its round "
+             f"({len(profiles)} calibrations)" if paired else ""))
     return rows
 
 
@@ -214,12 +243,14 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="only the cases whose name matches this regular expression")
     p.add_argument("--json", help="write the rows and the summary here")
     p.add_argument("--replay", metavar="FILE", help="predict a --json file's runs again (no job runs)")
+    p.add_argument("--paired", action="store_true",
+                   help="with --replay: score each run against the calibration just before its round")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.replay:
-        rows = _replay(args.replay)
+        rows = _replay(args.replay, args.paired)
         print("\n".join(_table(rows) + _summary_lines(summary(rows))))
         return 0
     start, t0 = os.getloadavg(), time.time()
@@ -228,7 +259,7 @@ def main(argv=None) -> int:
         cases, clusters, cal = _cases(args, workdir)
         rows = [Row(c.name, c.procs, c.predict()) for c in cases]
         try:
-            _measure_all(cases, rows, args.reps, lambda: _calibrate(cal, 10 if args.quick else 20))
+            _measure_all(cases, rows, args.reps, lambda: _calibrate(cal, 10 if args.quick else 20), cal)
         finally:
             clusters.down()
         for case, row in zip(cases, rows):
@@ -237,7 +268,11 @@ def main(argv=None) -> int:
     end = os.getloadavg()
     print("\n".join(_table(rows)))
     s = summary(rows)
+    print("scored against the median of the calibrations:")
     print("\n".join(_summary_lines(s)))
+    s["paired"] = summary([r.as_paired() for r in rows])
+    print("scored run by run against the calibration taken just before its round (--paired):")
+    print("\n".join(_summary_lines(s["paired"])))
     print(f"load average at end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}; "
           f"{(time.time() - t0) / 60:.1f} min")
     if args.json:

@@ -29,6 +29,16 @@ def test_error_is_predicted_over_the_median_of_the_runs():
     assert r.error == pytest.approx(0.10)
 
 
+def test_paired_scoring_takes_the_median_of_each_rounds_error():
+    # round r's run against round r's own prediction: errors +20%, -10%, +5% -> median +5%
+    r = pa.Row("a", 2, predicted=1.0, runs=[1.0, 2.0, 4.0], paired=[1.2, 1.8, 4.2])
+    p = r.as_paired()
+    assert p.error == pytest.approx(0.05) and p.runs == r.runs
+    assert r.error == pytest.approx(-0.5)  # the pooled prediction, unchanged
+    # a case without per-round predictions (or a round that failed) keeps its pooled score
+    assert pa.Row("b", 2, 1.0, [1.0, 2.0], paired=[1.0]).as_paired().error == pytest.approx(-1 / 3)
+
+
 def test_summary_groups_by_processes_and_names_the_largest_error():
     rows = [pa.Row("a", 2, 1.1, [1.0, 1.0, 1.0]), pa.Row("b", 4, 0.7, [1.0, 1.0, 1.0]),
             pa.Row("c", 2, 2.0, [2.0, 2.0, 2.0]), pa.Row("d", 8, 3.3, [3.0, 3.0, 3.0]),

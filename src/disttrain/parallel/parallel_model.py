@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.comm import ops
-from disttrain.dtypes import accumulation_dtype
+from disttrain.dtypes import accumulation_dtype, scale_, sum_of_squares
 from disttrain.mesh import Mesh
 from disttrain.parallel.pipeline.runtime import Pipeline
 from disttrain.parallel.pipeline.tied import TiedWeights
@@ -107,9 +107,9 @@ class ParallelModel(nn.Module):
         """
         if self._counted:
             return self._clip_zero(max_norm)
-        sq = torch.zeros((), dtype=self._norm_dtype, device=self.pipeline.device)
         tp_first = self.mesh.local_rank("tp") == 0
         seen = set(self._tied.secondary)  # NOTE: a tied weight counts once, on one stage
+        counted = []
         for chunk in self.local_modules():
             for mod in chunk.modules():
                 for name, p in mod.named_parameters(recurse=False):
@@ -117,39 +117,37 @@ class ParallelModel(nn.Module):
                         continue
                     seen.add(id(p))
                     if p.grad is not None and (tp_first or _shard_dim(mod, name) is not None):
-                        sq += p.grad.to(sq.dtype).pow(2).sum()
+                        counted.append(p.grad)
+        sq = sum_of_squares(counted, self._norm_dtype, self.pipeline.device)
         for axis in ("tp", "pp"):
             if self.mesh.size(axis) > 1:
                 ops.all_reduce(sq, group=self.mesh.group(axis))
         norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        scale_([p.grad for p in self.parameters() if p.grad is not None],
+               (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
     @torch.no_grad()
     def _clip_zero(self, max_norm: float) -> torch.Tensor:
         """clip_grad_norm_ over ZeRO shards: dp ranks hold disjoint pieces, summed too."""
-        sq = torch.zeros((), dtype=self._norm_dtype, device=self.pipeline.device)
         zeros = self._zeros()
         # NOTE: one fp16 overflow vote for all chunks (the world votes once per step)
         if vote_overflow([z.optimizer for z in zeros]):
             return torch.tensor(float("inf"))  # the step will be skipped on every rank
         grads = [z.optimizer.grads_to_step() for z in zeros]  # unscaled fp32 masters if mixed
         skip = self._tied.secondary  # NOTE: a tied weight counts once, on one stage
+        pieces = []
         for z, counted, gs in zip(zeros, self._counted, grads):
             for g, ranges, seg in zip(gs, counted, z.engine.segments()):
                 if g is not None and not (len(seg.pieces) == 1 and seg.pieces[0].param_id in skip):
-                    sq += sum((g[a:b].to(sq.dtype).pow(2).sum() for a, b in ranges),
-                              torch.zeros((), dtype=sq.dtype, device=sq.device))
+                    pieces += [g[a:b] for a, b in ranges]
+        sq = sum_of_squares(pieces, self._norm_dtype, self.pipeline.device)
         for axis in ("dp", "tp", "pp"):
             if self.mesh.size(axis) > 1:
                 ops.all_reduce(sq, group=self.mesh.group(axis))
         norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in (g for gs in grads for g in gs if g is not None):
-            g.mul_(coef.to(g.dtype))
+        scale_([g for gs in grads for g in gs if g is not None],
+               (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
     def _zeros(self) -> list[Zero]:

@@ -134,8 +134,7 @@ class MasterWeights:
     @torch.no_grad()
     def copy_down(self) -> None:
         """shard <- master, cast to the low precision (this rank's chunk only)."""
-        for s, m in zip(self.shards, self.masters):
-            s.copy_(m)
+        torch._foreach_copy_(self.shards, self.masters)  # one kernel group, not one per shard
 
     @torch.no_grad()
     def copy_up(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from disttrain.dtypes import accumulation_dtype
+from disttrain.dtypes import accumulation_dtype, scale_, sum_of_squares
 from disttrain.parallel.zero import checkpoint as ckpt
 from disttrain.parallel.zero import comm, mixed
 
@@ -212,18 +212,13 @@ class ZeroOptimizer:
         params = self._params()
         # NOTE: the dtype comes from the shard parameters (masters: fp32), the same on
         # every rank of the all-reduce; a rank may hold no gradient at all
-        sq = torch.zeros((), dtype=accumulation_dtype(*(p.dtype for p in params)),
-                         device=params[0].device if params else None)
         grads = [p.grad for p in params if p.grad is not None]
-        for g in grads:
-            sq += g.to(sq.dtype).square().sum()
+        sq = sum_of_squares(grads, accumulation_dtype(*(p.dtype for p in params)),
+                            params[0].device if params else None)
         if self.layout.stage > 0:
             comm.all_reduce(sq, self.layout.group, self.layout.comm_stats)
         norm = sq.sqrt()
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1:
-            for g in grads:
-                g.mul_(scale)
+        scale_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
     def _layout(self) -> dict[str, Any]:
