@@ -18,7 +18,13 @@ Printed: one row per case (predicted, measured median, spread = max - min of the
 error = predicted / measured - 1), the median and largest absolute error per group
 (up to 4 processes; more), and Kendall's tau between predicted and measured times over
 the pairs whose runs do not overlap (their measured difference exceeds their spread),
-with the machine's load average at the start and the end. `--replay FILE` reads a
+with the machine's load average at the start and the end. Scored twice: against the
+median of every calibration, and run by run against the calibration taken just before
+the run's round (the median over rounds of predicted_r / run_r - 1), as a user profiles
+and then runs. The second is the score held to the targets (declared 27 Nov 2026 after
+one run, before the next): on this machine the inputs a calibration measures move from
+minute to minute with the machine's state (docs/benchmarks.md), and the median of each
+number over calibrations mixes one calibration's collective call with another's slowdown. `--replay FILE` reads a
 `--json` file and predicts its layout cases again with the planner as it is now, from
 the profile the file recorded (its measured runs unchanged; parameter-server rows keep
 their recorded predictions): what a change to the model does to the last measurement.
