@@ -14,7 +14,8 @@ the one whose pull waited for their new servers), the pause per moved key, worke
 median step time before AT, during (from AT to that step) and after it, and whether the final parameters' sha256 equals the run without
 the change. With --join the change is `--add-server-at AT` instead (worker 0 starts the
 script as a server that joins: ps/join_moves.py); keys, bytes and cut are summed over the
-old owners that handed keys to it. Wall times are the loaded machine's; quote ratios.
+old owners that handed keys to it (with --replicas >= 2 the tails copied them before the
+hand-over, a marker between two updates: cut 0, MB the values alone). Wall times are the loaded machine's; quote ratios.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ HANDS = re.compile(r"\[ps server\d+\] leaving \(ring version \d+\): its (\d+) ke
                    r"next live copies")
 GIVEN = re.compile(r"\[ps server\d+\] handed (\d+) keys \(([\d.]+) MB with optimizer state\) "
                    r"to joining server \d+ at version (\d+); cut paused it ([\d.]+) ms")
+
+GIVEN_COPIES = re.compile(r"\[ps server\d+\] handed (\d+) keys \(([\d.]+) MB\) over at version "
+                          r"(\d+) \(ring version \d+\); it keeps \d+")
+"""replicas >= 2 (ps/join_head.py): the tails copied the keys before; the old owner only
+sends a marker between two updates, so there is no cut to time (MB: the values)."""
 
 
 def run(servers: int, epochs: int, drain: int | None, at: int, times: str,
@@ -69,7 +75,7 @@ def run(servers: int, epochs: int, drain: int | None, at: int, times: str,
            "start": steps[at - 1], "during": statistics.median(steps[first:p + 1]),
            "after": statistics.median(steps[p + 1:]), "pause": steps[p]}
     if drain is not None and join:
-        given = GIVEN.findall(out)
+        given = GIVEN.findall(out) or [(*g, "0") for g in GIVEN_COPIES.findall(out)]
         if not given:
             raise RuntimeError(f"no hand-over in the output:\n{out[-4000:]}")
         res.update(keys=sum(int(g[0]) for g in given), mb=sum(float(g[1]) for g in given),
