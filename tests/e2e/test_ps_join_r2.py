@@ -11,14 +11,18 @@ every push applied exactly once (one-hot gradients count it); the manager's stat
 the join lists each key with 2 copies, the joiner at the head of the moved keys.
 """
 
-import json
 import re
 from functools import partial
 
 import pytest
 
 from tests.e2e import test_ps_failover as failover
-from tests.e2e._ps_membership import EXAMPLE, assert_bitwise_reference, assert_each_push_once
+from tests.e2e._ps_membership import (
+    EXAMPLE,
+    assert_bitwise_reference,
+    assert_each_push_once,
+    assert_status_chains,
+)
 from tests.e2e.test_ps_join import SCRIPT
 
 launch = partial(failover.launch, servers=2, script=SCRIPT)
@@ -48,31 +52,13 @@ def check_join_r2(code: int, out: str, new: int) -> set[str]:
     return handed
 
 
-def check_status_chains(out: str, new: int, replicas: int = 2) -> None:
-    """The manager's status after the join (scripts/ps_join.py prints it): each key listed
-    once, with `replicas` copies, under the server heading it; the joiner heads the moved
-    keys, the chains those of join_chains.py's `chains_after` (the old owners' kept keys
-    as registered)."""
-    got = re.search(r"worker 0: status at ring version \d+: status chains (\{.*\}) \((\d+) "
-                    r"rows\)", out)
-    want = re.search(r"worker 0: chains after (\{.*\})", out)
-    assert got and want, out
-    listed, after = json.loads(got.group(1)), json.loads(want.group(1))
-    assert int(got.group(2)) == len(listed) == len(after), out  # each key once
-    assert {k: chain for k, (_, chain) in listed.items()} == after, out
-    assert all(len(set(c)) == replicas == len(c) and c[0] == s for s, c in listed.values()), out
-    assert any(s == new for s, _ in listed.values()), out
-    assert re.search(rf"\[ps manager\] ring version \d+: server {new} heads \d+ keys \([\d.]+ "
-                     rf"MB\) of server \d with {replicas} copies each, chains \[{new}, ", out), out
-
-
 @pytest.mark.slow  # NOTE: about 30 s each on the 2-core machine: four processes and the joiner
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("servers,step", [(2, 3), (2, 9), (3, 2), (3, 7)])
 def test_sync_join_with_replicas_ends_bitwise_equal(servers, step):
     code, out = launch("sync", str(step), "2", servers=servers)
     check_join_r2(code, out, new=servers)
-    check_status_chains(out, new=servers)
+    assert_status_chains(out, new=servers, replicas=2)
     assert_bitwise_reference(out)
 
 
@@ -82,7 +68,7 @@ def test_sync_join_with_replicas_ends_bitwise_equal(servers, step):
 def test_async_join_with_replicas_applies_every_push_exactly_once(servers, step):
     code, out = launch("count", str(step), "2", servers=servers)
     check_join_r2(code, out, new=servers)
-    check_status_chains(out, new=servers)
+    assert_status_chains(out, new=servers, replicas=2)
     assert_each_push_once(out)
 
 

@@ -44,10 +44,10 @@ def record_heads(members: Membership, by: int, rows: list[dict]) -> bool:
         x, y, keys = members.members[owner], members.members[by], {k for k, _, _ in new}
         x.shard = [row for row in x.shard if row[0] not in keys]
         y.shard += new
-        chains = sorted({tuple(c) for _, _, c in new})
+        chains, r = sorted({tuple(c) for _, _, c in new}), len(new[0][2])
         members.change(
             f"server {by} heads {len(new)} keys ({sum(n for _, n, _ in new) / 1e6:.2f} MB) of "
-            f"server {owner} with {len(new[0][2])} copies each, chains "
+            f"server {owner} with {r} cop{'ies' if r > 1 else 'y'} each, chains "
             + ", ".join(str(list(c)) for c in chains[:3]) + (" ..." if chains[3:] else "")
             + f"; server {owner} heads {len(x.shard)} keys")
     return bool(taken)

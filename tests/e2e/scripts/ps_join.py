@@ -107,7 +107,7 @@ def main(mode: str, add_at: int, replicas: int = 1) -> None:
             handle.wait()
         if added is not None and not give <= set(conn.routes.routes):
             time.sleep(PACE)
-    if added is not None and replicas >= 2:
+    if added is not None:
         print_chains(model, servers, replicas)
     base.finish(conn, model, store, "join", mode, rank)
     if added is not None:
