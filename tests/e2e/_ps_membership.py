@@ -65,3 +65,22 @@ def assert_example_matches_plain(launch, flags: list[str], changed: str) -> None
     assert re.search(changed, out), out
     digest = re.compile(r"final parameters sha256 (\w+)")
     assert digest.findall(out) == digest.findall(plain) != [], out
+
+
+def assert_status_chains(out: str, new: int, replicas: int) -> None:
+    """The manager's status after the join (scripts/ps_join.py prints it): each key listed
+    once, with `replicas` copies, under the server heading it; the joiner heads the moved
+    keys, the chains those of join_chains.py's `chains_after` (the old owners' kept keys
+    as registered)."""
+    got = re.search(r"worker 0: status at ring version \d+: status chains (\{.*\}) \((\d+) "
+                    r"rows\)", out)
+    want = re.search(r"worker 0: chains after (\{.*\})", out)
+    assert got and want, out
+    listed, after = json.loads(got.group(1)), json.loads(want.group(1))
+    assert int(got.group(2)) == len(listed) == len(after), out  # each key once
+    assert {k: chain for k, (_, chain) in listed.items()} == after, out
+    assert all(len(set(c)) == replicas == len(c) and c[0] == s for s, c in listed.values()), out
+    assert any(s == new for s, _ in listed.values()), out
+    assert re.search(rf"\[ps manager\] ring version \d+: server {new} heads \d+ keys \([\d.]+ "
+                     rf"MB\) of server \d with {replicas} cop(ies|y) each, chains \[{new}[,\]]",
+                     out), out

@@ -5,7 +5,8 @@ again with `disttrain ps add-server` (scripts/ps_join.py) right after a push was
 The job must end with rc 0, the hand-over named in the output (each old owner's keys and
 the routes that serve them), and under Sync the final parameters bitwise equal to a
 single-process reference of the same training (what a run without the join ends with);
-under Async every push applied exactly once (one-hot gradients count it).
+under Async every push applied exactly once (one-hot gradients count it); the manager's
+status after the join lists the joiner as the holder of the moved keys.
 """
 
 import re
@@ -20,6 +21,7 @@ from tests.e2e._ps_membership import (
     assert_each_push_at_most_once,
     assert_each_push_once,
     assert_example_matches_plain,
+    assert_status_chains,
 )
 
 SCRIPT = Path(__file__).parent / "scripts" / "ps_join.py"
@@ -45,6 +47,7 @@ def check_join(code: int, out: str, new: int) -> set[str]:
                              rf"served by server {x} \(\d+ keys, version \d+\), server {new}",
                              out), out
     assert "worker 0: the added server ended with 0" in out, out
+    assert_status_chains(out, new, replicas=1)
     return handed
 
 

@@ -7,7 +7,8 @@ between two rounds and heads its kept keys on, the joiner serves the moved keys 
 route of that owner (docs/design/parameter-server.md, "A server joins", "With
 `replicas >= 2`"). The job must end with rc 0, each step named in the output, and under
 Sync the final parameters bitwise equal to the single-process reference; under Async
-every push applied exactly once (one-hot gradients count it).
+every push applied exactly once (one-hot gradients count it); the manager's status after
+the join lists each key with 2 copies, the joiner at the head of the moved keys.
 """
 
 import re
@@ -16,7 +17,12 @@ from functools import partial
 import pytest
 
 from tests.e2e import test_ps_failover as failover
-from tests.e2e._ps_membership import EXAMPLE, assert_bitwise_reference, assert_each_push_once
+from tests.e2e._ps_membership import (
+    EXAMPLE,
+    assert_bitwise_reference,
+    assert_each_push_once,
+    assert_status_chains,
+)
 from tests.e2e.test_ps_join import SCRIPT
 
 launch = partial(failover.launch, servers=2, script=SCRIPT)
@@ -52,6 +58,7 @@ def check_join_r2(code: int, out: str, new: int) -> set[str]:
 def test_sync_join_with_replicas_ends_bitwise_equal(servers, step):
     code, out = launch("sync", str(step), "2", servers=servers)
     check_join_r2(code, out, new=servers)
+    assert_status_chains(out, new=servers, replicas=2)
     assert_bitwise_reference(out)
 
 
@@ -61,6 +68,7 @@ def test_sync_join_with_replicas_ends_bitwise_equal(servers, step):
 def test_async_join_with_replicas_applies_every_push_exactly_once(servers, step):
     code, out = launch("count", str(step), "2", servers=servers)
     check_join_r2(code, out, new=servers)
+    assert_status_chains(out, new=servers, replicas=2)
     assert_each_push_once(out)
 
 

@@ -101,6 +101,14 @@ def _the_joiner_serves(ctx, plan, servers, y, joins, beat, moved, links, grads, 
         for w in (0, 1):
             links[(w, n + 1 + x)] = _hello(ctx, row["address"], w, x, routes[x].keys, r)
             assert _read(links[(w, n + 1 + x)]).op == "welcome"
+    # the chains the routes head, as the manager records them (join_status.py): the joiner
+    # in the old owner's place, the copies as they were, r of them
+    assert sorted((h["owner"], h["key"], tuple(h["chain"])) for h in beat.heads) == sorted(
+        (x, k, (n, *plan.indices(k, r)[1:])) for x in routes for k in routes[x].keys)
+    sizes = {c.key: c.numel * 4 for chunks in plan for c in chunks}
+    assert all(h["bytes"] == sizes[h["key"]] for h in beat.heads)
+    check(Message("report", {"worker": 0, "server": n, "ring": 6, "version": 0, "pushes": 0,
+                             "heads": beat.heads}), "manager")  # NOTE: raises if malformed
     sent = []
     for (w, i), link in links.items():
         s = servers[i] if i < n else routes[i - n - 1]
@@ -134,7 +142,8 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
     assert _round(links, plan, grads, 0) == ["ack"] * 2 * n
     if with_route:  # the joiner's watch: reports its installs, serves the handed keys
         ybeat = _Ring()
-        ybeat.copied, ybeat.ring = [], _ring(5, "joining", y.address, accepting=True, n=n)
+        ybeat.copied, ybeat.heads = [], []
+        ybeat.ring = _ring(5, "joining", y.address, accepting=True, n=n)
         for row in ybeat.ring["servers"][:n]:
             row["address"] = servers[row["server"]].address
         joins = JoinRoutes(y, ybeat, intakes, plan, init, Sync(), OPT, KEY,

@@ -197,7 +197,8 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
                  "ring": -1, "attempt": 0, "shard": _SHARD, "pid": 4242},
     "report": {"server": 0, "ring": 1, "version": 3, "pushes": 9, "final": 0, "adopted": _TAKEN,
                "copied": [{"server": 1, "by": 0, "to": 2, "keys": 1, "bytes": 16, "version": 3}],
-               "accepting": 3, "drained": 1},
+               "accepting": 3, "drained": 1,  # a joiner's moved keys (ps/join_status.py)
+               "heads": [{"key": "w#0", "bytes": 16, "chain": [2, 1], "owner": 0}]},
     "lookup": {"ring": -1}, "status": {}, "leave": {"server": 0, "ring": 1},
     "join": {"server": 1, "address": "ipc://y", "fingerprint": "f", "ring": 1},
     "ring": {"version": 1, "expected": 1, "complete": 1, "stale": 0, "servers": _RING,

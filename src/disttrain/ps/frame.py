@@ -22,7 +22,7 @@ import torch
 __all__ = ["Message", "FrameError", "Limits", "DEFAULT_LIMITS", "OPS", "PROTOCOL", "pack",
            "unpack", "read_header", "build", "header_sizes", "check_sizes", "group_keys"]
 
-PROTOCOL = 9
+PROTOCOL = 10
 """The wire protocol version a hello carries; a peer of another one is refused, naming
 both (docs/design/parameter-server.md, "Header schema and protocol version"). Bump it
 whenever what a frame means changes: ops, meta fields (schema.py), envelope, keys."""

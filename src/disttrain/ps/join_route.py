@@ -17,7 +17,8 @@ reports each installed range in the heartbeat's `copied` rows (the ring's `copie
 start each old owner's hand-over: join_tails.py) and, once an old owner's marker came,
 builds that owner's route (`route_of`: its links to c1
 opened), serves it on a thread of its own and lists it in the heartbeat's `adopted` rows
-(the manager's takeover rows, where workers find routes: reroute.py). `ps.join`
+(the manager's takeover rows, where workers find routes: reroute.py) and its keys' chains
+in the `heads` rows (what `disttrain ps status` lists: join_status.py). `ps.join`
 installs it with replicas >= 2 (joiner.py).
 """
 
@@ -35,7 +36,7 @@ from disttrain.ps.replica import Replicas
 from disttrain.ps.server import PSError, Server
 from disttrain.ps.takeover import RouteThreads
 
-__all__ = ["JoinRoutes", "route_of"]
+__all__ = ["JoinRoutes", "route_of", "heads"]
 
 
 def route_of(y, head: int, plan, init: dict, policy, optimizer, secret: bytes,
@@ -92,6 +93,15 @@ def _head_chain(route: Server, y, head: int, order: list, plan, init: dict, opti
     return rc
 
 
+def heads(route: Server, y: int, head: int) -> list[dict]:
+    """The `heads` rows of `route` (old owner `head`'s keys served on joiner `y`): each key,
+    its bytes and the chain the route heads, the route's party id named as `y` (the
+    manager's `record_heads`, join_status.py). Never blocks."""
+    rc = route.chain
+    return [{"key": k, "bytes": rc.nbytes[k], "owner": head,
+             "chain": [y if s == rc.index else s for s in rc.chains[k]]} for k in route.keys]
+
+
 class JoinRoutes(RouteThreads):
     """The joiner `y`'s watch with replicas >= 2: reports each installed range in
     `beat.copied` (the old owners hand over once the ring lists all of theirs: join_tails.py),
@@ -142,6 +152,7 @@ class JoinRoutes(RouteThreads):
             self.routes.append((route, thread, row))
             thread.start()
             self.beat.adopted = [dict(r) for _, _, r in self.routes]
+            self.beat.heads = self.beat.heads + heads(route, self.y.index, x)  # NOTE: after adopted
             say(f"[ps server{self.y.index}] serves {row['keys']} keys of server {x} at "
                 f"version {row['version']} (ring version {ring.get('version', 0)}), heading "
                 f"their chains as {route.chain.index}; workers reach them at {route.address}")

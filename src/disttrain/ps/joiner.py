@@ -13,7 +13,8 @@ and serves an old owner's moved keys once its `handed` marker came (join_tails.p
 join_route.py: "With `replicas >= 2`" in the design page).
 Each X then extends those keys' chains to it and hands them over (join_moves.py); once X's
 final marker came (after every update X applied), this server serves X's moved keys as a
-route "X@S" (takeover.py's route) and reports it (`adopted`). Its own loop talks to no
+route "X@S" (takeover.py's route) and reports it (`adopted`) and their chains, [S]
+(`heads`: what `disttrain ps status` lists, join_status.py). Its own loop talks to no
 worker: it ends once every route started, and `join` returns when the routes end (every
 worker said done). Docs: docs/design/parameter-server.md, "Live membership".
 """
@@ -125,6 +126,10 @@ class _Takes:
                 self.handoff = self.handoff or self.make()
                 self.handoff.start(x, ring.get("version", 0))
                 self.server.watch = self  # NOTE: the Takeover made itself the watch
+                self.beat.heads = self.beat.heads + [  # NOTE: after `adopted` (join_status.py)
+                    {"key": k, "bytes": p.numel() * p.element_size(), "chain": [me], "owner": x}
+                    for route, _, row in self.handoff.routes if row["server"] == x
+                    for k, p in route.params.items()]
             elif x in ended:
                 self.skipped.add(x)
                 say(f"[ps server{me}] server {x}'s job ended before it handed its keys over: "

@@ -8,7 +8,8 @@ sequence number on every frame, every op checked against schema.py), these reque
 
 - `register` (a launched server: index, address, fingerprint of model and policy, its
   keys with their replica chains), `report` (a server's heartbeat: its parameter version
-  and push count; `final` when its job ended), answered by `ring`;
+  and push count; `final` when its job ended; a joiner's `heads`, the moved keys it heads
+  now with their chains: join_status.py), answered by `ring`;
 - `lookup` (a worker: the current ring), `join` and `leave` (membership changes, asked
   on the ring version the asker holds: compare and set), answered by `ring`;
 - `status` (`disttrain ps status`), answered by `state`: servers, keys, load, events.
@@ -39,6 +40,7 @@ import time
 import zmq
 
 from disttrain.ps.frame import DEFAULT_LIMITS, Message
+from disttrain.ps.join_status import record_heads
 from disttrain.ps.keys import encrypt_setting, job_secret, mac_setting
 from disttrain.ps.membership import MANAGER_INDEX, Membership, Refused
 from disttrain.ps.membership_file import from_json, save
@@ -105,6 +107,7 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
                          m["accepting"], bool(m["drained"]))
             members.adopt(m["server"], m.get("adopted") or [], now)
             members.recopied(m["server"], m.get("copied") or [])
+            record_heads(members, m["server"], m.get("heads") or [])  # NOTE: after `adopted`
         elif msg.op == "join":
             members.join(m["server"], m["address"], m["fingerprint"], held, now)
         elif msg.op == "leave":

@@ -141,7 +141,8 @@ class Heartbeat(threading.Thread):
     loop updates (reading them needs no lock). A manager that does not answer is reported
     once per outage and tried again at the next beat; the server keeps serving. `ring`
     is the newest ring the manager answered with (the server loop reads it: takeover.py),
-    `adopted` the dead servers' keys this server serves, sent with every report.
+    `adopted` the dead servers' keys this server serves, sent with every report (and
+    `copied`, `heads`: the ranges it copied, a joiner's chains, join_status.py).
     """
 
     def __init__(self, link: ManagerLink, server: int, read, interval: float):
@@ -151,6 +152,7 @@ class Heartbeat(threading.Thread):
         self.failed = False
         self.adopted: list[dict] = []  # NOTE: replaced whole by the server loop, never mutated
         self.copied: list[dict] = []  # the same: ranges copied here again (recopy.py)
+        self.heads: list[dict] = []  # the same: a joiner's moved keys, their chains (join_route.py)
         self.accepting, self.drained = -1, False  # a drain's moves: whose keys, done (move.py)
 
     @property
@@ -172,7 +174,9 @@ class Heartbeat(threading.Thread):
 
     def _beat(self, final: bool) -> None:
         version, pushes = self.read()
-        extra = {n: v for n, v in (("adopted", self.adopted), ("copied", self.copied)) if v}
+        heads = self.heads  # NOTE: before `adopted`, set after it: a head's route is in this report
+        extra = {n: v for n, v in (("adopted", self.adopted), ("copied", self.copied),
+                                   ("heads", heads)) if v}
         extra.update(accepting=self.accepting, drained=int(self.drained))
         try:
             self.link.request("report", timeout=max(self.interval, 1.0), server=self.server,

@@ -53,7 +53,8 @@ class Member:
     attempt: int = 0
     """the launch attempt it registered in (`disttrain run --max-restarts` restarts)."""
     shard: list = field(default_factory=list)
-    """[key, bytes, chain] of each key it holds; chain: the servers holding copies, owner first."""
+    """[key, bytes, chain] of each key it heads; chain: the servers holding copies, owner
+    first. As registered; a joiner's: the moved keys its routes head (join_status.py)."""
     version: int = 0
     """its parameter version at its last heartbeat (updates applied)."""
     pushes: int = 0
@@ -115,7 +116,7 @@ class Membership:
         self.members[server] = Member(server, address, ALIVE, attempt,
                                       [list(r) for r in shard], beat=now, pid=pid)
         self.takeovers = [t for t in self.takeovers if server not in (t["server"], t["by"])]
-        return self._change(f"server {server} {was} at {address}")
+        return self.change(f"server {server} {was} at {address}")
 
     def join(self, server: int, address: str, fingerprint: str, ring: int, now: float) -> bool:
         """A server added to a running job: JOINING while its keys move to it (join_moves.py).
@@ -128,7 +129,7 @@ class Membership:
                           f"{max([*self.members, self.expected - 1]) + 1}")
         self._joinable(server)
         self.members[server] = Member(server, address, JOINING, beat=now)
-        return self._change(f"server {server} joined at {address}: the keys the placement "
+        return self.change(f"server {server} joined at {address}: the keys the placement "
                             f"on {len(self.members)} servers gives it move to it (joining)")
 
     def _joinable(self, server: int) -> None:
@@ -180,10 +181,10 @@ class Membership:
             return self._hand_over(m, moving)
         if last:  # NOTE: replicas=1: its keys move to the others, then it leaves (move.py)
             m.state = LEAVING
-            return self._change(f"server {server} at {m.address} is leaving: its {len(last)} "
+            return self.change(f"server {server} at {m.address} is leaving: its {len(last)} "
                                 f"keys move to the placement without it (servers {others})")
         m.state = LEFT
-        return self._change(f"server {server} at {m.address} left (drained)")
+        return self.change(f"server {server} at {m.address} left (drained)")
 
     def _hand_over(self, m: Member, moving: list[int]) -> bool:
         """Drain m (replicas >= 2, every key with a live copy elsewhere: handover.py)."""
@@ -193,7 +194,7 @@ class Membership:
                           f"{self.members[gone[0]].state}, and with replicas >= 2 copies take "
                           "over one server's keys per job: wait for the job to end, restart it")
         m.state = LEAVING
-        return self._change(f"server {m.server} at {m.address} is leaving: its {len(m.shard)} "
+        return self.change(f"server {m.server} at {m.address} is leaving: its {len(m.shard)} "
                             "keys are served by their next live copies once it handed over "
                             "(replicas >= 2)")
 
@@ -213,7 +214,7 @@ class Membership:
         m.version, m.pushes, m.beat, m.accepting = version, pushes, now, accepting
         if drained and m.state == LEAVING:
             m.state = LEFT
-            return self._change(f"server {server} at {m.address} left: " + (
+            return self.change(f"server {server} at {m.address} left: " + (
                 "its copies serve its keys" if m.shard[0][2][1:] else "its keys moved"))
         if final and m.state == LEFT:
             return False
@@ -226,7 +227,7 @@ class Membership:
             return False
         if m.state == DEAD:
             m.state = ALIVE
-            return self._change(f"server {server} at {m.address} is heard again")
+            return self.change(f"server {server} at {m.address} is heard again")
         return False
 
     def expire(self, now: float, timeout: float, gone=None, soon: float = 0.0) -> list[str]:
@@ -245,7 +246,7 @@ class Membership:
                 continue
             m.state = DEAD
             lost = self.only_copies(m.server)
-            self._change(f"server {m.server} at {m.address} {why}: marked dead"
+            self.change(f"server {m.server} at {m.address} {why}: marked dead"
                          + (f"; {len(lost)} keys have no other live copy" if lost else "")
                          + (" on the chains servers registered (not counting copies made "
                             "again)" if lost and self.copies else ""))
@@ -270,7 +271,7 @@ class Membership:
                 self.members[by].state = ALIVE
             since = (f", {now - dead.beat:.1f} s after its last heartbeat"
                      if dead.state in (DEAD, LEFT) else " (a join moved keys)")
-            self._change(f"server {by} took over {r['keys']} keys ({r['bytes'] / 1e6:.2f} MB) "
+            self.change(f"server {by} took over {r['keys']} keys ({r['bytes'] / 1e6:.2f} MB) "
                          f"of {dead.state} server {r['server']} at version {r['version']}{since}; "
                          f"workers reach them at {r['address']}")
         return bool(new)
@@ -285,7 +286,7 @@ class Membership:
         self.copies += (new := [r for r in rows if r not in self.copies])
         for r in new:
             why = ("a join: handed over next", "the range has its replicas again")[to < self.expected]
-            self._change(f"server {to} holds a copy of {r['keys']} keys ({r['bytes'] / 1e6:.2f} "
+            self.change(f"server {to} holds a copy of {r['keys']} keys ({r['bytes'] / 1e6:.2f} "
                          f"MB) of server {r['server']}{' again' * (to < self.expected)}, from "
                          f"server {r['by']} at version {r['version']}: {why}")
         return bool(new)
@@ -330,7 +331,8 @@ class Membership:
             raise Stale(f"{what} asked on ring version {ring}, the current one is "
                         f"{self.version}: refresh the ring (lookup) and decide again")
 
-    def _change(self, event: str) -> bool:
+    def change(self, event: str) -> bool:
+        """One new ring version, `event` its line (join_status.py records chains with it)."""
         self.version += 1
         self.events.append(f"ring version {self.version}: {event}")
         return True

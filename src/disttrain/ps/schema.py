@@ -79,6 +79,8 @@ COPY_ROW = {"server": SERVER, "by": SERVER, "to": SERVER, "keys": Field("int"),
             "bytes": Field("int"), "version": VERSION}
 # a worker's latest push a key range's copy holds (transfer.py): its clock, the keys stepped
 CLOCK_ROW = {"worker": WORKER, "clock": Field("int"), "keys": Field("strs")}
+# a key a joiner heads now (join_status.py): its chain, the joiner first; the old owner
+HEAD_ROW = dict(SHARD_ROW, owner=SERVER)
 STATE_ROW = dict(RING_ROW, fingerprint=Field("str"), keys=Field("int"), bytes=Field("int"),
                  version=Field("int"), pushes=Field("int"), rate=Field("num"),
                  silent=Field("num"))
@@ -149,6 +151,8 @@ SCHEMA: dict[str, Op] = {
                              "adopted": Field("rows", row=TAKEOVER_ROW, required=False),
                              # ranges it holds a copy of again (recopy.py)
                              "copied": Field("rows", row=COPY_ROW, required=False),
+                             # a joiner: the moved keys its routes head (join_route.py)
+                             "heads": Field("rows", row=HEAD_ROW, required=False),
                              # a drain (move.py): the leaving server whose keys it is
                              # ready to take (a joiner, join_moves.py: its own index); a
                              # leaving server handed all its keys over

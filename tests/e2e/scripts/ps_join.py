@@ -33,6 +33,34 @@ def givers(model: torch.nn.Module, servers: int) -> set[int]:
         spec, servers, servers, x, [c.key for c in plan[x]], 4 << 20).values()}
 
 
+def print_chains(model: torch.nn.Module, servers: int, replicas: int) -> None:
+    """Worker 0, once the joiner serves: the manager's status reply (what `disttrain ps
+    status` prints) as `status chains {key: [server, chain]}` once it lists the joiner at
+    the head of every moved key (asked every 0.2 s, at most 30 s: then what it lists), and
+    the chains join_chains.py computes as `chains after {key: chain}`."""
+    import json
+
+    from disttrain.ps.join_chains import chains_after, join_moves
+    from disttrain.ps.manager_link import ManagerLink, status_party
+    from disttrain.ps.placement import plan_keys
+    spec = [(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
+    plan = plan_keys(spec, servers)
+    moves = join_moves(spec, plan, servers, replicas, 4 << 20)
+    link = ManagerLink(os.environ["DISTTRAIN_PS_MANAGER"], status_party())
+    end = time.monotonic() + 30
+    while True:
+        state = link.request("status").meta
+        listed = {r["key"]: [r["server"], r["chain"]] for r in state["shard"]}
+        if all(listed.get(m.key, [None])[0] == servers for m in moves) or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    link.close()
+    print(f"worker 0: status at ring version {state['version']}: status chains "
+          f"{json.dumps(listed, sort_keys=True)} ({len(state['shard'])} rows)", flush=True)
+    after = chains_after(plan, replicas, moves)
+    print(f"worker 0: chains after {json.dumps(after, sort_keys=True)}", flush=True)
+
+
 def policy(mode: str):
     """(policy, optimizer) of `mode`: Sync with momentum, else lr 1 and a constant step."""
     from disttrain import ps
@@ -79,6 +107,8 @@ def main(mode: str, add_at: int, replicas: int = 1) -> None:
             handle.wait()
         if added is not None and not give <= set(conn.routes.routes):
             time.sleep(PACE)
+    if added is not None:
+        print_chains(model, servers, replicas)
     base.finish(conn, model, store, "join", mode, rank)
     if added is not None:
         print(f"worker 0: the added server ended with {added.wait(60)}", flush=True)
