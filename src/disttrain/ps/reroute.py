@@ -263,10 +263,9 @@ class Routes:
         self.routes.setdefault(d, {}).update({k: index[o] for k, o in owner.items()})
         self.moved |= {s} if s != d else set()
         owed, waiting = self.unacked.pop(s, [[]]), w.owed(s)
-        acks = [(h, "ack") for h in waiting.pop("ack", [])]
+        acks, kept = [(h, "ack") for h in waiting.pop("ack", [])], self.kept.pop(s, 0)
         if w.held_acks:  # NOTE: the oldest pushes were `held` (None: their handles completed)
-            acks = [(None, "held")] * self.kept.pop(s, 0) + [(h, "held") for h in
-                                                            waiting.pop("held", [])]
+            acks = [(None, "held")] * kept + [(h, "held") for h in waiting.pop("held", [])]
         for group in owed:
             for msg in group:
                 msg.meta.pop("pull", None)  # NOTE: the pulls d owed are asked again below
@@ -287,7 +286,8 @@ class Routes:
         print(f"[ps worker{w.rank}] {what}; its keys are served by "
               + ", ".join(f"server {by} ({sum(o == by for o in owner.values())} keys, version "
                           f"{rows[by]['version']})" for by in sorted(index))
-              + f"; sent again {sum(len(g) for g in owed)} push frames", flush=True)
+              + f"; sent again {sum(len(g) for g in owed)} push frames"
+              + (f" ({kept} pushes it had said held)" if w.held_acks else ""), flush=True)
 
     def version(self, s: int, versions: list[int]) -> None:
         """Route s got parameters: a dead server's version is the oldest of its routes'."""
