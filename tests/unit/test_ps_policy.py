@@ -169,3 +169,19 @@ def test_leaving_workers_shrink_sync_rounds_and_stats_are_plain():
     assert stats["staleness"] == {0: 1}
     with pytest.raises(ValueError, match="k must be"):
         KSync(0)
+
+
+@pytest.mark.timeout(10)
+def test_runs_ahead_is_a_round_that_can_hold_a_push_whose_worker_goes_on():
+    """The policies whose servers say `held` with replicas >= 2 (server.py): a round may
+    hold a push of a worker that is already free to push again."""
+    ahead = [KBatchAsync(2), KAsync(2), KBatchSync(2), KBatchAsync(3)]
+    waits = [Sync(), KSync(2), KSync(1), Async(), KBatchAsync(1), KAsync(1), KBatchSync(1),
+             SSP(2)]
+    assert [p.runs_ahead() for p in ahead] == [True] * len(ahead)
+    assert [p.runs_ahead() for p in waits] == [False] * len(waits)
+    # KAsync(2): worker 0's push is left for the next round, yet its pull is answered
+    p = started(KAsync(2), workers=(0, 1, 2))
+    p.push(0, 1, 0)
+    p.push(1, 2, 0)  # closes the round of version 0
+    assert p.push(2, 0, 0).apply == [] and p.pull(0).release == [0]

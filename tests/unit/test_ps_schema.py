@@ -188,7 +188,7 @@ _TAKEN = [{"server": 1, "by": 0, "address": "ipc://r", "keys": 2, "bytes": 8, "v
 _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "hello": {"server": 0, "protocol": PROTOCOL, "keys": KEYS, "policy": "Sync()"},
     "push": {"clock": 0, "version": 0, "sparse": 0, "ack": 1}, "pull": {"have": -1},
-    "beat": {}, "done": {}, "welcome": {"version": 0}, "ack": {},
+    "beat": {}, "done": {}, "welcome": {"version": 0}, "held": {}, "ack": {},
     "params": {"version": 1, "last": 1}, "cancel": {"version": 1}, "pong": {},
     "moved": {"ring": 4},
     "bye": {"stats": {}, "staleness": []}, "error": {"message": "x"},

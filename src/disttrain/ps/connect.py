@@ -212,7 +212,8 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
     addresses = _addresses(group, name, len(plan))
     return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),
                   timeout=timeout, overlap=overlap, compression=compression,
-                  chunk_bytes=chunk_bytes, replicas=replicas, manager=group)
+                  chunk_bytes=chunk_bytes, replicas=replicas, manager=group,
+                  held_acks=replicas > 1 and policy.runs_ahead())
 
 
 def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, policy: Policy,

@@ -26,7 +26,7 @@ PROTOCOL = 10
 """The wire protocol version a hello carries; a peer of another one is refused, naming
 both (docs/design/parameter-server.md, "Header schema and protocol version"). Bump it
 whenever what a frame means changes: ops, meta fields (schema.py), envelope, keys."""
-OPS = ("hello", "welcome", "push", "ack", "pull", "params", "cancel", "beat", "done",
+OPS = ("hello", "welcome", "push", "held", "ack", "pull", "params", "cancel", "beat", "done",
        "bye", "error", "pong",
        # between servers of a replica chain (replica.py)
        "replicate", "commit",

@@ -101,6 +101,13 @@ class Policy:
         step each chunk of it as it arrives."""
         return not self.cancels and not self.buffer and self._need() == 1
 
+    def runs_ahead(self) -> bool:
+        """True when a round may hold a push whose worker is already free to compute and
+        push again (a per-batch policy, or KAsync's pushes left for the next round; k > 1):
+        with copies a server says `held` on such a push's receipt and acknowledges it once
+        its round is on every copy, so no worker waits on a round it does not wait for."""
+        return getattr(self, "k", 1) > 1 and (self.per_batch or not self.cancels)
+
     def pull(self, worker: int) -> Decision:
         """Worker asks for parameters; answered now (release) or parked until allowed."""
         self.parked.add(worker)

@@ -51,6 +51,7 @@ class Routes:
         self.on = bool(manager)  # NOTE: replicas=1 too: a drained server's keys move (move.py)
         self.routes: dict[int, dict[str, int]] = {}  # dead server -> key -> its route index
         self.unacked: dict[int, list[list[Message]]] = defaultdict(lambda: [[]])
+        self.kept: dict[int, int] = defaultdict(int)  # of them, pushes `held`, not yet acked
         self.waiting_welcome: dict[int, list] = {}  # new route -> what waits for its welcome
         self._held: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
         self._link: ManagerLink | None = None
@@ -86,6 +87,16 @@ class Routes:
         carrying one)."""
         if self.on and len(self.unacked[s]) > 1:
             self.unacked[s].pop(0)
+            self.kept[s] = max(0, self.kept[s] - 1)
+
+    def received(self, s: int) -> None:
+        """Server s received its oldest push not yet `held` (Server.says_held): copy that
+        push's frames, which may be sent again after its handle completed (the compute
+        thread may then change `.grad` in place)."""
+        if self.on and self.kept[s] < len(self.unacked[s]) - 1:
+            for msg in self.unacked[s][self.kept[s]]:
+                msg.tensors[:] = [t.clone() for t in msg.tensors]
+            self.kept[s] += 1
 
     def welcome(self, s: int) -> None:
         """A new route said welcome: send what waited for it."""
@@ -106,7 +117,7 @@ class Routes:
                 self._held[d][a].append(part)
             if not meta.get("ack"):
                 return
-            acks = [(h, r) for h, r in replies if r == "ack"]
+            acks = [(h, r) for h, r in replies if r in ("held", "ack")]
             frames = self._held.pop(d, {})
             for n, a in enumerate(sorted(frames)):
                 for i, (keys, tensors) in enumerate(frames[a]):
@@ -128,7 +139,8 @@ class Routes:
         route's are the original ones, each further route adds one more to the handle."""
         if n:
             for handle, _ in replies:
-                handle.add()
+                if handle is not None:
+                    handle.add()
         return list(replies)
 
     # ---- a silent server ----------------------------------------------------------------
@@ -251,11 +263,13 @@ class Routes:
         self.routes.setdefault(d, {}).update({k: index[o] for k, o in owner.items()})
         self.moved |= {s} if s != d else set()
         owed, waiting = self.unacked.pop(s, [[]]), w.owed(s)
-        acks = list(waiting.pop("ack", []))
+        acks, kept = [(h, "ack") for h in waiting.pop("ack", [])], self.kept.pop(s, 0)
+        if w.held_acks:  # NOTE: the oldest pushes were `held` (None: their handles completed)
+            acks = [(None, "held")] * kept + [(h, "held") for h in waiting.pop("held", [])]
         for group in owed:
             for msg in group:
                 msg.meta.pop("pull", None)  # NOTE: the pulls d owed are asked again below
-                handle = [(acks.pop(0), "ack")] if msg.meta.get("ack") and acks else []
+                handle = [acks.pop(0)] if msg.meta.get("ack") and acks else []
                 self._split(d, msg, handle)
         for op, reply in (("pull", "params"), ("done", "bye")):
             for h in waiting.pop(reply, []):  # NOTE: a route's: asked of its successors only
@@ -272,7 +286,8 @@ class Routes:
         print(f"[ps worker{w.rank}] {what}; its keys are served by "
               + ", ".join(f"server {by} ({sum(o == by for o in owner.values())} keys, version "
                           f"{rows[by]['version']})" for by in sorted(index))
-              + f"; sent again {sum(len(g) for g in owed)} push frames", flush=True)
+              + f"; sent again {sum(len(g) for g in owed)} push frames"
+              + (f" ({kept} pushes it had said held)" if w.held_acks else ""), flush=True)
 
     def version(self, s: int, versions: list[int]) -> None:
         """Route s got parameters: a dead server's version is the oldest of its routes'."""

@@ -125,6 +125,8 @@ SCHEMA: dict[str, Op] = {
                                                           required=False)}, tensors=(1, MAX)),
     # server -> worker, and a successor -> its predecessor's link
     "welcome": Op("worker", {"version": VERSION, "plain": FLAG, "mapped": FLAG}),
+    # a push received, not yet on every copy (replicas >= 2, Policy.runs_ahead); its ack follows
+    "held": Op("worker"),
     "ack": Op("worker"),
     "params": Op("worker", {"version": VERSION, "last": Field("int", 0, 1), "shm": SHM,
                             "ack": FLAG},  # 1: also the ack of the push a pull rode on

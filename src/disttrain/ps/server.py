@@ -195,14 +195,24 @@ class Server(ServerSteps):
             stats = self.stats()
             staleness = [[k, v] for k, v in stats.pop("staleness").items()]
             self.ep.send(session, Message("bye", {"stats": stats, "staleness": staleness}))
-        elif (msg.op == "push" and self._push(w, msg, session) and msg.meta["ack"]
-              and self.chain is None):  # with copies, replica.py acks once they committed
-            self.acks[w] = 1  # NOTE: params answering a pull that rode on it carry it
+        elif msg.op == "push":
+            if msg.meta["ack"] and self.says_held():  # NOTE: before its ack, which may go at once
+                self.ep.send(session, Message("held"))
+            if self._push(w, msg, session) and msg.meta["ack"] and self.chain is None:
+                self.acks[w] = 1  # NOTE: params answering a pull that rode on it carry it
+            # (with copies, replica.py acks once they committed)
         if msg.op == "pull" or "pull" in msg.meta:  # NOTE: after the push it rode on (worker.fuse)
             self.parked[w] = msg.meta["pull" if msg.op == "push" else "have"]
             self._execute(self.policy.pull(w))
         if self.acks.pop(w, 0):  # no params went at once: the ack on its own
             self.ep.send(session, Message("ack"))
+
+    def says_held(self) -> bool:
+        """Whether a push's receipt is answered `held` before its ack: with copies, under a
+        policy whose rounds hold pushes of workers free to push again (Policy.runs_ahead),
+        whose ack waits for a round they never wait for (docs/design/parameter-server.md,
+        "Replication after aggregation")."""
+        return self.policy.runs_ahead() and (self.chain.r if self.chain else self.replicas) > 1
 
     def _hello(self, session: Session, msg: Message) -> None:
         want = {"keys": self.keys, "policy": repr(self.policy),

@@ -51,15 +51,14 @@ class ServerSteps:
         for w in d.cancel:
             if w in self.ep.active:
                 self.ep.send(self.ep.active[w], Message("cancel", {"version": self.policy.version}))
-        if self.chain and self.policy.per_batch and (
-                self.chain.r == 1 or len(self.policy.live) < getattr(self.policy, "k", 1)):
-            # NOTE: ack on receipt, as with no copies, a round no waiting worker can fill, or
-            # any round while a chain of replicas=1 copies keys to a joining or draining
-            # server: its half-filled round would wait for a push that a worker blocked on
-            # this ack never sends (KBatchSync cancels a worker mid-push, so two servers'
-            # rounds can hold different workers' pushes). The owner hands over only with
-            # no received push unapplied (join_moves.py, move.py), so each is still applied
-            # here and copied before the keys move.
+        if self.chain and self.policy.per_batch and self.chain.r == 1:
+            # NOTE: ack on receipt, as with no copies, any round while a chain of replicas=1
+            # copies keys to a joining or draining server: its half-filled round would wait
+            # for a push that a worker blocked on this ack never sends (KBatchSync cancels a
+            # worker mid-push, so two servers' rounds can hold different workers' pushes).
+            # The owner hands over only with no received push unapplied (join_moves.py,
+            # move.py), so each is still applied here and copied before the keys move. With
+            # replicas >= 2 the worker waits for `held` instead (Server.says_held).
             for pid, _, _ in self.policy.buffer:
                 self._ack_later(self.push_acks.pop(pid, []))
         for w in [w for w in d.release if w in self.parked]:

@@ -40,14 +40,16 @@ __all__ = ["Worker", "Handle", "Cancelled", "fuse"]
 
 class Worker(WorkerLoop):
     """One worker's connection to all servers; built by `disttrain.ps.connect`. The
-    compute thread's API; the communication thread's loop is `WorkerLoop` (worker_loop.py)."""
+    compute thread's API; the communication thread's loop is `WorkerLoop` (worker_loop.py).
+    `held_acks`: a push waits for each server's `held`, not its ack (Server.says_held)."""
 
     def __init__(self, model: torch.nn.Module, rank: int, addresses: list[str],
                  plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
                  timeout: float = 10.0, overlap: bool = True, limits: Limits = DEFAULT_LIMITS,
                  compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encrypt: bool | None = None, always_mac: bool | None = None,
-                 shm: bool | None = None, replicas: int = 1, manager: str | None = None):
+                 shm: bool | None = None, replicas: int = 1, manager: str | None = None,
+                 held_acks: bool = False):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
         self.chunk_bytes, self.policy_repr, self._servers = chunk_bytes, policy_repr, len(addresses)
         self.routes = Routes(self, plan, replicas, manager)  # a dead server's keys (reroute.py)
@@ -64,7 +66,7 @@ class Worker(WorkerLoop):
         bad = [n for n, p in self.params.items() if not p.is_contiguous()]
         if bad:
             raise ValueError(f"parameters {bad} are not contiguous; call .contiguous() on them")
-        self._secret, self._limits = secret, limits
+        self._secret, self._limits, self.held_acks = secret, limits, held_acks
         self._by_key = {c.key: c for chunks in plan for c in chunks}
         self._shards = [{c.key: (c.stop - c.start, self.params[c.name].dtype) for c in chunks}
                         for chunks in plan]  # what server s may send: schema.check_keys
@@ -133,10 +135,13 @@ class Worker(WorkerLoop):
     def push(self) -> Handle:
         """Send the gradients not yet sent by the hooks; returns at once (does not block).
 
-        The handle completes when every server received them; until then the frames read
-        `.grad` without a copy, so wait() before changing gradients in place
-        (`zero_grad()`'s default, set_to_none, is safe at any time). Raises Cancelled if
-        the round closed without this worker (the step is dropped; pull() next).
+        The handle completes when every server received them (with replicas >= 2, once
+        applied on every copy; but on receipt, `held`, under a policy whose rounds hold
+        pushes of workers free to push again, Policy.runs_ahead, the frames a takeover may
+        need sent again copied first); until then the frames read `.grad` without a copy,
+        so wait() before changing gradients in place (`zero_grad()`'s default, set_to_none,
+        is safe at any time). Raises Cancelled if the round closed without this worker (the
+        step is dropped; pull() next).
         """
         self.check()
         h = self._attempt_handle()
@@ -258,7 +263,7 @@ class Worker(WorkerLoop):
                     meta["ack"] = 1
                 self._send(s, Message("push", meta, [k for k, ts in sent for _ in ts],
                                       [t for _, ts in sent for t in ts]), h if last else None,
-                           "ack")
+                           "held" if self.held_acks else "ack")
 
     @staticmethod
     def _frame(entries: list[tuple[str, list]]) -> tuple[list, list[str]]:

@@ -201,8 +201,9 @@ class WorkerLoop:
             self._fail(f"server {s} at {self.addresses[s]}{versions}: {msg.meta['message']}")
             return
         if msg.op == "params":
-            if msg.meta["ack"] and waiting["ack"]:  # NOTE: the push this pull rode on (fuse)
-                waiting["ack"].pop(0).finish_one()
+            if msg.meta["ack"]:  # NOTE: the push this pull rode on (fuse)
+                if waiting["ack"]:
+                    waiting["ack"].pop(0).finish_one()
                 self.routes.acked(s)
             if not self._write_params(s, msg):
                 return
@@ -213,15 +214,17 @@ class WorkerLoop:
         if msg.op == "welcome":
             self._version[s] = -1
             self.routes.welcome(s)
+        if msg.op == "held":  # NOTE: the frames may be sent again: copied before wait() ends
+            self.routes.received(s)
         if msg.op == "ack":
             self.routes.acked(s)
         if msg.op == "bye":
             stats = dict(msg.meta["stats"], staleness=dict(msg.meta["staleness"]))
             self.server_stats.append(stats)
-        pending = waiting.get({"ack": "ack", "params": "params", "welcome": "welcome",
-                               "bye": "bye"}.get(msg.op, ""), [])
-        if pending:
-            pending.pop(0).finish_one()
+        pending = waiting.get({"held": "held", "ack": "ack", "params": "params",
+                               "welcome": "welcome", "bye": "bye"}.get(msg.op, ""), [])
+        if pending and (handle := pending.pop(0)) is not None:  # None: a push sent again
+            handle.finish_one()  # whose handle `held` completed already (reroute.py)
 
     def _write_params(self, s: int, msg: Message) -> bool:
         """Copy a params chunk of server s into the model; False (the job fails, naming the
