@@ -102,7 +102,7 @@ def test_a_drained_server_hands_its_keys_to_its_copy_which_serves_them_bitwise()
 class _Worker:
     """What Routes reads and calls of a worker that re-routes nothing it owes."""
 
-    rank, chunk_bytes = 0, 400
+    rank, chunk_bytes, held_acks = 0, 400, False
 
     def __init__(self, servers: int, params: dict):
         self.addresses = [f"ipc://s{i}" for i in range(servers)]

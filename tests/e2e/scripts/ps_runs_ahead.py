@@ -9,7 +9,9 @@ stepped with lr 1 and a constant step, so -k x a final parameter counts how ofte
 was applied (a KBatchAsync round averages exactly k pushes). Each worker prints, once all
 are done, `worker R counts [...]` (the distinct counts) and `worker R zeros [...]` (per
 parameter, how many pushes it never saw: KBatchAsync drops the last round's leftovers, at
-most k - 1 per server).
+most k - 1 per server). Under KAsync a worker closes as soon as its steps are done and
+prints `worker R applied [...] dropped [...]`, each server's counts at its bye (the last
+worker's bye comes after every round: nothing is left).
 """
 
 import os
@@ -50,6 +52,13 @@ def main(name: str, k: int, steps: int, replicas: int, kill_at: int, victim: int
         if rank == 0 and step == kill_at:
             os.kill(int(store.get(f"ahead/pid{victim}")), signal.SIGKILL)
         handle.wait()
+    if name == "kasync":  # NOTE: a KAsync pull waits for a round after the worker's push:
+        # a worker waiting for the others here could wait for a round only they would fill
+        stats = sorted(conn.close(), key=lambda st: st["server"])
+        print(f"worker {rank} applied {[st['applied'] for st in stats]} dropped "
+              f"{[st['dropped'] for st in stats]}", flush=True)
+        disttrain.shutdown()
+        return
     store.add("ahead/done", 1)
     while int(store.add("ahead/done", 0)) < WORKERS:
         time.sleep(0.01)
