@@ -54,15 +54,20 @@ def assert_each_push_at_most_once(out: str, k: int, workers: int = 2) -> None:
         assert set(json.loads(seen)) <= {0.0, 1 / k} and 1 / k in json.loads(seen), out
 
 
-def assert_example_matches_plain(launch, flags: list[str], changed: str) -> None:
-    """examples/digits_ps.py for 4 epochs with `flags` (a membership change) ends with rc 0,
-    its output matching `changed`, and the final parameters of the run without them."""
-    args = ["--epochs", "4"]
+def assert_example_matches_plain(launch, flags: list[str], changed: str | None = None, *,
+                                 args: tuple[str, ...] = ("--epochs", "4"), check=None) -> None:
+    """examples/digits_ps.py with `args` (default 4 epochs) and `flags` (a membership change
+    or a fault) ends with rc 0, its output matching `changed` (or passing `check(code,
+    out)`, which then checks the code itself), and the final parameters of the run
+    without `flags`."""
     code, plain = launch(*args, script=EXAMPLE)
     assert code == 0, plain
     code, out = launch(*args, *flags, script=EXAMPLE)
-    assert code == 0, out
-    assert re.search(changed, out), out
+    if check is not None:
+        check(code, out)
+    else:
+        assert code == 0, out
+        assert re.search(changed, out), out
     digest = re.compile(r"final parameters sha256 (\w+)")
     assert digest.findall(out) == digest.findall(plain) != [], out
 

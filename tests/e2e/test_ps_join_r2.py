@@ -18,9 +18,9 @@ import pytest
 
 from tests.e2e import test_ps_failover as failover
 from tests.e2e._ps_membership import (
-    EXAMPLE,
     assert_bitwise_reference,
     assert_each_push_once,
+    assert_example_matches_plain,
     assert_status_chains,
 )
 from tests.e2e.test_ps_join import SCRIPT
@@ -75,10 +75,6 @@ def test_async_join_with_replicas_applies_every_push_exactly_once(servers, step)
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_digits_example_add_server_with_replicas_matches_an_uninterrupted_run():
-    args = ["--epochs", "4", "--replicas", "2"]
-    code, plain = launch(*args, script=EXAMPLE)
-    assert code == 0, plain
-    code, out = launch(*args, "--add-server-at", "5", script=EXAMPLE)
-    check_join_r2(code, out, new=2)
-    digest = re.compile(r"final parameters sha256 (\w+)")
-    assert digest.findall(out) == digest.findall(plain) != [], out
+    assert_example_matches_plain(launch, ["--add-server-at", "5"],
+                                 args=("--epochs", "4", "--replicas", "2"),
+                                 check=lambda code, out: check_join_r2(code, out, new=2))
