@@ -185,12 +185,14 @@ def _measure_all(cases, rows: list[Row], reps: int, recalibrate=None, cal=None) 
     for rep in range(reps):
         if rep and recalibrate is not None:
             recalibrate()
+        if cal is not None:
+            with cal.only(len(cal.runs) - 1):
+                for case, row in zip(cases, rows):
+                    if not row.failed and getattr(case, "calibration", None) is cal:
+                        row.paired.append(case.predict())
         for case, row in zip(cases, rows):
             if row.failed:
                 continue
-            if cal is not None and getattr(case, "calibration", None) is cal:
-                with cal.only(len(cal.runs) - 1):
-                    row.paired.append(case.predict())
             t0 = time.perf_counter()
             try:
                 row.runs.append(case.measure())
