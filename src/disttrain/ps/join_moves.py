@@ -85,7 +85,28 @@ class Giving(Handoff):
         self._start(d, route, ring, t0)
 
 
-class Joins:
+class JoinWatch:
+    """A server's watch for a join (Joins, TailJoins): until the ring names a joiner it
+    looks for one once per ring version (`_begin`, which sets `new` when it finds it)."""
+
+    new: int | None  # the joining server (None: none yet); set by the subclass
+    seen: int  # the last ring version looked at for a join (-1 at first)
+
+    def _looks_for_join(self, ring: dict) -> bool:
+        """True while no joiner was known at this call (nothing more to do this turn);
+        looks for one (`_begin`) if `ring`'s version is new to it. Never blocks."""
+        if self.new is not None:
+            return False
+        if ring["version"] != self.seen:  # NOTE: once per ring version until a join
+            self.seen = ring["version"]
+            self._begin(ring)
+        return True
+
+    def _begin(self, ring: dict) -> None:
+        raise NotImplementedError
+
+
+class Joins(JoinWatch):
     """Old owner X's watch on the manager's ring for a join (replicas=1): copies the keys
     the joiner takes, hands them over with its own as routes. Wraps the drain's watch
     (move.py), which goes on. Runs on the server loop (`Server.watch`); never blocks."""
@@ -113,12 +134,7 @@ class Joins:
         if self.handoff is not None and self.handoff.failure is not None:
             raise self.handoff.failure
         ring = self.beat.ring
-        if self.done or "servers" not in ring:
-            return
-        if self.new is None:
-            if ring["version"] != self.seen:  # NOTE: once per ring version until a join
-                self.seen = ring["version"]
-                self._begin(ring)
+        if self.done or "servers" not in ring or self._looks_for_join(ring):
             return
         s = self.server
         if len(s.finished) >= len(s.workers):  # NOTE: the job ended first: the keys stay here

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from disttrain.ps.join_chains import extensions, join_moves
 from disttrain.ps.join_head import HeadHandover, follow_handed
-from disttrain.ps.join_moves import joiner
+from disttrain.ps.join_moves import JoinWatch, joiner
 from disttrain.ps.move import say
 from disttrain.ps.transfer import Intake, accept, extend
 
@@ -49,7 +49,7 @@ def tail_pairs(params, plan, new: int, replicas: int, chunk_bytes: int,
     return {p: keys for p, keys in pairs.items() if tail is None or p[1] == tail}
 
 
-class TailJoins:
+class TailJoins(JoinWatch):
     """Server T's watch for a join with replicas >= 2: runs `inner` (the watch it wraps),
     then, once the ring lists a joiner that admitted every link (`accepting` = its own
     index), extends to it each moved range whose tail T is. Never blocks."""
@@ -74,12 +74,7 @@ class TailJoins:
         self.inner()
         self.server.watch = self  # NOTE: a watch it wraps may make itself the watch again
         ring = self.beat.ring
-        if "servers" not in ring:
-            return
-        if self.new is None:
-            if ring["version"] != self.seen:  # NOTE: once per ring version until a join
-                self.seen = ring["version"]
-                self._begin(ring)
+        if "servers" not in ring or self._looks_for_join(ring):
             return
         state = {r["server"]: r["state"] for r in ring["servers"]}.get(self.new)
         if self.gives and self.hand is None and state not in ("dead", "left", None):
