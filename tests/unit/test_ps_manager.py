@@ -26,7 +26,13 @@ from disttrain import settings as ds
 from disttrain.ps import manager
 from disttrain.ps.cli import format_status
 from disttrain.ps.frame import Message
-from disttrain.ps.manager_link import SERVER_PARTY, Heartbeat, ManagerError, ManagerLink
+from disttrain.ps.manager_link import (
+    SERVER_PARTY,
+    Heartbeat,
+    ManagerError,
+    ManagerLink,
+    lookup_addresses,
+)
 from disttrain.ps.membership import MANAGER_INDEX, Membership, Refused, Stale
 from disttrain.ps.membership_file import from_json, save
 
@@ -394,6 +400,26 @@ def secret_env(monkeypatch):
     yield
     monkeypatch.undo()
     ds.refresh()
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_attaching_during_a_drain_gets_every_address_at_once(live, secret_env):
+    """A slow worker looks the servers up after a drain began (and after it ended): the
+    drained server is still one to attach to (it serves until its hand-over, then answers
+    `moved`, and the worker re-routes). It used to wait for it to be alive again, for ever,
+    while under Sync the drain waited for that worker's push, until the servers lost it."""
+    s0, s1 = live.link(SERVER_PARTY), live.link(SERVER_PARTY + 1)
+    _register(s0, 0, SHARD0)
+    _register(s1, 1, SHARD1)
+    drainer = live.link(0)
+    drainer.request("lookup")
+    assert drainer.request("leave", server=0).meta["servers"][0]["state"] == "leaving"
+    assert lookup_addresses(live.address, 1, 2, timeout=2.0) == (3, ["ipc://s0", "ipc://s1"])
+    s0.request("report", server=0, version=5, pushes=10, final=0, accepting=-1, drained=1)
+    assert drainer.request("lookup").meta["servers"][0]["state"] == "left"
+    assert lookup_addresses(live.address, 1, 2, timeout=2.0)[1] == ["ipc://s0", "ipc://s1"]
+    with pytest.raises(ManagerError, match=r"servers 2 \(not registered\)"):
+        lookup_addresses(live.address, 1, 3, timeout=0.3)  # one never registered: still waits
 
 
 @pytest.mark.timeout(30)

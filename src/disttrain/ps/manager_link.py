@@ -26,7 +26,7 @@ import zmq
 
 from disttrain.ps.frame import DEFAULT_LIMITS, Message
 from disttrain.ps.keys import encrypt_setting, job_secret, mac_setting
-from disttrain.ps.membership import MANAGER_INDEX
+from disttrain.ps.membership import ALIVE, LEAVING, LEFT, MANAGER_INDEX
 from disttrain.ps.schema import SchemaError
 from disttrain.ps.transport import WorkerLink
 
@@ -37,6 +37,10 @@ SERVER_PARTY = 1 << 24  # a server's party id is SERVER_PARTY + its index; a wor
 _RETRY = 0.5  # seconds without an answer before saying hello again (a restarted manager)
 _RETRY_MAX = 4.0  # doubled after each silence up to this (a manager slow under load)
 _ANSWERS = {"status": "state"}  # every other request is answered by "ring"
+_ATTACHABLE = (ALIVE, LEAVING, LEFT)
+"""States in which a worker may attach to a server: a drained one (leaving, left) serves its
+keys until its hand-over, then answers `moved` (or nothing), and the worker re-routes
+(reroute.py), as one attached before the drain does."""
 
 
 def status_party() -> int:
@@ -219,8 +223,13 @@ def register_server(address: str, index: int, servers: int, listen: str, finger:
 def lookup_addresses(address: str, rank: int, servers: int, timeout: float,
                      attempt: int = 0) -> tuple[int, list[str]]:
     """(ring version, the address of each of servers 0..servers-1) from the manager at
-    `address`, once all of them registered in launch `attempt` and are alive; blocks until
-    then, at most `timeout` seconds (ManagerError naming who is missing)."""
+    `address`, once all of them registered in launch `attempt` and are alive or drained
+    (`_ATTACHABLE`); blocks until then, at most `timeout` seconds (ManagerError naming who
+    is missing).
+
+    NOTE: a drain may start before a slow worker looks up: waiting for the drained server
+    to be alive again would wait for ever, and under Sync the drain waits for that
+    worker's push (its hand-over comes between two rounds), so the servers lost it."""
     link = ManagerLink(address, rank, timeout=timeout)
     deadline = time.monotonic() + timeout
     try:
@@ -228,7 +237,7 @@ def lookup_addresses(address: str, rank: int, servers: int, timeout: float,
             ring = link.request("lookup", timeout=max(0.1, deadline - time.monotonic())).meta
             rows = {r["server"]: r for r in ring["servers"]}
             missing = [f"{i} ({_where(rows.get(i), attempt)})" for i in range(servers)
-                       if _where(rows.get(i), attempt) != "alive"]
+                       if _where(rows.get(i), attempt) not in _ATTACHABLE]
             if not missing:
                 return ring["version"], [rows[i]["address"] for i in range(servers)]
             if time.monotonic() >= deadline:

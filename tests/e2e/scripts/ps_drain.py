@@ -13,7 +13,8 @@ leaves. Worker 0 prints the final parameters' digest (sync) or each push's apply
 after its first cut, its keys half moved; replicas >= 2: once it told the workers
 `moved`, before its copies committed); "kill": worker 0 SIGKILLs it 0.5 s after the
 drain was accepted; "die-target": a server that takes the drained server's keys
-SIGKILLs itself on the first `transfer` frame it reads (replicas=1).
+SIGKILLs itself on the first `transfer` frame it reads (replicas=1); "late": worker 1
+attaches only once the drain was accepted (a worker slower than the drain).
 """
 
 import os
@@ -70,6 +71,7 @@ def drain(ps, store, victim: int, step: int, fault: str) -> None:
     """Worker 0 drains `victim` (and, fault "kill", SIGKILLs it 0.5 s later)."""
     print(f"worker 0: draining server {victim} at step {step}", flush=True)
     ps.drain(victim)
+    store.set("drain/asked", "1")
     if fault == "kill":
         time.sleep(0.5)
         print(f"worker 0 kills server {victim}", flush=True)
@@ -96,6 +98,8 @@ def main(mode: str, drain_at: int, victim: int, when: str, replicas: int = 1,
         opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     else:
         opt = lambda p: torch.optim.SGD(p, lr=1.0)  # noqa: E731
+    if fault == "late" and disttrain.role() == "worker" and disttrain.rank() == 1:
+        store.wait(["drain/asked"])  # NOTE: attaches while the drained server is leaving
     conn = ps.connect(model, policy, optimizer=opt, replicas=replicas)  # servers exit here
     rank = disttrain.rank()
     gen = torch.Generator().manual_seed(rank)
