@@ -45,14 +45,11 @@ def test_chains_start_at_the_plans_owner_and_bad_replicas_are_refused():
     got = chains(plan, 3)
     assert all(got[c.key][0] == s for s, keys in enumerate(plan) for c in keys)
     with pytest.raises(ValueError, match="replicas=5 needs at least 5 servers, the job has 4"):
-        check_replicas(5, 4, Sync(), 2)
+        check_replicas(5, 4)
     with pytest.raises(ValueError, match="with snapshot="):
-        check_replicas(2, 4, Sync(), 2, "ps{server}.safetensors")
+        check_replicas(2, 4, "ps{server}.safetensors")
     with pytest.raises(ValueError, match="must be an integer >= 1"):
-        check_replicas(0, 4, Sync(), 2)
-    from disttrain.ps.policy import KBatchSync
-    with pytest.raises(ValueError, match="use k <= 2"):
-        check_replicas(2, 4, KBatchSync(3), 2)
+        check_replicas(0, 4)
 
 
 def read_reply(link: WorkerLink, timeout: float = 10.0) -> Message:

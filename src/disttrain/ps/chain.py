@@ -11,15 +11,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from disttrain.ps.placement import Plan
-from disttrain.ps.policy import Policy
 
 __all__ = ["chains", "check_replicas", "Layout", "role", "ROLES"]
 
 ROLES = ("head", "middle", "tail")
 
 
-def check_replicas(replicas: int, servers: int, policy: Policy, workers: int,
-                   snapshot: str | None = None) -> None:
+def check_replicas(replicas: int, servers: int, snapshot: str | None = None) -> None:
     """Raise ValueError, naming the fix, for a replication this job cannot do."""
     if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas:
         raise ValueError(f"replicas={replicas!r} must be an integer >= 1 (1: no copies)")
@@ -30,11 +28,6 @@ def check_replicas(replicas: int, servers: int, policy: Policy, workers: int,
     if replicas > 1 and snapshot:
         raise ValueError(f"replicas={replicas} with snapshot={snapshot!r}: a restored head "
                          "would differ from its replicas; use one or the other")
-    k = getattr(policy, "k", 1)
-    if replicas > 1 and policy.per_batch and k > workers:
-        raise ValueError(f"{policy!r} with replicas={replicas}: a push is acknowledged once its "
-                         f"round is on every replica, and a round needs {k} pushes from "
-                         f"{workers} workers; use k <= {workers}")
 
 
 def role(chain, index: int) -> str:

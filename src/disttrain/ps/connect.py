@@ -125,7 +125,7 @@ def serve(model: torch.nn.Module, policy: Policy | None = None,
     """
     workers, plan = _job(model, "serve", "server", chunk_bytes)
     policy = policy if policy is not None else Sync()
-    check_replicas(replicas, len(plan), policy, len(workers), snapshot)
+    check_replicas(replicas, len(plan), snapshot)
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
     timeout = timeout if timeout is not None else settings.current().ps_timeout
     index = runtime.rank() - len(workers)
@@ -200,13 +200,14 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
     manager: the server manager's address, as given to `serve`: the servers' addresses
         come from its ring (waiting until every server registered) instead of the store.
     replicas: as given to `serve` (a server refuses a worker whose value differs). With
-        r > 1 a push's `wait()` returns once its update is on every copy: under Sync,
-        KSync and KBatchSync when its round is applied (replica.py).
+        r > 1 a push's `wait()` returns once its update is on every copy: under Sync and
+        KSync when its round is applied (replica.py); under a policy whose rounds hold
+        pushes of workers free to push again (Policy.runs_ahead) on receipt, `held`.
     """
     compression = parse_compression(compression)
     workers, plan = _job(model, "attach", "worker", chunk_bytes)
     policy = policy if policy is not None else Sync()
-    check_replicas(replicas, len(plan), policy, len(workers))
+    check_replicas(replicas, len(plan))
     timeout = timeout if timeout is not None else settings.current().ps_timeout
     group = _manager(manager, name)
     addresses = _addresses(group, name, len(plan))
