@@ -41,6 +41,7 @@ PREEMPT_SIGNAL = "DISTTRAIN_PREEMPT_SIGNAL"
 TRACE = "DISTTRAIN_TRACE"
 TRACE_STEPS = "DISTTRAIN_TRACE_STEPS"
 PS_TIMEOUT = "DISTTRAIN_PS_TIMEOUT"
+PS_WAIT = "DISTTRAIN_PS_WAIT"
 PS_HOST = "DISTTRAIN_PS_HOST"
 PS_ENCRYPT = "DISTTRAIN_PS_ENCRYPT"
 PS_MAC = "DISTTRAIN_PS_MAC"
@@ -154,6 +155,9 @@ class Settings:
     """'A:B': trace only steps A..B-1 (`run --trace-steps A:B`); checked by trace.start."""
     ps_timeout: float = _var(PS_TIMEOUT, SECONDS, 10.0)
     """Seconds a parameter-server worker or server waits for its peer before it fails."""
+    ps_wait: float | None = _var(PS_WAIT, SECONDS, None)
+    """Seconds a parameter-server worker waits for a reply a live server (one that answers
+    its beats) does not send, before it fails naming it (default 6 x ps_timeout)."""
     ps_host: str = _var(PS_HOST, TEXT, "127.0.0.1")
     """The interface parameter servers bind and advertise (`run --cluster` sets each node's)."""
     ps_encrypt: bool = _var(PS_ENCRYPT, FLAG, False)

@@ -214,7 +214,8 @@ def attach(model: torch.nn.Module, policy: Policy | None = None, *,
     return Worker(model, runtime.rank(), addresses, plan, job_secret(), repr(policy),
                   timeout=timeout, overlap=overlap, compression=compression,
                   chunk_bytes=chunk_bytes, replicas=replicas, manager=group,
-                  held_acks=replicas > 1 and policy.runs_ahead())
+                  held_acks=replicas > 1 and policy.runs_ahead(),
+                  wait=settings.current().ps_wait)
 
 
 def _replicate(server: Server, model, plan: Plan, replicas: int, optimizer, policy: Policy,

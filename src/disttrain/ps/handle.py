@@ -31,9 +31,10 @@ class PSError(RuntimeError):
 class Handle:
     """A pending push or pull. `done()` never blocks; `wait()` blocks until complete."""
 
-    def __init__(self, check: Callable[[str], None], what: str):
-        """check(what) raises if the operation can no longer complete (never blocks)."""
-        self._check, self.what = check, what
+    def __init__(self, check: Callable[[str], None], what: str, detail: str = ""):
+        """check(what) raises if the operation can no longer complete (never blocks);
+        `detail` says which one, for errors (e.g. "clock 3")."""
+        self._check, self.what, self.detail = check, what, detail
         self._lock = threading.Lock()
         self._outstanding = 0
         self._sealed = False

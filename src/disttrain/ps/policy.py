@@ -181,6 +181,13 @@ class Policy:
         self.parked.difference_update(ready)
         return ready
 
+    def open_round(self) -> dict:
+        """The open round, for a waiting worker's error (pong; plain types, no blocking):
+        its version, the [worker, version] of each push it holds, the pushes that close
+        it and the live workers."""
+        return {"version": self.version, "pushes": [[w, v] for _, w, v in self.buffer],
+                "need": self._need(), "live": sorted(self.live)}
+
     def mean_staleness(self) -> float:
         """Mean staleness of the gradients applied so far (0 before the first)."""
         return mean_staleness(self.staleness)

@@ -132,7 +132,11 @@ SCHEMA: dict[str, Op] = {
                             "ack": FLAG},  # 1: also the ack of the push a pull rode on
                  tensors=(0, MAX)),
     "cancel": Op("worker", {"version": VERSION}),
-    "pong": Op("worker"),
+    # a server's open round (Policy.open_round), named by a worker waiting too long on it
+    "pong": Op("worker", {"version": Field("int", 0, MAX, required=False),
+                          "pushes": Field("pairs", required=False),
+                          "need": Field("int", 0, 1 << 16, required=False),
+                          "live": Field("ints", required=False)}),
     # a drained server whose keys moved (move.py): the ring version of the drain
     "moved": Op("worker", {"ring": VERSION}),
     # replicate frame number `frame` (1, 2, ...) of this session is on every later replica

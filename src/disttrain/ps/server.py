@@ -180,7 +180,7 @@ class Server(ServerSteps):
         if msg.op == "hello":
             self._hello(session, msg)
         elif msg.op == "beat":
-            self.ep.send(session, Message("pong", {}))
+            self.ep.send(session, Message("pong", self.policy.open_round()))  # NOTE: worker_loop
         elif msg.op in ("replicate", "transfer"):  # NOTE: only a predecessor's link sends these
             self.ep.rejected["not a replica link"] += 1
             self.ep.send(session, Message("error", {"message": (

@@ -32,7 +32,7 @@ from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.server import PSError
 from disttrain.ps.shm import ring_bytes
 from disttrain.ps.transport import WorkerLink, encrypt_setting, mac_setting, shm_setting
-from disttrain.ps.worker_loop import WorkerLoop, fuse
+from disttrain.ps.worker_loop import WAIT_TIMEOUTS, WorkerLoop, fuse
 from disttrain.trace import events as trace_events
 
 __all__ = ["Worker", "Handle", "Cancelled", "fuse"]
@@ -41,7 +41,9 @@ __all__ = ["Worker", "Handle", "Cancelled", "fuse"]
 class Worker(WorkerLoop):
     """One worker's connection to all servers; built by `disttrain.ps.connect`. The
     compute thread's API; the communication thread's loop is `WorkerLoop` (worker_loop.py).
-    `held_acks`: a push waits for each server's `held`, not its ack (Server.says_held)."""
+    `held_acks`: a push waits for each server's `held`, not its ack (Server.says_held).
+    `wait`: seconds a reply a live server does not send is waited for (default 6 x
+    timeout; worker_loop.py, `WorkerLoop._unanswered`)."""
 
     def __init__(self, model: torch.nn.Module, rank: int, addresses: list[str],
                  plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
@@ -49,8 +51,9 @@ class Worker(WorkerLoop):
                  compression: TopK | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encrypt: bool | None = None, always_mac: bool | None = None,
                  shm: bool | None = None, replicas: int = 1, manager: str | None = None,
-                 held_acks: bool = False):
+                 held_acks: bool = False, wait: float | None = None):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
+        self.wait_limit = wait if wait is not None else WAIT_TIMEOUTS * timeout
         self.chunk_bytes, self.policy_repr, self._servers = chunk_bytes, policy_repr, len(addresses)
         self.routes = Routes(self, plan, replicas, manager)  # a dead server's keys (reroute.py)
         self._encrypt = encrypt_setting() if encrypt is None else encrypt
@@ -72,8 +75,7 @@ class Worker(WorkerLoop):
                         for chunks in plan]  # what server s may send: schema.check_keys
         self.feedback = ErrorFeedback(compression) if compression is not None else None
         self._eps: list[WorkerLink] = []
-        self._version = [-1] * len(addresses)
-        self._floor = [-1] * len(addresses)
+        self._version, self._floor = [-1] * len(addresses), [-1] * len(addresses)
         self._clock, self._sent = 0, set()
         self._attempt: Handle | None = None
         self._error: PSError | None = None
@@ -228,7 +230,7 @@ class Worker(WorkerLoop):
 
     def _attempt_handle(self) -> Handle:
         if self._attempt is None:
-            self._attempt = Handle(self._raise_if_failed, "push")
+            self._attempt = Handle(self._raise_if_failed, "push", f"clock {self._clock}")
         return self._attempt
 
     def _send_grads(self, names: list[str]) -> None:

@@ -4,7 +4,7 @@
 its own thread from `Worker.__init__` on. Each pass sends the commands the compute thread
 queued (`fuse` merges a pull into the push frame it follows), reads every server's
 replies into the model and the waiting handles, sends heartbeats, and fails the job
-when a server stays silent. The state both halves share (versions, floors, the handles
+when a server stays silent, or beats but sends no awaited reply for `wait_limit` s. The state both halves share (versions, floors, the handles
 waiting per server, the model's shard map) is set by `Worker.__init__`; reroute.py drives
 the route methods when a server dies or drains. How both behave:
 docs/design/parameter-server.md ("Notes from ps/worker.py").
@@ -25,7 +25,12 @@ from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
 from disttrain.ps.transport import WorkerLink
 
-__all__ = ["WorkerLoop", "fuse"]
+__all__ = ["WorkerLoop", "fuse", "WAIT_TIMEOUTS"]
+
+WAIT_TIMEOUTS = 6
+"""A reply a live server does not send fails the worker after this many timeouts (unless
+`wait` or DISTTRAIN_PS_WAIT says otherwise): beyond every wait the servers' own fault
+handling may cause (docs/design/parameter-server.md, "Faults")."""
 
 
 def fuse(cmds: list) -> list:
@@ -50,6 +55,9 @@ def fuse(cmds: list) -> list:
     return out
 
 
+_REPLIES = ("params", "ack", "held", "welcome", "bye")  # what a worker waits for
+
+
 class WorkerLoop:
     """The communication thread of a `Worker` (worker.py), which subclasses it; it is not
     built alone. Runs `_run` on the worker's thread; the route methods are reroute.py's,
@@ -70,6 +78,8 @@ class WorkerLoop:
     def transmit(self, s: int, msg: Message, replies: list) -> None:
         """Send `msg` on route s; each (handle, reply op) waits for that reply from it."""
         self._eps[s].send(msg)
+        if replies and not any(self._waiting[s].values()):
+            self._answered[s] = time.monotonic()  # NOTE: a wait on s starts now
         for handle, reply in replies:
             self._waiting[s][reply].append(handle)
 
@@ -85,6 +95,7 @@ class WorkerLoop:
         self._poller.register(link.sock, zmq.POLLIN)
         self._waiting.append(defaultdict(list))
         self._heard.append(time.monotonic())
+        self._answered.append(time.monotonic())
         hello = Handle(self._raise_if_failed, "takeover")
         hello.add()
         self.transmit(n, Message("hello", {"keys": keys, "policy": self.policy_repr,
@@ -116,6 +127,8 @@ class WorkerLoop:
             poller.register(ep.sock, zmq.POLLIN)
         waiting = self._waiting = [defaultdict(list) for _ in eps]
         heard = self._heard = [time.monotonic()] * len(eps)
+        self._answered = [time.monotonic()] * len(eps)  # the last awaited reply of each
+        self._said: dict[int, dict] = {}  # server -> its last pong (its open round)
         beat_every, next_beat = min(1.0, self.timeout / 4), 0.0
         self._beat_every = beat_every
         try:
@@ -160,6 +173,8 @@ class WorkerLoop:
                     continue
                 if got is not None:
                     heard[s] = time.monotonic()
+                    if got.op in _REPLIES:
+                        self._answered[s] = heard[s]
                     self._on_reply(s, got, waiting[s])
                     ep.release()  # NOTE: after the params are copied into the model
         now = time.monotonic()
@@ -168,6 +183,9 @@ class WorkerLoop:
                 text = self.routes.silent(s, now - heard[s], self._beat_every)
                 if text:
                     self._fail(text)
+            if (any(w.values()) and not self._error and now - heard[s] < self.timeout
+                    and now - self._answered[s] > self.wait_limit):
+                self._fail(self._unanswered(s, w, now - self._answered[s]))
             patience = 2 if self.routes.on else 1  # NOTE: the manager's verdict comes first
             if any(w.values()) and now - heard[s] > self.timeout * patience and not self._error:
                 # NOTE: a bad MAC before any session: the answer to our hello (same secret)
@@ -179,6 +197,34 @@ class WorkerLoop:
                     if unread else ""))
         return True
 
+    def _unanswered(self, s: int, waiting: dict[str, list[Handle]], quiet: float) -> str:
+        """The error of a worker whose server s keeps answering beats but has sent none of
+        the replies it waits for in `quiet` s: what it waits for, and what s last said
+        about its open round (its pong)."""
+        what = []
+        for reply, handles in waiting.items():
+            for h in handles[:1]:
+                op = h.what if h is not None else "push sent again"
+                what.append(f"the params of a version after {self._version[s]} (pull)"
+                            if reply == "params" else
+                            f"the {reply} of {op}" + (f" {h.detail}" if h and h.detail else ""))
+        return (f"server {s} at {self.addresses[s]} answers beats but has not sent what "
+                f"worker {self.rank} waits for in {quiet:.1f}s: {'; '.join(what)} (under "
+                f"{self.policy_repr}){self._round_text(s)}: a round waiting for workers that "
+                f"wait for this one (e.g. at a barrier before they close), or a bug; limit "
+                f"{self.wait_limit:g}s ({WAIT_TIMEOUTS} x DISTTRAIN_PS_TIMEOUT, or "
+                f"DISTTRAIN_PS_WAIT): raise DISTTRAIN_PS_WAIT if a worker's step takes longer")
+
+    def _round_text(self, s: int) -> str:
+        """What server s said of its open round in its last pong ("" if nothing)."""
+        said = self._said.get(s, {})
+        if "need" not in said:
+            return ""
+        have = said.get("pushes", [])
+        return (f"; its open round (version {said.get('version')}) holds {len(have)} of the "
+                f"{said['need']} pushes that close it (from workers "
+                f"{sorted({w for w, _ in have})}), live workers {said.get('live')}")
+
     def _fail(self, text: str) -> None:
         """The job cannot go on: the next wait() (or push/pull) raises PSError(text)."""
         self._error = self._error or PSError(text)
@@ -188,6 +234,9 @@ class WorkerLoop:
         if msg.op == "cancel":
             self._floor[s] = max(self._floor[s], msg.meta["version"])
             self._cancel_event.set()
+            return
+        if msg.op == "pong":  # NOTE: its open round, for _unanswered
+            self._said[s] = msg.meta
             return
         if msg.op == "moved":  # NOTE: drained: its keys moved; the manager says where
             self.routes.told(s, msg.meta["ring"])
