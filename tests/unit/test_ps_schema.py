@@ -189,7 +189,8 @@ _VALID = {  # what a well-behaved peer sends (worker id filled in per frame)
     "hello": {"server": 0, "protocol": PROTOCOL, "keys": KEYS, "policy": "Sync()"},
     "push": {"clock": 0, "version": 0, "sparse": 0, "ack": 1}, "pull": {"have": -1},
     "beat": {}, "done": {}, "welcome": {"version": 0}, "held": {}, "ack": {},
-    "params": {"version": 1, "last": 1}, "cancel": {"version": 1}, "pong": {},
+    "params": {"version": 1, "last": 1}, "cancel": {"version": 1},
+    "pong": {"version": 2, "pushes": [[0, 1]], "need": 2, "live": [0, 1]},  # Policy.open_round
     "moved": {"ring": 4},
     "bye": {"stats": {}, "staleness": []}, "error": {"message": "x"},
     # the server manager's (ps/manager.py)
