@@ -32,7 +32,7 @@ from disttrain.ps.ring import DEFAULT_CHUNK_BYTES, Chunk
 from disttrain.ps.server import PSError
 from disttrain.ps.shm import ring_bytes
 from disttrain.ps.transport import WorkerLink, encrypt_setting, mac_setting, shm_setting
-from disttrain.ps.worker_loop import WAIT_TIMEOUTS, WorkerLoop, fuse
+from disttrain.ps.worker_loop import WAIT, WorkerLoop, fuse
 from disttrain.trace import events as trace_events
 
 __all__ = ["Worker", "Handle", "Cancelled", "fuse"]
@@ -42,8 +42,8 @@ class Worker(WorkerLoop):
     """One worker's connection to all servers; built by `disttrain.ps.connect`. The
     compute thread's API; the communication thread's loop is `WorkerLoop` (worker_loop.py).
     `held_acks`: a push waits for each server's `held`, not its ack (Server.says_held).
-    `wait`: seconds a reply a live server does not send is waited for (default 6 x
-    timeout; worker_loop.py, `WorkerLoop._unanswered`)."""
+    `wait`: seconds a reply a live server does not send is waited for (default 600, as
+    torch's collective timeout; worker_loop.py, `WorkerLoop._unanswered`)."""
 
     def __init__(self, model: torch.nn.Module, rank: int, addresses: list[str],
                  plan: list[list[Chunk]], secret: bytes, policy_repr: str, *,
@@ -53,7 +53,7 @@ class Worker(WorkerLoop):
                  shm: bool | None = None, replicas: int = 1, manager: str | None = None,
                  held_acks: bool = False, wait: float | None = None):
         self.rank, self.addresses, self.timeout, self.overlap = rank, addresses, timeout, overlap
-        self.wait_limit = wait if wait is not None else WAIT_TIMEOUTS * timeout
+        self.wait_limit = wait if wait is not None else WAIT
         self.chunk_bytes, self.policy_repr, self._servers = chunk_bytes, policy_repr, len(addresses)
         self.routes = Routes(self, plan, replicas, manager)  # a dead server's keys (reroute.py)
         self._encrypt = encrypt_setting() if encrypt is None else encrypt

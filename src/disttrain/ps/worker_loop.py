@@ -25,12 +25,14 @@ from disttrain.ps.schema import SchemaError, check_keys
 from disttrain.ps.server import PSError
 from disttrain.ps.transport import WorkerLink
 
-__all__ = ["WorkerLoop", "fuse", "WAIT_TIMEOUTS"]
+__all__ = ["WorkerLoop", "fuse", "WAIT"]
 
-WAIT_TIMEOUTS = 6
-"""A reply a live server does not send fails the worker after this many timeouts (unless
-`wait` or DISTTRAIN_PS_WAIT says otherwise): beyond every wait the servers' own fault
-handling may cause (docs/design/parameter-server.md, "Faults")."""
+WAIT = 600.0
+"""Seconds after which a reply a live server does not send fails the worker (unless
+`wait` or DISTTRAIN_PS_WAIT says otherwise): torch's default collective timeout, beyond
+every wait the servers' own fault handling may cause and above a worker's pause for a
+checkpoint or an evaluation, which stalls the others' Sync pulls (docs/design/
+parameter-server.md, "Faults")."""
 
 
 def fuse(cmds: list) -> list:
@@ -212,8 +214,8 @@ class WorkerLoop:
                 f"worker {self.rank} waits for in {quiet:.1f}s: {'; '.join(what)} (under "
                 f"{self.policy_repr}){self._round_text(s)}: a round waiting for workers that "
                 f"wait for this one (e.g. at a barrier before they close), or a bug; limit "
-                f"{self.wait_limit:g}s ({WAIT_TIMEOUTS} x DISTTRAIN_PS_TIMEOUT, or "
-                f"DISTTRAIN_PS_WAIT): raise DISTTRAIN_PS_WAIT if a worker's step takes longer")
+                f"{self.wait_limit:g}s (DISTTRAIN_PS_WAIT): raise it if a worker's step, checkpoint "
+                "or evaluation takes longer")
 
     def _round_text(self, s: int) -> str:
         """What server s said of its open round in its last pong ("" if nothing)."""
