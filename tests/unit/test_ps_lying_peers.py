@@ -1,0 +1,202 @@
+"""Peers with a valid session that lie, on the real wire: a server answering a worker's
+push `held` or `ack` for a push it was never sent, and a worker's hello to an old owner
+naming a mix of the keys it handed over and the ones it kept. Each is refused with a
+message naming the sender and what was wrong, acts on nothing, and never hangs.
+(The join's server-to-server and manager refusals: test_ps_join_head.py,
+test_ps_join_status.py, test_ps_transfer.py.)
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from disttrain.ps.frame import Message
+from disttrain.ps.join_tails import join_intakes
+from disttrain.ps.joiner import _Joiner
+from disttrain.ps.placement import plan_keys
+from disttrain.ps.policy import Sync
+from disttrain.ps.server import PSError
+from disttrain.ps.session import HELLO, Session, hello_key, new_nonce, open_hello, read_envelope
+from disttrain.ps.transfer import SEP
+from disttrain.ps.worker import Worker
+from tests.unit.test_ps_join_head import _hello, _pump
+from tests.unit.test_ps_join_tails import CHUNK, INIT, KEY, OPT
+
+
+class ScriptedServer:
+    """A ROUTER speaking the real handshake: welcomes the worker, answers each beat with a
+    pong (so a worker that ignored a lie would hang, not time out) and each push or pull
+    with the next of `script`'s lists of replies (op names; `ack` and `held` carry no
+    meta), then with nothing."""
+
+    def __init__(self, script: list[list[str]]):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.script, self.stop = list(script), threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        session = None
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, *parts = self.sock.recv_multipart()
+            env = read_envelope(parts)
+            if env.kind == HELLO:
+                hello = open_hello(hello_key(KEY), env, parts)
+                session = Session(KEY, env.nonce_w, new_nonce(), hello.meta["worker"], 0,
+                                  "server")
+                replies = [Message("welcome", {"version": 0})]
+            else:
+                op = session.open(env, parts).op
+                replies = ([Message("pong", {})] if op == "beat" else
+                           [Message(r) for r in self.script.pop(0)] if op in ("push", "pull")
+                           and self.script else [])
+            for m in replies:
+                self.sock.send_multipart([ident, *session.seal(m)])
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+        self.ctx.term()
+
+
+def _push(worker: Worker, model: torch.nn.Module):
+    model.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    return worker.push()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("held_acks,script,op,why", [
+    (True, [["held", "ack"], ["held"]], "held", "1 push frames asked for one, this is held 2"),
+    (True, [["held", "held"]], "held", "this is held 2"),  # a duplicate held
+    (True, [["held"]], "held", None),  # before any push: the pull gets it
+    (False, [["held"]], "held", "its policy and replicas get no held"),
+    (False, [["ack", "ack"]], "ack", "this is ack 2"),  # an ack of an acknowledged push
+    (True, [["ack"]], "ack", "came before that push's held"),
+], ids=["after-its-ack", "twice", "no-push", "not-asked", "ack-twice", "ack-first"])
+def test_a_held_or_ack_answering_no_push_fails_the_worker_naming_the_server(
+        held_acks, script, op, why):
+    no_push = why is None
+    server = ScriptedServer(script)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    plan = plan_keys([(n, p.numel(), 4) for n, p in model.named_parameters()], 1)
+    worker = Worker(model, 0, [server.address], plan, KEY, "Sync()", timeout=10,
+                    overlap=False, held_acks=held_acks)
+    t0 = time.monotonic()
+    with pytest.raises(PSError) as e:
+        if not no_push:
+            handle = _push(worker, model)
+            if script[0] == ["held", "ack"]:  # a good answer first: it completes the push
+                handle.wait()
+                assert worker.wire_stats()["rejected"] == {}
+        worker.pull().wait()  # NOTE: a lie is never taken for the answer awaited
+    assert time.monotonic() - t0 < 5, "raised by the timeout, not by the refusal"
+    text = str(e.value)
+    assert (f"server 0 at {server.address} answered {op} for a push this worker did not "
+            "send it, refused" in text), text
+    assert why is None or why in text, text
+    assert worker.wire_stats()["rejected"] == {f"unasked {op}": 1}
+    worker.close()
+    assert not worker._thread.is_alive()
+    server.close()
+
+
+# ---- a joiner's and a copy's intake (replicas = 2): transfer and handed markers --------
+def _joiner(seed: int = 3):
+    """A joiner (server 2 of a 2-server job, r = 2) with its intakes, served on this
+    thread (`_pump`); (joiner, plan, init, intakes, stand-in tail links by pair)."""
+    torch.manual_seed(seed)
+    init = {name: torch.randn(size) for name, size in INIT.items()}
+    spec = [(name, t.numel(), 4) for name, t in init.items()]
+    plan = plan_keys(spec, 2, chunk_bytes=CHUNK)
+    y = _Joiner(2, [], init, Sync(), OPT, [0, 1], KEY, timeout=60)
+    intakes = join_intakes(y, spec, plan, init, OPT, 2, secret=KEY, chunk_bytes=CHUNK)
+    assert sorted(intakes) == [(0, 1), (1, 0)], intakes  # each server gives keys, the other copies
+    return y, plan, init, intakes
+
+
+def _transfer(link, keys: list[str], vals: dict, bufs: dict, **meta) -> None:
+    names = [n for k in keys for n in (k, k + SEP + "momentum_buffer")]
+    tensors = [t for k in keys for t in (vals[k], bufs[k])]
+    link.send(Message("transfer", {"origin": 0, "version": 3, "part": 0, "parts": 1,
+                                   "fields": ["momentum_buffer"], "clocks": [], **meta},
+                      names, tensors))
+
+
+@pytest.mark.timeout(60)
+def test_a_joiners_intake_refuses_transfers_and_handed_markers_that_lie():
+    """Transfers of keys another tail sends, naming another head, of a wrong dtype or
+    shape, or a second copy; `handed` markers of keys another link carries, of another
+    head, repeated, or a second time: each refused naming the sender and the field,
+    nothing installed or recorded; the true ones then install bitwise and commit."""
+    y, plan, init, intakes = _joiner()
+    ctx = zmq.Context()
+    mine, theirs = sorted(intakes[(0, 1)].chunks), sorted(intakes[(1, 0)].chunks)
+    vals = {k: torch.randn(c.numel) for (_, _), i in intakes.items() for k, c in i.chunks.items()}
+    bufs = {k: torch.randn(v.numel()) for k, v in vals.items()}
+    tail = _hello(ctx, y.address, 2 + 1, 2, [], 2)  # server 1: the tail of server 0's keys
+    assert _pump(y, tail).op == "welcome"
+    k0 = mine[0]
+    lies = [  # (frame's changes, reason)
+        (dict(keys=theirs[:1]), "schema:transfer.keys"),  # server 0 tails these, not 1
+        (dict(origin=1), "schema:transfer.origin"),  # server 1 heads none of them
+        (dict(vals={**vals, k0: vals[k0].double()}), "schema:transfer.keys"),  # never cast
+        (dict(vals={**vals, k0: vals[k0].to(torch.bfloat16)}), "schema:transfer.keys"),
+        (dict(vals={**vals, k0: torch.randn(vals[k0].numel() + 1)}), "schema:transfer.keys"),
+        (dict(bufs={**bufs, k0: bufs[k0].double()}), "schema:transfer.keys"),
+        (dict(bufs={**bufs, k0: bufs[k0][:-1]}), "schema:transfer.keys"),
+    ]
+    for change, reason in lies:
+        change = dict(change)
+        _transfer(tail, change.pop("keys", mine), change.pop("vals", vals),
+                  change.pop("bufs", bufs), **change)
+        reply = _pump(y, tail)
+        assert reply.op == "error" and reason in reply.meta["message"] and (
+            "refused a transfer frame from server 1" in reply.meta["message"]), (reason, reply)
+    assert not any(i.staged or i.stats for i in intakes.values())
+    assert not y.chain.params and y.chain.received[2 + 1] == 0  # nothing installed
+    _transfer(tail, mine, vals, bufs)
+    assert _pump(y, tail).meta == {"frame": 1}
+    for k in mine:  # bitwise what was sent, dtype kept
+        p = y.chain.params[k]
+        assert torch.equal(p.detach(), vals[k]) and torch.equal(
+            y.chain.optimizer.state[p]["momentum_buffer"], bufs[k])
+    assert y.chain.version[0] == 3 and 1 not in y.chain.version
+    _transfer(tail, mine[:1], vals, bufs)  # a second copy of an installed key
+    reply = _pump(y, tail)
+    assert reply.op == "error" and "only, once" in reply.meta["message"], reply.meta
+    meta = {"origin": 0, "version": 4, "lr": 1.0, "final": 0}
+    for handed, why in [
+        (theirs[:1], "it copies no keys"),  # another link's (server 0 tails them)
+        ([*mine[:1], *mine[:1]], "names a key twice"),
+    ]:
+        tail.send(Message("replicate", {**meta, "handed": handed}))
+        reply = _pump(y, tail)
+        assert reply.op == "error" and why in reply.meta["message"] and (
+            "refused a handed marker from server 1" in reply.meta["message"]), reply.meta
+    tail.send(Message("replicate", {**meta, "origin": 1, "handed": mine[:1]}))  # another head
+    assert "of server 1 from it" in _pump(y, tail).meta["message"]
+    assert not y.chain.handed and y.chain.received[2 + 1] == 1
+    tail.send(Message("replicate", {**meta, "handed": mine}))
+    assert _pump(y, tail).meta == {"frame": 2}
+    assert y.chain.handed[0] == set(mine) and y.chain.version[0] == 4
+    tail.send(Message("replicate", {**meta, "version": 5, "handed": mine[:1]}))  # again
+    reply = _pump(y, tail)
+    assert reply.op == "error" and "handed" in reply.meta["message"] and (
+        "over already" in reply.meta["message"]), reply.meta
+    assert y.chain.version[0] == 4 and y.chain.received[2 + 1] == 2  # nothing changed
+    assert y.ep.rejected == {"schema:transfer.keys": 6, "schema:transfer.origin": 1,
+                             "schema:transfer.worker": 1, "schema:replicate.handed": 4}
+    tail.close()
+    y.close()
+    ctx.term()
