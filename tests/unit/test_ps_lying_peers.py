@@ -16,13 +16,18 @@ import zmq
 from disttrain.ps.frame import Message
 from disttrain.ps.join_tails import join_intakes
 from disttrain.ps.joiner import _Joiner
+from disttrain.ps.manager import _answer
+from disttrain.ps.membership_file import to_json
 from disttrain.ps.placement import plan_keys
 from disttrain.ps.policy import Sync
+from disttrain.ps.schema import check
 from disttrain.ps.server import PSError
 from disttrain.ps.session import HELLO, Session, hello_key, new_nonce, open_hello, read_envelope
 from disttrain.ps.transfer import SEP
 from disttrain.ps.worker import Worker
+from tests.unit.test_ps_join import MLP
 from tests.unit.test_ps_join_head import _hello, _pump
+from tests.unit.test_ps_join_status import _joined
 from tests.unit.test_ps_join_tails import CHUNK, INIT, KEY, OPT
 
 
@@ -175,17 +180,24 @@ def test_a_joiners_intake_refuses_transfers_and_handed_markers_that_lie():
     _transfer(tail, mine[:1], vals, bufs)  # a second copy of an installed key
     reply = _pump(y, tail)
     assert reply.op == "error" and "only, once" in reply.meta["message"], reply.meta
+    other = _hello(ctx, y.address, 2 + 0, 2, [], 2)  # server 0: the tail of server 1's keys
+    assert _pump(y, other).op == "welcome"
+    _transfer(other, theirs, vals, bufs, origin=1)
+    assert _pump(y, other).meta == {"frame": 1}
     meta = {"origin": 0, "version": 4, "lr": 1.0, "final": 0}
-    for handed, why in [
-        (theirs[:1], "it copies no keys"),  # another link's (server 0 tails them)
-        ([*mine[:1], *mine[:1]], "names a key twice"),
+    for change, why in [
+        (dict(origin=1, handed=theirs[:1]), "no keys"),  # server 0's link carries them
+        (dict(handed=theirs[:1]), "no keys"),  # of another head, on another link
+        (dict(origin=1, handed=mine[:1]), "of server 1 from it"),  # of another head
+        (dict(handed=[*mine[:1], *mine[:1]]), "names a key twice"),
+        (dict(handed=mine[:1], final=1), "or is final"),
+        (dict(handed=mine[:1], tensors=[vals[mine[0]]]), "carries tensors"),  # an update
     ]:
-        tail.send(Message("replicate", {**meta, "handed": handed}))
+        tensors = change.pop("tensors", [])
+        tail.send(Message("replicate", {**meta, **change}, mine[:len(tensors)], tensors))
         reply = _pump(y, tail)
         assert reply.op == "error" and why in reply.meta["message"] and (
             "refused a handed marker from server 1" in reply.meta["message"]), reply.meta
-    tail.send(Message("replicate", {**meta, "origin": 1, "handed": mine[:1]}))  # another head
-    assert "of server 1 from it" in _pump(y, tail).meta["message"]
     assert not y.chain.handed and y.chain.received[2 + 1] == 1
     tail.send(Message("replicate", {**meta, "handed": mine}))
     assert _pump(y, tail).meta == {"frame": 2}
@@ -196,7 +208,54 @@ def test_a_joiners_intake_refuses_transfers_and_handed_markers_that_lie():
         "over already" in reply.meta["message"]), reply.meta
     assert y.chain.version[0] == 4 and y.chain.received[2 + 1] == 2  # nothing changed
     assert y.ep.rejected == {"schema:transfer.keys": 6, "schema:transfer.origin": 1,
-                             "schema:transfer.worker": 1, "schema:replicate.handed": 4}
+                             "schema:transfer.worker": 1, "schema:replicate.handed": 7}
+    assert y.chain.received[2 + 0] == 1 and 1 not in y.chain.handed
+    assert torch.equal(y.chain.params[mine[0]].detach(), vals[mine[0]])  # no update applied
+    other.close()
     tail.close()
     y.close()
     ctx.term()
+
+
+# ---- the manager: a report's `adopted` and `copied` rows that lie --------------------------
+def _report(m, by: int, **rows) -> Message:
+    beat = {"server": by, "ring": m.version, "version": 0, "pushes": 0, "final": 0,
+            "accepting": -1, "drained": 0, **rows}
+    check(Message("report", {**beat, "worker": 0}), "manager")  # NOTE: the lie is in values
+    return _answer(m, Message("report", beat), 3.0, {})
+
+
+@pytest.mark.parametrize("why", ["old-owner-route", "joiner-of-itself", "partly-true",
+                                 "copier-is-owner", "not-a-member", "not-its-tail",
+                                 "more-keys"])
+def test_the_manager_refuses_report_rows_no_join_makes_and_records_nothing(why):
+    """3 servers (r = 2) and a joiner 3: a route of an alive old owner's keys reported by
+    another old owner or by the joiner for itself, a batch with one true route and one
+    false, a copy whose copier is its owner or no member, one from a server that is the
+    tail of none of the owner's chains (the joiner itself), or of more keys than it tails: each refused naming
+    the reporter and the field, nothing recorded (the ring's version and state as before)."""
+    m, plan, moves, _ = _joined(MLP, 3, 2)
+    x = moves[0].before[0]
+    tail = moves[0].before[-1]
+    other = next(i for i in range(3) if i not in moves[0].before)
+    route = dict(m.takeovers[0], by=3)
+    m.takeovers.clear()
+    tails = sum(plan.indices(c.key, 2)[-1] == tail for c in plan[x])
+    copy = {"server": x, "by": tail, "to": 3, "keys": 1, "bytes": 4, "version": 2}
+    by, rows, match = {
+        "old-owner-route": (other, dict(adopted=[dict(route, server=x, by=other)]),
+                            f"server {other} reports in `adopted` a route of alive server {x}"),
+        "joiner-of-itself": (3, dict(adopted=[dict(route, server=3)]), "alive server 3"),
+        "partly-true": (3, dict(adopted=[route, dict(route, server=9)]), "does not mark dead"),
+        "copier-is-owner": (3, dict(copied=[dict(copy, by=x)]), "other members"),
+        "not-a-member": (3, dict(copied=[dict(copy, by=9)]), "other members"),
+        "not-its-tail": (3, dict(copied=[dict(copy, by=3)]), "the tail of 0 of"),  # itself
+        "more-keys": (3, dict(copied=[dict(copy, keys=tails + 1)]), f"the tail of {tails} of"),
+    }[why]
+    version, state = m.version, to_json(m)
+    reply = _report(m, by, **rows)
+    assert reply.op == "error" and match in reply.meta["message"], reply.meta
+    assert reply.meta["message"].startswith(f"server manager refused report: server {by} ")
+    assert m.version == version and to_json(m) == state and not m.takeovers
+    true = {"adopted": [route]} if "adopted" in rows else {"copied": [copy]}
+    assert _report(m, 3, **true).op == "ring" and m.version == version + 1  # the true row

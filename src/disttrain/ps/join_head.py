@@ -195,10 +195,12 @@ def _handed(chain, session, msg: Message, servers: int) -> None:
     have, done = chain.expect.get(peer, {}), chain.handed.get(o, set())
     bad = [k for k in keys if k not in have or chain.chains[k][0] != o]
     again = [k for k in keys if k in done]  # NOTE: the joiner's chains keep their head
-    if bad or again or not keys or len(set(keys)) != len(keys):
+    odd = msg.tensors or msg.meta["final"]  # NOTE: an update or an end would be dropped
+    if bad or again or odd or not keys or len(set(keys)) != len(keys):
         chain.ep.rejected["schema:replicate.handed"] += 1
         why = (f"it copies no keys {bad[:4]} of server {o} from it" if bad else
                f"server {o} handed {again[:4]} over already" if again else
+               "it carries tensors or is final: a marker is neither" if odd else
                "it names no keys" if not keys else "it names a key twice")
         chain.ep.send(session, Message("error", {"message": (
             f"server {chain.index} refused a handed marker from server {peer - chain.base}: "
