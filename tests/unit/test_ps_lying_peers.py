@@ -141,7 +141,8 @@ def _transfer(link, keys: list[str], vals: dict, bufs: dict, **meta) -> None:
 @pytest.mark.timeout(60)
 def test_a_joiners_intake_refuses_transfers_and_handed_markers_that_lie():
     """Transfers of keys another tail sends, naming another head, of a wrong dtype or
-    shape, or a second copy; `handed` markers of keys another link carries, of another
+    shape (a value's, or a state tensor's against what the job's optimizer keeps: a
+    scalar momentum made the first update raise in the joiner's loop), or a second copy; `handed` markers of keys another link carries, of another
     head, repeated, or a second time: each refused naming the sender and the field,
     nothing installed or recorded; the true ones then install bitwise and commit."""
     y, plan, init, intakes = _joiner()
@@ -160,6 +161,7 @@ def test_a_joiners_intake_refuses_transfers_and_handed_markers_that_lie():
         (dict(vals={**vals, k0: torch.randn(vals[k0].numel() + 1)}), "schema:transfer.keys"),
         (dict(bufs={**bufs, k0: bufs[k0].double()}), "schema:transfer.keys"),
         (dict(bufs={**bufs, k0: bufs[k0][:-1]}), "schema:transfer.keys"),
+        (dict(bufs={**bufs, k0: torch.tensor(0.5)}), "optimizer state"),  # SGD's is 1-D
     ]
     for change, reason in lies:
         change = dict(change)
@@ -207,7 +209,7 @@ def test_a_joiners_intake_refuses_transfers_and_handed_markers_that_lie():
     assert reply.op == "error" and "handed" in reply.meta["message"] and (
         "over already" in reply.meta["message"]), reply.meta
     assert y.chain.version[0] == 4 and y.chain.received[2 + 1] == 2  # nothing changed
-    assert y.ep.rejected == {"schema:transfer.keys": 6, "schema:transfer.origin": 1,
+    assert y.ep.rejected == {"schema:transfer.keys": 7, "schema:transfer.origin": 1,
                              "schema:transfer.worker": 1, "schema:replicate.handed": 7}
     assert y.chain.received[2 + 0] == 1 and 1 not in y.chain.handed
     assert torch.equal(y.chain.params[mine[0]].detach(), vals[mine[0]])  # no update applied
