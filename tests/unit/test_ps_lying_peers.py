@@ -233,8 +233,9 @@ def _report(m, by: int, **rows) -> Message:
 def test_the_manager_refuses_report_rows_no_join_makes_and_records_nothing(why):
     """3 servers (r = 2) and a joiner 3: a route of an alive old owner's keys reported by
     another old owner or by the joiner for itself, a batch with one true route and one
-    false, a copy whose copier is its owner or no member, one from a server that is the
-    tail of none of the owner's chains (the joiner itself), or of more keys than it tails: each refused naming
+    false, a copy whose copier is no member, or, to the joiner, is the owner itself (a
+    recopy's may be) or the joiner, tail of none of the owner's chains, or of more keys
+    than it tails: each refused naming
     the reporter and the field, nothing recorded (the ring's version and state as before)."""
     m, plan, moves, _ = _joined(MLP, 3, 2)
     x = moves[0].before[0]
@@ -249,8 +250,8 @@ def test_the_manager_refuses_report_rows_no_join_makes_and_records_nothing(why):
                             f"server {other} reports in `adopted` a route of alive server {x}"),
         "joiner-of-itself": (3, dict(adopted=[dict(route, server=3)]), "alive server 3"),
         "partly-true": (3, dict(adopted=[route, dict(route, server=9)]), "does not mark dead"),
-        "copier-is-owner": (3, dict(copied=[dict(copy, by=x)]), "other members"),
-        "not-a-member": (3, dict(copied=[dict(copy, by=9)]), "other members"),
+        "copier-is-owner": (3, dict(copied=[dict(copy, by=x)]), "the tail of 0 of"),
+        "not-a-member": (3, dict(copied=[dict(copy, by=9)]), "must be members"),
         "not-its-tail": (3, dict(copied=[dict(copy, by=3)]), "the tail of 0 of"),  # itself
         "more-keys": (3, dict(copied=[dict(copy, keys=tails + 1)]), f"the tail of {tails} of"),
     }[why]

@@ -83,7 +83,7 @@ def _check(members: Membership, by: int, r: dict) -> bool:
 def check_rows(members: Membership, by: int, adopted: list[dict], copied: list[dict]) -> None:
     """Raise Refused, before anything is recorded, for a report's `adopted` route of an
     alive server that no join makes (only the old owner's own route X@X or a joiner's X@Y
-    of an old owner) or a new `copied` row naming a server or copier that is not a member,
+    of an old owner) or a new `copied` row naming an owner or copier that is not a member,
     or, a joiner's install, a range the old owner's registered chains do not give the
     joiner through that tail ([X, ..., T], at least that many keys)."""
     for r in adopted:
@@ -97,10 +97,10 @@ def check_rows(members: Membership, by: int, adopted: list[dict], copied: list[d
                           "that joined this job serves them (a join's routes)")
     for r in (r for r in copied if r not in members.copies):
         x, t = members.members.get(r["server"]), r["by"]
-        if x is None or t not in members.members or t == r["server"]:
+        if x is None or t not in members.members:  # NOTE: t == x: a recopy of x's own keys
             raise Refused(f"server {by} reports in `copied` a copy of server "
-                          f"{r['server']}'s keys from server {t}: both must be other members "
-                          "of this job")
+                          f"{r['server']}'s keys from server {t}: both must be members of "
+                          "this job")
         tails = sum(c[0] == x.server and c[-1] == t for _, _, c in x.shard)
         if by >= members.expected and r["keys"] > tails:
             raise Refused(f"server {by} reports in `copied` {r['keys']} keys of server "
