@@ -19,8 +19,9 @@ never wait for Y.
 Who talks to whom: `extend` on T (it opens a link to Y if it has none, as replica.py
 does), `accept` on Y (it admits T's link and the keys). Y commits each `transfer` frame
 like a `replicate` frame. A frame out of order, of keys Y was not told, naming another
-head (`origin`), of another shape or dtype, larger than a chunk, or from another server is refused, counted by reason,
-answered with an error naming op and field, and changes nothing. Becoming the head (the
+head (`origin`), of another shape or dtype (a value's, or a state tensor's against what
+the job's optimizer keeps), larger than a chunk, or from another server is refused,
+counted by reason, answered with an error naming op and field, and changes nothing. Becoming the head (the
 workers re-routed to Y) and the manager's part are not here: docs/design/
 parameter-server.md, "Moving key ranges".
 """
@@ -258,8 +259,8 @@ class Intake:
                               f"order: expected part {self.part}" + (
                                   f" of {self.parts}" if self.parts is not None else ""))
         if any(self.chain.chains[k][0] != m["origin"] for k in msg.keys if k in self.shape):
-            raise SchemaError("transfer", "origin", f"server {m['origin']} heads none of "
-                              "these keys")  # NOTE: their version and clocks would go to it
+            raise SchemaError("transfer", "origin", f"server {m['origin']} does not head "
+                              "every key of it")  # NOTE: their version and clocks would go to it
         if self.version is not None and m["version"] != self.version:
             raise SchemaError("transfer", "version", f"version {m['version']} in a transfer "
                               f"cut at version {self.version}")
