@@ -68,7 +68,8 @@ def _route_feeds_the_copies(ctx, plan, servers, y, moved, state, n: int, r: int)
                 assert servers[plan.indices(k, r)[-1]].chain.hop[k] is None  # the tail
             link = _hello(ctx, servers[c1].address, 2 + route, c1, keys, r)
             assert _read(link).op == "welcome"
-            grads = [torch.randn(servers[c1].chain.params[k].numel()) for k in keys]
+            grads = [torch.randn(servers[c1].chain.params[k].numel(),
+                                 dtype=servers[c1].chain.params[k].dtype) for k in keys]
             meta = {"origin": route, "version": 9, "lr": 1.0, "final": 0}
             link.send(Message("replicate", meta, keys, grads))
             assert _read(link).op == "commit"  # NOTE: every later copy has it
@@ -105,7 +106,8 @@ def _the_joiner_serves(ctx, plan, servers, y, joins, beat, moved, links, grads, 
     # in the old owner's place, the copies as they were, r of them
     assert sorted((h["owner"], h["key"], tuple(h["chain"])) for h in beat.heads) == sorted(
         (x, k, (n, *plan.indices(k, r)[1:])) for x in routes for k in routes[x].keys)
-    sizes = {c.key: c.numel * 4 for chunks in plan for c in chunks}
+    sizes = {k: p.numel() * p.element_size() for ro in routes.values()
+             for k, p in ro.params.items()}
     assert all(h["bytes"] == sizes[h["key"]] for h in beat.heads)
     check(Message("report", {"worker": 0, "server": n, "ring": 6, "version": 0, "pushes": 0,
                              "heads": beat.heads}), "manager")  # NOTE: raises if malformed
@@ -126,19 +128,22 @@ def _the_joiner_serves(ctx, plan, servers, y, joins, beat, moved, links, grads, 
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=["f32", "f64", "bf16"])  # NOTE: never cast, never lowered
 @pytest.mark.parametrize("with_route", [False, True], ids=["stand-in", "route"])
 @pytest.mark.parametrize("n,r", [(2, 2), (3, 3)])
-def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r, with_route):
+def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r, with_route,
+                                                                           dtype):
     torch.manual_seed(0)
-    init = {name: torch.randn(size) for name, size in INIT.items()}
+    init = {name: torch.randn(size, dtype=dtype) for name, size in INIT.items()}
     plan, servers, beats, watches, y, intakes = _job(init, n, r)
     threads = [threading.Thread(target=s.serve, daemon=True) for s in [*servers, y]]
     for t in threads:
         t.start()
     ctx = zmq.Context()
     links = _links(ctx, servers, plan, r)
-    grads = {(w, c, ch.key): torch.randn(ch.numel) for w in (0, 1) for c in range(3)
-             for chunks in plan for ch in chunks}
+    grads = {(w, c, ch.key): torch.randn(ch.numel, dtype=dtype) for w in (0, 1)
+             for c in range(3) for chunks in plan for ch in chunks}
     assert _round(links, plan, grads, 0) == ["ack"] * 2 * n
     if with_route:  # the joiner's watch: reports its installs, serves the handed keys
         ybeat = _Ring()
@@ -185,6 +190,10 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
             stale = _hello(ctx, servers[x].address, w, x, keys, r)
             assert _read(stale).op == "error"  # NOTE: the handed keys are not served here
             stale.close()
+            mixed = _hello(ctx, servers[x].address, w, x, [*kept, moved[x][0]], r)
+            reply = _read(mixed)  # NOTE: kept and handed keys: refused, naming the worker
+            assert reply.op == "error" and f"worker {w} expects" in reply.meta["message"]
+            mixed.close()
             links[(w, x)] = _hello(ctx, servers[x].address, w, x, kept, r)
             assert _read(links[(w, x)]).op == "welcome"
             old.close()
@@ -198,8 +207,10 @@ def test_the_old_owner_hands_the_moved_ranges_over_and_heads_its_kept_keys(n, r,
                 if c == n and with_route:
                     _wait("no route", lambda x=x: x in {ro.index for ro, _, _ in joins.routes})
                     held = next(ro for ro, _, _ in joins.routes if ro.index == x)
+                buf = held.optimizer.state[held.params[k]]["momentum_buffer"]
+                assert held.params[k].dtype == buf.dtype == dtype, (k, c)  # never lowered
                 assert torch.equal(held.params[k], state[(x, k)][0]) and torch.equal(
-                    held.optimizer.state[held.params[k]]["momentum_buffer"], state[(x, k)][1])
+                    buf, state[(x, k)][1])
     plan_kept = [[c for c in chunks if c.key not in moved.get(i, [])]
                  for i, chunks in enumerate(plan)]
     assert _round(links, plan_kept, grads, 2) == ["ack"] * 2 * n
@@ -284,8 +295,9 @@ def test_the_manager_lists_a_joiners_installs_in_the_ring_for_the_old_owners():
     """The joiner reports each installed range as a `copied` row; the ring lists it under
     `copies` (what starts each old owner's hand-over: join_tails.py) with an event."""
     m = Membership()
-    for i in range(2):
-        m.register(i, f"ipc://s{i}", "fp", 2, [], 0.0)
+    for i in range(2):  # NOTE: the manager checks a row against the chains registered
+        m.register(i, f"ipc://s{i}", "fp", 2, [[f"{i}.w#{j}", 4, [i, 1 - i]] for j in range(3)],
+                   0.0)
     m.join(2, "ipc://y", "fp", m.version, 0.0)
     row = {"server": 0, "by": 1, "to": 2, "keys": 3, "bytes": 4096, "version": 7}
     beat = {"server": 2, "ring": m.version, "version": 0, "pushes": 0, "final": 0,

@@ -54,7 +54,7 @@ def _ring(version: int, joiner: str, address: str, accepting: bool, n: int = 2) 
 
 def _job(init, n: int = 2, r: int = 2):
     """Servers 0..n-1 (r copies) with their watches, a joiner (n) with its intakes."""
-    spec = [(name, t.numel(), 4) for name, t in init.items()]
+    spec = [(name, t.numel(), t.element_size()) for name, t in init.items()]
     plan = plan_keys(spec, n, chunk_bytes=CHUNK)
     servers, beats, watches = [], [], []
     for i in range(n):

@@ -192,15 +192,19 @@ def _paths(chain, origin: int) -> None:
 def _handed(chain, session, msg: Message, servers: int) -> None:
     """One `handed` marker from a predecessor: checked, recorded, forwarded, committed."""
     peer, o, keys = session.worker, msg.meta["origin"], msg.meta["handed"]
-    have = chain.expect.get(peer, {})
+    have, done = chain.expect.get(peer, {}), chain.handed.get(o, set())
     bad = [k for k in keys if k not in have or chain.chains[k][0] != o]
-    if bad or not keys:
+    again = [k for k in keys if k in done]  # NOTE: the joiner's chains keep their head
+    odd = msg.tensors or msg.meta["final"]  # NOTE: an update or an end would be dropped
+    if bad or again or odd or not keys or len(set(keys)) != len(keys):
         chain.ep.rejected["schema:replicate.handed"] += 1
+        why = (f"it copies no keys {bad[:4]} of server {o} from it" if bad else
+               f"server {o} handed {again[:4]} over already" if again else
+               "it carries tensors or is final: a marker is neither" if odd else
+               "it names no keys" if not keys else "it names a key twice")
         chain.ep.send(session, Message("error", {"message": (
             f"server {chain.index} refused a handed marker from server {peer - chain.base}: "
-            f"it copies no keys {bad[:4]} of server {o} from it" if bad else
-            f"server {chain.index} refused a handed marker from server {peer - chain.base}: "
-            "it names no keys")}))
+            f"{why}")}))
         return
     chain.received[peer] += 1
     n = chain.received[peer]

@@ -15,16 +15,17 @@ A row is taken only if it is what the join makes: Y joined this job, the ring li
 route of X (`adopted`), X registered the key with that many bytes, and the chain is X's
 with Y in X's place. Anything else is refused (`Refused`, naming the key and the chain
 expected), nothing recorded. Rows already recorded are skipped, so the repeats change
-nothing. Pure: no sockets, no clocks.
+nothing. `check_rows` checks the same report's `adopted` and `copied` rows against what
+a join (or a takeover) makes, before the manager records any. Pure: no sockets, no clocks.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from disttrain.ps.membership import Membership, Refused
+from disttrain.ps.membership import DEAD, LEFT, Membership, Refused
 
-__all__ = ["record_heads"]
+__all__ = ["check_rows", "record_heads"]
 
 
 def record_heads(members: Membership, by: int, rows: list[dict]) -> bool:
@@ -77,3 +78,31 @@ def _check(members: Membership, by: int, r: dict) -> bool:
                       f"{[by, *old[2][1:]]} (server {owner}'s {old[2]} with server {by} at "
                       "its head)")
     return True
+
+
+def check_rows(members: Membership, by: int, adopted: list[dict], copied: list[dict]) -> None:
+    """Raise Refused, before anything is recorded, for a report's `adopted` route of an
+    alive server that no join makes (only the old owner's own route X@X or a joiner's X@Y
+    of an old owner) or a new `copied` row naming an owner or copier that is not a member,
+    or, a joiner's install, a range the old owner's registered chains do not give the
+    joiner through that tail ([X, ..., T], at least that many keys)."""
+    for r in adopted:
+        x = members.members.get(r["server"])
+        if x is None or x.state in (DEAD, LEFT):
+            continue  # NOTE: a takeover's row: Membership.adopt's own checks
+        if not (r["server"] < members.expected and (
+                r["server"] == by or by >= members.expected and by in members.members)):
+            raise Refused(f"server {by} reports in `adopted` a route of alive server "
+                          f"{r['server']}'s keys: only server {r['server']} itself or a server "
+                          "that joined this job serves them (a join's routes)")
+    for r in (r for r in copied if r not in members.copies):
+        x, t = members.members.get(r["server"]), r["by"]
+        if x is None or t not in members.members:  # NOTE: t == x: a recopy of x's own keys
+            raise Refused(f"server {by} reports in `copied` a copy of server "
+                          f"{r['server']}'s keys from server {t}: both must be members of "
+                          "this job")
+        tails = sum(c[0] == x.server and c[-1] == t for _, _, c in x.shard)
+        if by >= members.expected and r["keys"] > tails:
+            raise Refused(f"server {by} reports in `copied` {r['keys']} keys of server "
+                          f"{x.server} from server {t}, which is the tail of {tails} of its "
+                          "registered chains: a join copies each moved key from its tail")

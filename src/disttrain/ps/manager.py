@@ -40,7 +40,7 @@ import time
 import zmq
 
 from disttrain.ps.frame import DEFAULT_LIMITS, Message
-from disttrain.ps.join_status import record_heads
+from disttrain.ps.join_status import check_rows, record_heads
 from disttrain.ps.keys import encrypt_setting, job_secret, mac_setting
 from disttrain.ps.membership import MANAGER_INDEX, Membership, Refused
 from disttrain.ps.membership_file import from_json, save
@@ -105,6 +105,7 @@ def _answer(members: Membership, msg: Message, now: float, rejected: dict) -> Me
         elif msg.op == "report":
             members.beat(m["server"], m["version"], m["pushes"], bool(m["final"]), now,
                          m["accepting"], bool(m["drained"]))
+            check_rows(members, m["server"], m.get("adopted") or [], m.get("copied") or [])
             members.adopt(m["server"], m.get("adopted") or [], now)
             members.recopied(m["server"], m.get("copied") or [])
             record_heads(members, m["server"], m.get("heads") or [])  # NOTE: after `adopted`

@@ -259,13 +259,15 @@ class Membership:
         new = [dict(r, by=by) for r in rows if not any(  # NOTE: a route of a route: same pair
             (t["server"], t["by"], t["address"]) == (r["server"], by, r["address"])
             for t in self.takeovers)]
-        for r in new:
+        joined = any(i >= self.expected for i in self.members)  # NOTE: X@X, X@Y (join_moves.py)
+        for r in new:  # NOTE: every row checked before any is taken
             dead = self.members.get(r["server"])
-            joined = any(i >= self.expected for i in self.members)  # NOTE: X@X, X@Y (join_moves.py)
             if dead is None or dead.state not in (DEAD, LEFT) and not joined or r["by"] != by:
                 raise Refused(f"server {by} reports taking over server {r['server']}'s keys, "
                               f"which ring version {self.version} does not mark dead (members: "
                               f"{self._names()}): only a dead server's keys are taken over")
+        for r in new:
+            dead = self.members[r["server"]]
             self.takeovers.append(r)
             if self.members[by].state == JOINING:  # NOTE: its first route: it serves keys now
                 self.members[by].state = ALIVE

@@ -18,15 +18,17 @@ never wait for Y.
 
 Who talks to whom: `extend` on T (it opens a link to Y if it has none, as replica.py
 does), `accept` on Y (it admits T's link and the keys). Y commits each `transfer` frame
-like a `replicate` frame. A frame out of order, of keys Y was not told, of another shape
-or dtype, larger than a chunk, or from another server is refused, counted by reason,
-answered with an error naming op and field, and changes nothing. Becoming the head (the
+like a `replicate` frame. A frame out of order, of keys Y was not told, naming another
+head (`origin`), of another shape or dtype (a value's, or a state tensor's against what
+the job's optimizer keeps), larger than a chunk, or from another server is refused,
+counted by reason, answered with an error naming op and field, and changes nothing. Becoming the head (the
 workers re-routed to Y) and the manager's part are not here: docs/design/
 parameter-server.md, "Moving key ranges".
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -164,6 +166,16 @@ class Extension:
                 del ch.ranges[old]
 
 
+@functools.lru_cache(maxsize=64)
+def _state(make, numel: int, dtype) -> dict[str, tuple]:
+    """field -> (shape, dtype) of the state the optimizer `make` builds keeps on a key of
+    `numel` entries of `dtype` once stepped: what every copy holds (one factory a job)."""
+    p = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
+    opt, p.grad = make([p]), torch.zeros(numel, dtype=dtype)
+    opt.step()
+    return {n: (tuple(v.shape), v.dtype) for n, v in opt.state[p].items() if torch.is_tensor(v)}
+
+
 def _frames(rows, chunk_bytes: int) -> list[tuple[list[str], list]]:
     """rows cut into frames of one field set each, at most a chunk of values per frame."""
     by_fields: dict[tuple, list] = {}
@@ -194,6 +206,7 @@ def accept(server, plan: Plan, init: dict, optimizer, source: int, keys: list[st
     before `serve`; does not block."""
     chain = _chain_of(server, plan, init, optimizer, replicas, secret, chunk_bytes)
     intake = Intake(server, chain, plan, init, source, keys)
+    intake.make = optimizer  # NOTE: what state a key may carry (`_state`)
     chain.intake = intake.handle
     return intake
 
@@ -245,6 +258,9 @@ class Intake:
             raise SchemaError("transfer", "part", f"part {m['part']} of {m['parts']} out of "
                               f"order: expected part {self.part}" + (
                                   f" of {self.parts}" if self.parts is not None else ""))
+        if any(self.chain.chains[k][0] != m["origin"] for k in msg.keys if k in self.shape):
+            raise SchemaError("transfer", "origin", f"server {m['origin']} does not head "
+                              "every key of it")  # NOTE: their version and clocks would go to it
         if self.version is not None and m["version"] != self.version:
             raise SchemaError("transfer", "version", f"version {m['version']} in a transfer "
                               f"cut at version {self.version}")
@@ -261,13 +277,13 @@ class Intake:
                                   "transfer moves, or came twice")
             ts = msg.tensors[i * (1 + len(fields)):(i + 1) * (1 + len(fields))]
             numel, dtype = self.shape[k]
-            for t in ts:
-                if t.dtype != dtype and t.dim() != 0 or t.dim() > 1 or (
-                        t.dim() == 1 and t.numel() != numel):
-                    raise SchemaError("transfer", "keys", f"{k!r}: a 1-D {dtype} of {numel} "
-                                      f"entries, got {t.dtype} of shape {list(t.shape)}")
-            if ts[0].dim() != 1 or ts[0].dtype != dtype:
-                raise SchemaError("transfer", "keys", f"{k!r}: its value must be 1-D {dtype}")
+            if ts[0].dim() != 1 or ts[0].dtype != dtype or ts[0].numel() != numel:
+                raise SchemaError("transfer", "keys", f"{k!r}: its value must be a 1-D {dtype} "
+                                  f"of {numel} entries, got {ts[0].dtype} {list(ts[0].shape)}")
+            got = {f: (tuple(t.shape), t.dtype) for f, t in zip(fields, ts[1:])}
+            if fields and got != (want := _state(self.make, numel, dtype)):
+                raise SchemaError("transfer", "keys", f"{k!r}: optimizer state {got}; this "
+                                  f"job's optimizer keeps {want}")
             rows[k] = [t.clone() for t in ts]  # NOTE: the frame may be a view of shm
         size = sum(r[0].numel() * r[0].element_size() for r in rows.values())
         if len(rows) > 1 and size > self.chain.chunk_bytes:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 import zmq
@@ -82,6 +82,8 @@ class WorkerLoop:
         self._eps[s].send(msg)
         if replies and not any(self._waiting[s].values()):
             self._answered[s] = time.monotonic()  # NOTE: a wait on s starts now
+        if msg.op == "push" and msg.meta.get("ack"):
+            self._asks[s]["push"] += 1  # NOTE: each asks for one held (if any), one ack
         for handle, reply in replies:
             self._waiting[s][reply].append(handle)
 
@@ -128,6 +130,7 @@ class WorkerLoop:
         for ep in eps:
             poller.register(ep.sock, zmq.POLLIN)
         waiting = self._waiting = [defaultdict(list) for _ in eps]
+        self._asks: dict[int, Counter] = defaultdict(Counter)  # link -> push, held, ack
         heard = self._heard = [time.monotonic()] * len(eps)
         self._answered = [time.monotonic()] * len(eps)  # the last awaited reply of each
         self._said: dict[int, dict] = {}  # server -> its last pong (its open round)
@@ -246,6 +249,9 @@ class WorkerLoop:
         if msg.op == "commit":  # NOTE: only a server's replica link receives these
             self._fail(f"server {s} at {self.addresses[s]} sent a commit frame to a worker")
             return
+        if msg.op in ("held", "ack") or msg.op == "params" and msg.meta["ack"]:
+            if self._unasked(s, "held" if msg.op == "held" else "ack"):
+                return
         if msg.op == "error":
             p = msg.meta.get("protocol", PROTOCOL)
             versions = f" speaks wire protocol {p}, this worker {PROTOCOL}" if p != PROTOCOL else ""
@@ -276,6 +282,28 @@ class WorkerLoop:
                                "welcome": "welcome", "bye": "bye"}.get(msg.op, ""), [])
         if pending and (handle := pending.pop(0)) is not None:  # None: a push sent again
             handle.finish_one()  # whose handle `held` completed already (reroute.py)
+
+    def _unasked(self, s: int, op: str) -> bool:
+        """Count a `held` or an ack of link s; True (the job fails, naming the server) when
+        it answers no push frame sent there: more than the push frames that asked, a held
+        this worker's policy and replicas never get, an ack before its push's held.
+
+        NOTE: a link is FIFO, so the n-th held (ack) answers the n-th push frame that asked;
+        a `held` names no push, so a repeated one while a later push awaits its own is
+        taken for that push's (docs/design/parameter-server.md, "A push `held` on receipt")."""
+        n = self._asks[s]
+        n[op] += 1
+        why = ("its policy and replicas get no held (Server.says_held)"
+               if op == "held" and not self.held_acks else
+               f"{n['push']} push frames asked for one, this is {op} {n[op]}" if n[op] > n["push"]
+               else f"ack {n['ack']} came before that push's held" if op == "ack" and
+               self.held_acks and n["ack"] > n["held"] else None)
+        if why is not None:
+            self._eps[s].rejected[f"unasked {op}"] += 1
+            self._fail(f"server {s} at {self.addresses[s]} answered {op} for a push this "
+                       f"worker did not send it, refused ({why}): a bug or another disttrain "
+                       "version there")
+        return why is not None
 
     def _write_params(self, s: int, msg: Message) -> bool:
         """Copy a params chunk of server s into the model; False (the job fails, naming the
