@@ -52,15 +52,19 @@ def end_feed(server, owner: int, keys: list[str], new: int, address: str) -> Non
     forwarded so far (a link is opened if none was). Never blocks."""
     ch = server.chain
     for k in keys:
+        if ch.hop.get(k) != new:
+            continue  # NOTE: never cut: nothing to undo here
+        ch.hop[k] = None
         old = tuple(ch.chains[k])
         if old[-1] != new:
-            continue  # NOTE: never cut: nothing to undo here
-        ch.chains[k], ch.hop[k] = list(old[:-1]), None
-        chunk = next(c for c in ch.ranges[old] if c.key == k)
-        ch.ranges[old].remove(chunk)
-        ch.ranges[old[:-1]].append(chunk)
-        if not ch.ranges[old]:
-            del ch.ranges[old]
+            continue  # NOTE: a takeover's recopy renamed the chain (recopy._reshape)
+        ch.chains[k] = list(old[:-1])
+        chunk = next((c for c in ch.ranges.get(old, []) if c.key == k), None)
+        if chunk is not None:
+            ch.ranges[old].remove(chunk)
+            ch.ranges[old[:-1]].append(chunk)
+            if not ch.ranges[old]:
+                del ch.ranges[old]
     repath(ch, owner)
     if new not in ch.links:
         server.poller.register(ch.open_link(new, address, [], 0).sock, zmq.POLLIN)

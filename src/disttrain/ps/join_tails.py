@@ -14,7 +14,10 @@ came on and the head it names (`origin`).
 Every party computes the same pairs from the model, the servers launched, r and the
 joiner's index, so the manager sends no key lists. A joiner the ring marks dead before
 the hand-over is dropped from the chains it was added to (r copies again, nothing
-awaited from it); a head's job that ended before the cut skips it (transfer.py).
+awaited from it); a head's job that ended before the cut skips it (transfer.py). An old
+server the ring marks dead before an owner handed over abandons that owner's part if one
+of its moved chains holds it: the owner keeps its keys, the tails end their copies to the
+joiner with the owner's final marker (join_faults.py).
 
 Who talks to whom: `TailJoins` is every server's watch with replicas >= 2 and a manager
 (connect.py): it runs the watch it wraps (takeover and drain, handover.py) first, then
