@@ -134,9 +134,10 @@ class JoinRoutes(RouteThreads):
                           f"{self.failure}")
         rows = [{"server": x, "by": t, "to": self.y.index, "keys": i.stats["keys"],
                  "bytes": i.stats["bytes"], "version": i.stats["version"]}
-                for (x, t), i in sorted(self.installs.items()) if i.stats is not None]
-        if len(rows) > len(self.beat.copied):
-            self.beat.copied = rows  # NOTE: replaced whole, as the heartbeat reads it
+                for (x, t), i in sorted(self.installs.items())
+                if i.stats is not None and (x, t) not in self.abandon.dropped]
+        if any(r not in self.beat.copied for r in rows):  # NOTE: a dropped range is not
+            self.beat.copied = rows  # reported; replaced whole, as the heartbeat reads it
         handed = getattr(self.y.chain, "handed", {})
         for x, keys in sorted(self.owners.items()):
             if x in self.started | self.skipped or not set(keys) <= handed.get(x, set()):

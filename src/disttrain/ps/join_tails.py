@@ -31,6 +31,8 @@ join_route.py, both installed by `ps.join` (joiner.py).
 
 from __future__ import annotations
 
+import time
+
 from disttrain.ps.join_chains import extensions, join_moves
 from disttrain.ps.join_faults import broken_owners, dead_servers, end_feed, take_ends
 from disttrain.ps.join_head import HeadHandover, follow_handed
@@ -72,6 +74,7 @@ class TailJoins:
         self.every: dict[tuple[int, int], list[str]] = {}  # every (owner, tail) -> keys
         self.gives: dict[tuple[int, int], list[str]] = {}  # this server's moved ranges
         self.hand: HeadHandover | None | bool = None  # their hand-over (False: kept)
+        self.listed = 0.0  # when the ring first listed the joiner's install of each of them
         self.done = False
         self.seen = -1  # the last ring version looked at for a join
         server.watch = self
@@ -162,10 +165,15 @@ class TailJoins:
             return
         installed = {(r["server"], r["by"]) for r in ring.get("copies", [])
                      if r["to"] == self.new}
-        if set(self.gives) <= installed:
-            keys = {k for ks in self.gives.values() for k in ks}
-            self.hand = HeadHandover(self.server, [k for k in self.server.keys if k in keys],
-                                     ring["version"])
+        if not set(self.gives) <= installed:
+            return
+        keys = {k for ks in self.gives.values() for k in ks}
+        ch = self.server.chain
+        self.listed = self.listed or time.monotonic()  # NOTE: when the ring first listed them
+        if not all(ch.heard_since(j, self.listed) for j in {ch.hop.get(k) for k in keys} - {None}):
+            return  # NOTE: a next copy that died is marked dead seconds later: wait for its word
+        self.hand = HeadHandover(self.server, [k for k in self.server.keys if k in keys],
+                                 ring["version"])
 
     def _lost(self) -> None:
         """The joiner is gone before the hand-over: drop it from the chains it was added
