@@ -106,10 +106,11 @@ class Abandon:
             self.dead.add(d)
             chain.drop(d)  # NOTE: a dead tail feeds nothing more: not awaited, not silent
         handed = getattr(chain, "handed", {})
+        states = {r["server"]: r["state"] for r in ring.get("servers", [])}
         for (x, t), intake in sorted(self.intakes.items()):
             if x in started or (x, t) in self.dropped or set(intake.chunks) <= handed.get(x, set()):
-                continue
-            if (x, t) in chain.finals or t in self.dead:
+                continue  # NOTE: a tail that died or exited (the job ended) sends nothing more
+            if (x, t) in chain.finals or t in self.dead or states.get(t) == "exited":
                 self.dropped.add((x, t))
                 _forget(chain, list(intake.chunks), chain.base + t)
                 intake.staged = {}
@@ -117,7 +118,7 @@ class Abandon:
             if x in started | skipped or any(p not in self.dropped
                                              for p in self.intakes if p[0] == x):
                 continue
-            state = {r["server"]: r["state"] for r in ring.get("servers", [])}.get(x)
+            state = states.get(x)
             if x in self.dead:
                 why = f"server {x} died before it handed its keys over"
             elif self.dead:
