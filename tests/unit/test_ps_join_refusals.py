@@ -117,6 +117,27 @@ def test_ps_join_without_a_manager_names_the_variable(monkeypatch):
         ps.join(torch.nn.Linear(8, 4), workers=1)
 
 
+def test_a_joiner_started_with_snapshots_is_refused_naming_the_fix(monkeypatch):
+    """ps.connect passes the job's snapshot= to ps.join, which refuses it before it asks
+    the manager: a restart after the join would restore the owners' hand-over snapshots."""
+    import torch
+
+    from disttrain import ps
+
+    monkeypatch.setenv(settings.PS_JOIN, "2")
+    monkeypatch.setenv(settings.PS_MANAGER, "ipc:///nonexistent/manager")
+    settings.refresh()
+    try:
+        with pytest.raises(ValueError, match=r"ps.join with snapshot='ckpt/ps\{server\}"
+                                             r".safetensors': a joined server keeps no "
+                                             r"snapshot.* join a job without snapshot="):
+            ps.connect(torch.nn.Linear(8, 4), snapshot="ckpt/ps{server}.safetensors",
+                       snapshot_every=2)
+    finally:
+        monkeypatch.undo()
+        settings.refresh()
+
+
 @pytest.fixture
 def live(tmp_path, monkeypatch):
     """A manager of a job of two servers (Sync, nn.Linear(8, 4)), the job's secret exported."""

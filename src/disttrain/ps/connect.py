@@ -335,7 +335,7 @@ def connect(model: torch.nn.Module, policy: Policy | None = None,
     parse_compression(options.get("compression"))
     if joining():  # NOTE: `disttrain ps add-server`: a server with no process group
         stats = join(model, policy, optimizer, workers=joining(), **{
-            k: v for k, v in options.items() if k in ("timeout", "host", "chunk_bytes")})
+            k: v for k, v in options.items() if k in ("timeout", "host", "chunk_bytes", "snapshot")})
         print(format_stats(stats), flush=True)
         raise SystemExit(0)
     _check_job("connect")

@@ -41,7 +41,7 @@ from collections import defaultdict
 from disttrain.ps.frame import Message
 from disttrain.ps.move import say
 
-__all__ = ["HeadHandover", "follow_handed", "hand_over"]
+__all__ = ["HeadHandover", "follow_handed", "hand_over", "repath"]
 
 
 class HeadHandover:
@@ -173,10 +173,10 @@ def relink(chain, head: int, keys: list[str], servers: int) -> None:
     chain.clocks[route] = {w: (c, ks & keys) for w, (c, ks) in chain.clocks[head].items()}
     chain.feeds |= {(route, p) for p in prev}
     for o in (head, route):
-        _paths(chain, o)
+        repath(chain, o)
 
 
-def _paths(chain, origin: int) -> None:
+def repath(chain, origin: int) -> None:
     """Recompute where `origin`'s updates and markers go on from here (its keys' hops)."""
     chain.origin_hops[origin] = set()
     for key in [p for p in chain.paths if p[0] == origin]:

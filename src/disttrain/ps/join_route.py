@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from disttrain.ps.join_faults import Abandon
 from disttrain.ps.join_head import route_id
 from disttrain.ps.move import say
 from disttrain.ps.replica import Replicas
@@ -124,6 +125,7 @@ class JoinRoutes(RouteThreads):
         self.skipped: set[int] = set()  # NOTE: the joiner's loop ends once all started
         self.routes: list[tuple] = []  # (route, thread, row)
         self.failure: BaseException | None = None
+        self.abandon = Abandon(y, intakes, self.owners, len(plan))  # NOTE: a death first
         y.watch = y.takes = self
 
     def __call__(self) -> None:
@@ -132,12 +134,13 @@ class JoinRoutes(RouteThreads):
                           f"{self.failure}")
         rows = [{"server": x, "by": t, "to": self.y.index, "keys": i.stats["keys"],
                  "bytes": i.stats["bytes"], "version": i.stats["version"]}
-                for (x, t), i in sorted(self.installs.items()) if i.stats is not None]
-        if len(rows) > len(self.beat.copied):
-            self.beat.copied = rows  # NOTE: replaced whole, as the heartbeat reads it
+                for (x, t), i in sorted(self.installs.items())
+                if i.stats is not None and (x, t) not in self.abandon.dropped]
+        if any(r not in self.beat.copied for r in rows):  # NOTE: a dropped range is not
+            self.beat.copied = rows  # reported; replaced whole, as the heartbeat reads it
         handed = getattr(self.y.chain, "handed", {})
         for x, keys in sorted(self.owners.items()):
-            if x in self.started or not set(keys) <= handed.get(x, set()):
+            if x in self.started | self.skipped or not set(keys) <= handed.get(x, set()):
                 continue  # NOTE: x's marker came after every update x applied to them
             self.started.add(x)
             t0, ring = time.monotonic(), self.beat.ring
@@ -156,3 +159,4 @@ class JoinRoutes(RouteThreads):
             say(f"[ps server{self.y.index}] serves {row['keys']} keys of server {x} at "
                 f"version {row['version']} (ring version {ring.get('version', 0)}), heading "
                 f"their chains as {route.chain.index}; workers reach them at {route.address}")
+        self.abandon(self.beat.ring, self.started, self.skipped)

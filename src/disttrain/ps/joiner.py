@@ -159,10 +159,22 @@ def _owner_intakes(server, spec, plan, init: dict, optimizer, secret: bytes,
     return intakes
 
 
+def _refuse_snapshot(snapshot: str | None) -> None:
+    """A join with snapshots is refused: the joiner keeps none, and a restart after the join
+    would restore the old owners' snapshots of the hand-over, counting none of the updates
+    since as lost (seen: the 4 updates the routes applied lost, reported as 0)."""
+    if snapshot:
+        raise ValueError(f"ps.join with snapshot={snapshot!r}: a joined server keeps no "
+                         "snapshot of the keys it takes, and a restart (disttrain run "
+                         "--max-restarts) after the join restores its old owners' snapshots "
+                         "of the hand-over, counting none of the updates since as lost: join "
+                         "a job without snapshot=, or restart the job with --servers N+1")
+
+
 def join(model: torch.nn.Module, policy: Policy | None = None,
          optimizer: Callable | None = None, *, workers: int, manager: str | None = None,
          timeout: float | None = None, host: str | None = None,
-         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, snapshot: str | None = None) -> dict:
     """Join the running job whose server manager is `manager` (default DISTTRAIN_PS_MANAGER)
     as a new server, take its share of the keys while the workers train, serve them until
     every worker is done; return the stats of the routes it served. Blocks for the whole
@@ -171,9 +183,11 @@ def join(model: torch.nn.Module, policy: Policy | None = None,
     model, policy, optimizer, chunk_bytes: as every other rank passes them (the manager
         refuses another model or policy, naming the fix). workers: the job's number of
         workers. timeout, host: as `ps.serve`'s.
+    snapshot: refused (ValueError) when given: `ps.connect` passes the job's `snapshot=`.
     Raises ManagerError with the manager's reason when the join is refused (a job of one
     server, a drain or another join under way or done).
     """
+    _refuse_snapshot(snapshot)
     address = manager or settings.current().ps_manager
     if not address:
         raise ValueError("ps.join: no server manager: pass manager=ADDR (the job's, as "

@@ -116,6 +116,10 @@ class Replicas:
         self.ep.workers.add(peer)
         self._seen.setdefault(peer, time.monotonic())
 
+    def heard_since(self, j: int, when: float) -> bool:
+        """Did successor j answer (a commit, a pong) after `when` (time.monotonic())?"""
+        return self._heard.get(j, float("-inf")) > when
+
     def sockets(self) -> list:
         """The link sockets, for the server's poller."""
         return [link.sock for link in self.links.values()]
