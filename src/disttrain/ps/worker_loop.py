@@ -188,6 +188,7 @@ class WorkerLoop:
                 text = self.routes.silent(s, now - heard[s], self._beat_every)
                 if text:
                     self._fail(text)
+                w = waiting[s]  # NOTE: a re-route took what s owed (`owed`): not waited on s
             if (any(w.values()) and not self._error and now - heard[s] < self.timeout
                     and now - self._answered[s] > self.wait_limit):
                 self._fail(self._unanswered(s, w, now - self._answered[s]))
