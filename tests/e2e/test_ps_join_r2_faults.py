@@ -13,7 +13,8 @@ owner's moved keys: Y's route goes on without it);
 without it, c1's own keys are taken over.
 Each job must end with rc 0, the takeover named in the output, and the final parameters
 bitwise those of the single-process reference. No copy is made again after a join: each
-server that lost a copy says so.
+server that lost a copy says so, and a second death that leaves a key no copy (the
+joiner, then the copy that took its keys over) stops the job naming it.
 """
 
 import re
@@ -92,3 +93,20 @@ def test_an_old_server_killed_after_the_hand_over_is_taken_over(servers, fault, 
     assert "copies again" not in out and "replicas=2 again" not in out, out
     assert "worker 0: the added server ended with 0" in out, out
     assert_bitwise_reference(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_second_death_after_the_joiners_stops_the_job_naming_it():
+    """The joiner dies (its routes' keys go to their copies, which have no other copy),
+    then the copy c1 serving old owner X's moved keys: the job stops, naming the route and
+    why, never a hang or a wrong number."""
+    code, out = launch("sync", "3", "die-serving+kill-copy", "2", servers=2)
+    assert code not in (0, -1), out
+    assert "[ps server1] took over 2 keys (0.00 MB) of server 0 from the route of dead " \
+           "joining server 2" in out, out
+    assert "worker 0 kills server 1 (die-serving+kill-copy) after the hand-over" in out, out
+    assert re.search(r"server 0's route on server 1 at \S+ died and every copy of 2 of its keys "
+                     r"\(e\.g\. '[^']+'\) is dead too \(replicas=2\): the job cannot go on", out), out
+    assert "holds keys" not in out, out  # NOTE: no route serves a key another route took
+    assert "digest" not in out, out

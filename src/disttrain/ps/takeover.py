@@ -135,8 +135,8 @@ class Takeover(RouteThreads):
             if (k in self.chain.params and d in ch[:ch.index(index)]  # go stale: forget it,
                     and first_live(ch, self.dead) != index):  # so none ever serves it
                 del self.chain.params[k]
-        keys = [c.key for c in self.plan[d]
-                if first_live(self.chain.chains[c.key], self.dead) == index]
+        keys = [c.key for c in self.plan[d] if self.chain.chains[c.key][0] == d  # NOTE: not
+                and first_live(self.chain.chains[c.key], self.dead) == index]  # a join's moved
         missing = [k for k in keys if k not in self.chain.params]
         if missing:  # NOTE: not a copy here (several deaths): serving it would lose updates
             raise PSError(f"server {index}: server {d} died and this server is the first live "
@@ -187,6 +187,8 @@ class Takeover(RouteThreads):
             self.dead_now = frozenset(self.dead)
             self.chain.drop(h)  # NOTE: nothing more comes from (or is awaited of) the route
             route = self._route(x, keys, origin=h)
+            for k in keys:  # NOTE: nothing feeds this copy any more: the route's values go on
+                del self.chain.params[k]
             self._start(x, route, ring, t0, f"server {x} from the route of dead joining "
                         f"server {n}")
             self._alone()

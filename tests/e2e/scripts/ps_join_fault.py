@@ -12,7 +12,10 @@ handed them over and its final marker came: the keys are lost with it, replicas=
 The old servers' faults (replicas >= 2) are a launcher rank SIGKILLed by worker 0 at its
 second pull after it re-routed every old owner's keys (the hand-over is done):
 "kill-owner": the lowest old owner X that handed keys over;
-"kill-copy": the first copy c1 of X's moved keys (their chain after the join [Y, c1]).
+"kill-copy": the first copy c1 of X's moved keys (their chain after the join [Y, c1]);
+"die-serving+kill-copy": the joiner dies as in "die-serving", then worker 0 kills c1 at
+its second pull after it re-routed X's moved keys to c1 (a second death: every copy of
+those keys is gone).
 Worker 0 prints which server it kills; server ranks publish their process id in the store.
 """
 
@@ -51,7 +54,7 @@ def arm(fault: str) -> None:
         server.Server._push = dying
     elif fault not in ("kill-owner", "kill-copy"):
         raise SystemExit(f"unknown fault {fault!r}: die-copy, die-handed, die-serving, "
-                         "kill-owner or kill-copy")
+                         "kill-owner, kill-copy or die-serving+kill-copy")
 
 
 def victim(model: torch.nn.Module, servers: int, replicas: int, fault: str) -> int:
@@ -63,6 +66,14 @@ def victim(model: torch.nn.Module, servers: int, replicas: int, fault: str) -> i
     moves = join_moves(spec, plan_keys(spec, servers), servers, replicas, 4 << 20)
     x = min(m.before[0] for m in moves)
     return x if fault == "kill-owner" else next(m.after[1] for m in moves if m.before[0] == x)
+
+
+def due(conn, give: set[int], fault: str, model, servers: int, dead: int) -> bool:
+    """Whether worker 0 has re-routed what `fault` waits for (see the module docstring)."""
+    if not fault.startswith("die-serving"):
+        return bool(give) and give <= set(conn.routes.routes)
+    x = victim(model, servers, 2, "kill-owner")
+    return (x, dead) in conn.routes.hosts.values()
 
 
 def arm_kill(fault: str, replicas: int) -> None:
@@ -81,11 +92,12 @@ def arm_kill(fault: str, replicas: int) -> None:
         conn = connect(model, *args, **kwargs)
         if disttrain.rank() != 0:
             return conn
-        give, dead = ps_join.givers(model, servers), victim(model, servers, replicas, fault)
+        give = ps_join.givers(model, servers)
+        dead = victim(model, servers, replicas, fault.rpartition("+")[2])
         pull, seen = conn.pull, []
 
         def pulling(*a, **kw):
-            if give and give <= set(conn.routes.routes):
+            if due(conn, give, fault, model, servers, dead):
                 seen.append(1)
                 if len(seen) == 2:
                     print(f"worker 0 kills server {dead} ({fault}) after the hand-over",
@@ -104,7 +116,7 @@ if __name__ == "__main__":
 
     fault, replicas = sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 1
     if ps.joining():
-        arm(fault)
-    elif fault.startswith("kill-"):
+        arm(fault.partition("+")[0])
+    elif "kill-" in fault:
         arm_kill(fault, replicas)
     ps_join.main(sys.argv[1], int(sys.argv[2]), replicas)
