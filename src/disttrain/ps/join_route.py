@@ -37,7 +37,7 @@ from disttrain.ps.replica import Replicas
 from disttrain.ps.server import PSError, Server
 from disttrain.ps.takeover import RouteThreads
 
-__all__ = ["JoinRoutes", "route_of", "heads"]
+__all__ = ["JoinRoutes", "route_of", "heads", "follow_deaths"]
 
 
 def route_of(y, head: int, plan, init: dict, policy, optimizer, secret: bytes,
@@ -92,6 +92,20 @@ def _head_chain(route: Server, y, head: int, order: list, plan, init: dict, opti
             rc.origin_hops[me].add(new[1])
             rc.paths[(me, None)].add(new[1])
     return rc
+
+
+def follow_deaths(route: Server, beat, y: int) -> None:
+    """A tick of `route` (on joiner `y`), on its thread: drop from its chain every copy
+    the ring (`beat.ring`) marks dead, so its acks stop waiting for that copy; it goes on
+    with fewer copies (none made again after a join: not built) and says so."""
+    dead = {r["server"] for r in beat.ring.get("servers", ()) if r["state"] == "dead"}
+    for j in sorted(dead - route.chain.dead - {route.chain.index}):
+        route.chain.drop(j)
+        if any(j in route.chain.chains[k] for k in route.keys):
+            say(f"[ps server{y}] the route of server {route.index}'s {len(route.keys)} keys "
+                f"lost its copy on dead server {j}: it serves them with fewer copies "
+                f"(replicas={route.chain.r} is not restored after a join: not built); if "
+                f"server {y} dies too, the job stops")
 
 
 def heads(route: Server, y: int, head: int) -> list[dict]:
@@ -150,6 +164,7 @@ class JoinRoutes(RouteThreads):
                    "keys": len(route.keys), "bytes": sum(p.numel() * p.element_size()
                                                          for p in route.params.values()),
                    "version": route.policy.version, "after": time.monotonic() - t0}
+            route.ticks.append(lambda route=route: follow_deaths(route, self.beat, self.y.index))
             thread = threading.Thread(target=self._serve, args=(route, row), daemon=True,
                                       name=f"ps-route-{x}@{self.y.index}")
             self.routes.append((route, thread, row))

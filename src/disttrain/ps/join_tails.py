@@ -176,6 +176,11 @@ class TailJoins(JoinWatch):
         self.done = True
         if self.exts:
             self.server.chain.drop(self.new)
+        handed = getattr(self.server.chain, "handed", {})
+        if any(set(keys) <= handed.get(x, set()) for (x, _), keys in self.pairs.items()):
+            return say(f"[ps server{self.server.index}] joining server {self.new} died after "
+                       "the hand-over: the keys it headed are served by their first live "
+                       "copies (takeover.py)")
         say(f"[ps server{self.server.index}] joining server {self.new} is gone before it "
             f"served: the {sum(len(k) for k in self.pairs.values())} keys this server was "
             "copying to it keep their chains")

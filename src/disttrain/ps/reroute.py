@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 
 from disttrain.ps.frame import Message
+from disttrain.ps.join_chains import join_moves
 from disttrain.ps.join_moves import joined_owners, joiner
 from disttrain.ps.manager_link import ManagerError, ManagerLink
 from disttrain.ps.membership import LEFT
@@ -33,14 +34,12 @@ __all__ = ["Routes"]
 _ASK_EVERY = 0.5  # seconds between two lookups while a server is silent
 
 
-def _lost(s: int, new: int, ring: dict, where: str = "", r: int = 1) -> str:
-    """Why the job stops: server s handed keys to joining server `new`, which died."""
-    why = ("with replicas=1 they are lost" if r == 1 else
-           f"with replicas={r} their other copies hold them, but a takeover after a join is "
-           "not built (docs/design/parameter-server.md, \"A server joins\")")
+def _lost(s: int, new: int, ring: dict, where: str = "") -> str:
+    """Why the job stops (replicas=1): server s handed keys to joining server `new`, which
+    died (with replicas >= 2 their copies take over: takeover.py)."""
     return (f"server {s} handed keys to joining server {new}, which died (the manager's ring "
-            f"version {ring['version']} marks it dead{where}): {why}; restart the job (from a "
-            "snapshot)")
+            f"version {ring['version']} marks it dead{where}): with replicas=1 they are lost; "
+            "restart the job (from a snapshot)")
 
 
 class Routes:
@@ -63,6 +62,7 @@ class Routes:
         self.moved: set[int] = set()  # routes whose host died too: their keys moved on
         self.why: dict[int, str] = {}  # a server that left, not died: the re-route says so
         self._told: dict[int, int] = {}  # server that said its keys moved -> the drain's ring
+        self.after: dict[str, list[int]] = {}  # a join's moved key -> its chain after it (r >= 2)
 
     # ---- sending ----------------------------------------------------------------------
     def send(self, s: int, msg: Message, replies: list) -> None:
@@ -166,8 +166,8 @@ class Routes:
         states = gone(ring)
         new = joiner(ring)
         if s in self._told and s not in states and new is not None and s < len(self.plan):
-            if states.get(new) == "dead":  # NOTE: replicas=1: the keys it took died with it
-                return _lost(s, new, ring, r=self.r)
+            if states.get(new) == "dead" and self.r == 1:  # NOTE: the keys it took died with it
+                return _lost(s, new, ring)
             return self._joined(s, new, ring)  # NOTE: handed keys to a joining server (join_moves.py)
         d, host = self.hosts.get(s, (s, s))  # NOTE: a route dies with its host
         if host not in states:
@@ -206,7 +206,7 @@ class Routes:
             self._reroute(s, d, owner, rows)
         return None
 
-    def _joined(self, s: int, new: int, ring: dict) -> None:
+    def _joined(self, s: int, new: int, ring: dict) -> str | None:
         """Server s handed the keys a joining server takes to it and serves its others on a
         route of its own (replicas=1), or itself (replicas >= 2: a new session at its own
         address whose hello names only them): re-route all of s's keys once the joiner's
@@ -220,8 +220,20 @@ class Routes:
                 if t["server"] == s and t["address"] not in self.w.addresses}
         if self.r >= 2:  # NOTE: s heads its kept keys on; its old session answers moved
             rows[s] = {"address": self.w.addresses[s], "version": self.w.held(s)}
+            self.after = self.after or {m.key: list(m.after) for m in join_moves(
+                spec, self.plan, new, self.r, self.w.chunk_bytes)}
+            dead = set(gone(ring))  # NOTE: a dead joiner's keys: their first live copy's route
+            owner = {k: first_live(self.after[k], dead) if o == new and new in dead else o
+                     for k, o in owner.items()}
+            orphan = [k for k, o in owner.items() if o is None]
+            if orphan:
+                return (f"server {s} handed {len(orphan)} keys (e.g. {orphan[0]!r}) to joining "
+                        f"server {new}, and it and every copy of them died (the manager's ring "
+                        f"version {ring['version']}, replicas={self.r}): the job cannot go on; "
+                        "restart it")
         if set(owner.values()) <= set(rows):
             self._reroute(s, s, owner, rows)
+        return None
 
     def told(self, s: int, ring: int) -> None:
         """Server s answered `moved` (drained at ring version `ring`): ask the manager now,
@@ -243,7 +255,10 @@ class Routes:
 
     def _chain(self, key: str) -> list[int]:
         """`key`'s servers as they hold it: its chain, then the server it was copied to
-        again after the first death (recopy.py computes the same on every server)."""
+        again after the first death (recopy.py computes the same on every server); after a
+        join (replicas >= 2) the chain it made (join_chains.py), and no copy made again."""
+        if self.after:
+            return self.after.get(key, self.plan.indices(key, self.r))
         if self._again is None and self.first is not None:
             self._again = {m.key: m.target for m in moves(self.plan, self.r, {self.first},
                                                           self.first)}
@@ -281,13 +296,28 @@ class Routes:
                                 [(h, reply)])
         for h in waiting.pop("welcome", []):  # NOTE: a worker still attaching when s died: its
             h.finish_one()  # routes welcome it instead, and frames wait for that (waiting_welcome)
-        what = (f"server {d} {self.why.get(d, 'died')}" if s == d
-                else f"the route of server {d} died with its host")
+        self._requeue(s, d, sorted(index.values()))
+        host = self.hosts.get(s, (d, d))[1]
+        what = (f"server {d} {self.why.get(d, 'died')}" if s == d else
+                f"server {d} died (it handed keys to a joiner and served the rest)" if host == d
+                else f"the route of server {d} on server {host} died with its host")
         print(f"[ps worker{w.rank}] {what}; its keys are served by "
               + ", ".join(f"server {by} ({sum(o == by for o in owner.values())} keys, version "
                           f"{rows[by]['version']})" for by in sorted(index))
               + f"; sent again {sum(len(g) for g in owed)} push frames"
               + (f" ({kept} pushes it had said held)" if w.held_acks else ""), flush=True)
+
+    def _requeue(self, s: int, d: int, new: list[int]) -> None:
+        """Route s died before it welcomed this worker: the frames that waited for its
+        welcome (never sent, so not in `unacked`) go to d's routes now (its pushes split by
+        key, its pulls and dones to the routes `new` that replaced s)."""
+        for msg, replies in self.waiting_welcome.pop(s, []):
+            if msg.op == "push":
+                self._split(d, msg, replies)
+                continue
+            for n, a in enumerate(new):
+                self._put(a, Message(msg.op, {"have": -1} if msg.op == "pull" else {}),
+                          self._share(replies, n))
 
     def version(self, s: int, versions: list[int]) -> None:
         """Route s got parameters: a dead server's version is the oldest of its routes'."""

@@ -18,6 +18,12 @@ so a push the worker sends again (it was never acknowledged) is not applied twic
 push fully applied is acknowledged at once, one half applied (d died between two
 batches of its update) is completed on the keys it lacks, as part of the same round.
 
+After a join with replicas=2 (join_head.py) a moved key's chain is [S+1+X, c1]: the
+joiner's route of old owner X at its head. When the ring marks the joiner dead, c1
+serves those keys as a route of X from its copy (version and push clocks kept under the
+route's id), read from the chains it holds, not the launch plan. No copy is made again
+after a join (recopy.py follows the launch plan): the route says it has fewer copies.
+
 Who talks to whom: the server loop calls `Takeover` every iteration (`Server.watch`);
 the routes run on their own threads until their workers are done. Docs:
 docs/design/parameter-server.md, "Faults and takeover".
@@ -88,6 +94,7 @@ class Takeover(RouteThreads):
         self.dead: set[int] = set()
         self.left: set[int] = set()  # of them, servers drained (handover.py), not dead
         self.dead_now: frozenset[int] = frozenset()
+        self.joiner_dead = False  # the ring marks the joiner (index len(plan)) dead
         self.seen = -1
         self.routes: list[tuple[Server, threading.Thread, dict]] = []
         self.failure: BaseException | None = None
@@ -101,9 +108,13 @@ class Takeover(RouteThreads):
                           f"{self.failure}")
         self.recopy.tick()
         ring = self.beat.ring
+        if self.joiner_dead:  # NOTE: every turn: a copy relinks when the handed marker comes
+            self._joiner_routes(ring.get("version", 0))
         if ring.get("version", -1) <= self.seen:
             return
         self.seen = ring["version"]
+        self.joiner_dead = any(r["server"] == len(self.plan) and r["state"] == "dead"
+                               for r in ring["servers"])
         dead = {r["server"] for r in ring["servers"] if r["state"] == "dead"
                 and r["server"] < len(self.plan)}  # NOTE: a joiner is join_tails.py's
         left = {r["server"] for r in ring["servers"] if r["state"] == "left"  # NOTE: drained
@@ -124,21 +135,72 @@ class Takeover(RouteThreads):
             if (k in self.chain.params and d in ch[:ch.index(index)]  # go stale: forget it,
                     and first_live(ch, self.dead) != index):  # so none ever serves it
                 del self.chain.params[k]
-        keys = [c.key for c in self.plan[d]
-                if first_live(self.chain.chains[c.key], self.dead) == index]
+        keys = [c.key for c in self.plan[d] if self.chain.chains[c.key][0] == d  # NOTE: not
+                and first_live(self.chain.chains[c.key], self.dead) == index]  # a join's moved
         missing = [k for k in keys if k not in self.chain.params]
         if missing:  # NOTE: not a copy here (several deaths): serving it would lose updates
             raise PSError(f"server {index}: server {d} died and this server is the first live "
                           f"one of the chain of {missing[0]!r}, but holds no copy of it")
         route = self._route(d, keys) if keys else None
-        self.recopy.start(d, route)  # NOTE: before the route serves: it extends at once
+        joined = self.joined(self.beat.ring)
+        if not joined:
+            self.recopy.start(d, route)  # NOTE: before the route serves: it extends at once
         if route is not None:
             self._start(d, route, ring, t0)
+            if joined:
+                self._alone()
         for head, copied in self.recopy.orphans(d):  # NOTE: a route d hosted, copied here
             self.chain.drop(head)  # NOTE: forgets that route's link, as d's
             self._start(head, self._route(head, copied), ring, t0)
 
-    def _start(self, d: int, route: Server, ring: int, t0: float) -> None:
+    def joined(self, ring: dict) -> bool:
+        """A join moved keys (the ring lists a joiner's route, or a handed marker passed
+        here: join_head.py): chains are no longer the launch plan's, which recopy.py's
+        moves follow, so no copy is made again after a death (fewer copies, stated in the
+        output)."""
+        n = len(self.plan)
+        return (any(t["by"] >= n for t in ring.get("takeovers", ()))
+                or any(getattr(self.chain, "handed", {}).values())
+                or any(ch[0] > n for ch in self.chain.chains.values()))
+
+    def _joiner_routes(self, ring: int) -> None:
+        """The joiner Y (index S = len(plan)) is dead: serve the keys of each of its routes
+        (head S+1+X of [S+1+X, c1, ..., T], join_head.relink) whose first live copy is
+        this server, as a route of X, from this copy (version and push clocks kept under
+        the route's origin). Raises PSError for a chain with a copy after this one
+        (replicas >= 3: not relinked)."""
+        n, index = len(self.plan), self.server.index
+        heads: dict[int, list[str]] = {}
+        for k, ch in self.chain.chains.items():
+            if (ch[0] > n and ch[0] not in self.dead and k in self.chain.params
+                    and first_live(ch, self.dead | {ch[0]}) == index):
+                heads.setdefault(ch[0], []).append(k)
+        for h, keys in sorted(heads.items()):
+            t0, x, ch = time.monotonic(), h - n - 1, self.chain.chains[keys[0]]
+            if ch[-1] != index:
+                raise PSError(f"server {index}: joining server {n} died after it served "
+                              f"server {x}'s moved keys; this server, their first live copy, "
+                              f"would serve them, but their chain {ch} holds copies after it, "
+                              "which a takeover after a join does not relink (built for "
+                              "replicas=2): the job stops; restart it")
+            self.dead.add(h)
+            self.dead_now = frozenset(self.dead)
+            self.chain.drop(h)  # NOTE: nothing more comes from (or is awaited of) the route
+            route = self._route(x, keys, origin=h)
+            for k in keys:  # NOTE: nothing feeds this copy any more: the route's values go on
+                del self.chain.params[k]
+            self._start(x, route, ring, t0, f"server {x} from the route of dead joining "
+                        f"server {n}")
+            self._alone()
+
+    def _alone(self) -> None:
+        """Say that the route just started has fewer copies (none made again after a join)."""
+        print(f"[ps server{self.server.index}] serves them with fewer copies (replicas="
+              f"{self.chain.r} is not restored after a join: not built); if this server dies "
+              "too, the job stops", file=sys.stderr, flush=True)
+
+    def _start(self, d: int, route: Server, ring: int, t0: float,
+               whose: str | None = None) -> None:
         """Serve `route` (d's keys) on a thread of its own; report it to the manager."""
         index, n = self.server.index, len(route.params)
         nbytes = sum(p.numel() * p.element_size() for p in route.params.values())
@@ -150,13 +212,16 @@ class Takeover(RouteThreads):
         self.routes.append((route, thread, row))
         thread.start()
         self.beat.adopted = [dict(r) for _, _, r in self.routes]  # NOTE: copies: stats come later
-        print(f"[ps server{index}] took over {n} keys ({nbytes / 1e6:.2f} MB) of "
-              f"{'drained' if d in self.left else self.gone_as} server {d} at version {row['version']} (ring version {ring}); workers reach "
-              f"them at {route.address}", file=sys.stderr, flush=True)
+        whose = whose or f"{'drained' if d in self.left else self.gone_as} server {d}"
+        print(f"[ps server{index}] took over {n} keys ({nbytes / 1e6:.2f} MB) of {whose} at "
+              f"version {row['version']} (ring version {ring}); workers reach them at "
+              f"{route.address}", file=sys.stderr, flush=True)
 
-    def _route(self, d: int, keys: list[str]) -> Server:
+    def _route(self, d: int, keys: list[str], origin: int | None = None) -> Server:
         """A Server for d's `keys` from this server's copies: values, optimizer state,
-        version, and what the copies already hold of each worker's latest push."""
+        version, and what the copies already hold of each worker's latest push (kept under
+        `origin`, default d: a joiner's route's party id for the keys it headed)."""
+        origin = d if origin is None else origin
         chunks = [c for c in self.plan[d] if c.key in set(keys)]
         route = Server(d, chunks, self.init, copy.deepcopy(self.policy), self.optimizer,
                        self.server.workers, self.secret, host=self.host,
@@ -171,10 +236,9 @@ class Takeover(RouteThreads):
                 if src in old:  # NOTE: the momentum (or Adam's moments) goes on, bitwise
                     route.optimizer.state[dst] = {n: v.clone() if torch.is_tensor(v) else v
                                                   for n, v in old[src].items()}
-        want, version = set(keys), self.chain.version[d]
-        halves = {w: (c, ks & want) for w, (c, ks) in self.chain.clocks[d].items()
-                  if not want <= ks}
-        route.done_clock = {w: c - (w in halves) for w, (c, _) in self.chain.clocks[d].items()}
+        want, version, clocks = set(keys), self.chain.version[origin], self.chain.clocks[origin]
+        halves = {w: (c, ks & want) for w, (c, ks) in clocks.items() if not want <= ks}
+        route.done_clock = {w: c - (w in halves) for w, (c, _) in clocks.items()}
         route.partial = {w: PartialPush(c, None, dict.fromkeys(ks)) for w, (c, ks) in
                          halves.items() if ks}
         if halves and not route.policy.applies_alone():  # NOTE: that round is done again
