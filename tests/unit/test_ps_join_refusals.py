@@ -81,6 +81,16 @@ def test_a_join_after_another_join_moved_keys_is_refused():
     _refused(m, "server 3 cannot join: server 2 is alive: one membership change", server=3)
 
 
+def test_a_join_after_a_death_is_refused():
+    m = _two(chain=(0, 1), other=(1, 0))
+    m.members[1].beat = 100.0  # NOTE: server 1 beat on: only 0 is marked dead
+    assert m.expire(now=100.0, timeout=5.0)
+    assert [x.state for _, x in sorted(m.members.items())] == ["dead", "alive"]
+    _refused(m, "server 2 cannot join: server 0 is dead: a join after a death is not built "
+                r"\(the join's moves follow the launch plan's chains, a takeover changed them\); "
+                "restart the job with the servers it needs")
+
+
 @pytest.mark.parametrize("server", [0, 2], ids=["an-old-owner", "the-joiner"])
 def test_a_drain_after_a_join_is_refused(server):
     m = _two()

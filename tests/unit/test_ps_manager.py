@@ -149,8 +149,8 @@ def test_a_key_with_a_live_copy_elsewhere_is_handed_to_its_copies_then_the_serve
     assert m.leave(0, ring=3) and m.members[0].state == "leaving" and m.version == 4
     assert ("server 0 at ipc://s0 is leaving: its 2 keys are served by their next live copies "
             "once it handed over (replicas >= 2)") in m.events[-1]
-    with pytest.raises(Refused, match="server 0 is leaving, and with replicas >= 2 copies take "
-                                      "over one server's keys per job"):
+    with pytest.raises(Refused, match="server 0 is leaving, and with replicas >= 2 a drain "
+                                      "comes first or not at all"):
         m.leave(2, ring=4)
     assert m.beat(0, 5, 10, False, 1.0, drained=True) and m.members[0].state == "left"
     assert "server 0 at ipc://s0 left: its copies serve its keys" in m.events[-1]

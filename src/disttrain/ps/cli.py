@@ -46,7 +46,7 @@ def add_ps_parser(subparsers) -> None:
     d.add_argument("--timeout", type=float, default=5.0)
     d.set_defaults(handler=_drain)
     a = sub.add_parser("add-server", help="start a script as a server joining the running "
-                       "job: it takes its share of the keys while workers train (replicas=1)")
+                       "job: it takes its share of the keys while workers train (any replicas)")
     a.add_argument("rest", nargs=argparse.REMAINDER, metavar="ADDR --workers W -- script.py "
                    "[args]", help="the manager's address, the job's number of workers, then "
                    "after -- the job's script and its arguments")

@@ -133,13 +133,16 @@ class Membership:
                             f"on {len(self.members)} servers gives it move to it (joining)")
 
     def _joinable(self, server: int) -> None:
-        """Refused: one server (its keys are whole tensors), a second change."""
+        """Refused: one server (its keys are whole tensors), a second change, a death."""
         busy = [(i, m.state) for i, m in sorted(self.members.items()) if i >= self.expected
                 or m.state in (LEAVING, JOINING) or m.state == LEFT and m.shard]
+        dead = [i for i, m in sorted(self.members.items()) if m.state == DEAD]
         why = ("this job has one server, whose keys are whole tensors (two cut them otherwise):"
                " start it with --servers 2 or more" if self.expected < 2 else
                f"server {busy[0][0]} is {busy[0][1]}: one membership change that moves keys "
-               "per job (a join or a drain)" if busy else "")
+               "per job (a join or a drain)" if busy else
+               f"server {dead[0]} is dead: a join after a death is not built (the join's moves "
+               "follow the launch plan's chains, a takeover changed them)" if dead else "")
         if why:
             raise Refused(f"server {server} cannot join: {why}; restart the job with the "
                           "servers it needs")
@@ -191,8 +194,10 @@ class Membership:
         gone = moving + [i for i, x in self.members.items() if x.state in (DEAD, LEFT)]
         if gone:
             raise Refused(f"server {m.server} cannot be drained: server {gone[0]} is "
-                          f"{self.members[gone[0]].state}, and with replicas >= 2 copies take "
-                          "over one server's keys per job: wait for the job to end, restart it")
+                          f"{self.members[gone[0]].state}, and with replicas >= 2 a drain comes "
+                          "first or not at all (the manager's last-copy check reads the chains "
+                          "servers registered, not the copies a takeover made again): wait for "
+                          "the job to end, restart it")
         m.state = LEAVING
         return self.change(f"server {m.server} at {m.address} is leaving: its {len(m.shard)} "
                             "keys are served by their next live copies once it handed over "
