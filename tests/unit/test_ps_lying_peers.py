@@ -262,3 +262,23 @@ def test_the_manager_refuses_report_rows_no_join_makes_and_records_nothing(why):
     assert m.version == version and to_json(m) == state and not m.takeovers
     true = {"adopted": [route]} if "adopted" in rows else {"copied": [copy]}
     assert _report(m, 3, **true).op == "ring" and m.version == version + 1  # the true row
+
+
+def test_a_route_of_an_alive_old_owner_is_taken_from_a_dead_joiner_only():
+    """After a join (r = 2) the joiner serves old owner x's moved keys as a route; once the
+    ring marks the joiner dead, their first live copy serves them as a route of x
+    (takeover.py's `_joiner_routes`): the manager takes that row then, and refuses it while
+    the joiner is alive (the "old-owner-route" lie above)."""
+    m, plan, moves, _ = _joined(MLP, 3, 2)
+    x = moves[0].before[0]
+    heir = moves[0].before[1]  # NOTE: the first copy after the head of x's moved chain
+    row = dict(m.takeovers[0], by=heir, address="ipc://heir")
+    assert m.takeovers[0]["server"] == x and m.takeovers[0]["by"] == 3
+    reply = _report(m, heir, adopted=[row])
+    assert reply.op == "error" and f"a route of alive server {x}" in reply.meta["message"]
+    for i in range(3):
+        m.members[i].beat = 100.0  # NOTE: the old servers beat on: only the joiner dies
+    assert m.expire(now=100.0, timeout=5.0) and m.members[3].state == "dead"
+    version = m.version
+    assert _report(m, heir, adopted=[row]).op == "ring" and m.version == version + 1
+    assert any(t["server"] == x and t["by"] == heir for t in m.takeovers)

@@ -80,10 +80,19 @@ def _check(members: Membership, by: int, r: dict) -> bool:
     return True
 
 
+def _heir(members: Membership, x: int, by: int) -> bool:
+    """Old server `by` may serve alive old owner x's moved keys: the ring lists a route of
+    x on a joiner it marks dead (takeover.py's `_joiner_routes`: their first live copy)."""
+    return by < members.expected and any(
+        t["server"] == x and t["by"] >= members.expected
+        and getattr(members.members.get(t["by"]), "state", None) == DEAD
+        for t in members.takeovers)
+
+
 def check_rows(members: Membership, by: int, adopted: list[dict], copied: list[dict]) -> None:
     """Raise Refused, before anything is recorded, for a report's `adopted` route of an
-    alive server that no join makes (only the old owner's own route X@X or a joiner's X@Y
-    of an old owner) or a new `copied` row naming an owner or copier that is not a member,
+    alive server that no join makes (only the old owner's own route X@X, a joiner's X@Y
+    of an old owner, or, once that joiner is dead, an old server's, `_heir`) or a new `copied` row naming an owner or copier that is not a member,
     or, a joiner's install, a range the old owner's registered chains do not give the
     joiner through that tail ([X, ..., T], at least that many keys)."""
     for r in adopted:
@@ -91,7 +100,8 @@ def check_rows(members: Membership, by: int, adopted: list[dict], copied: list[d
         if x is None or x.state in (DEAD, LEFT):
             continue  # NOTE: a takeover's row: Membership.adopt's own checks
         if not (r["server"] < members.expected and (
-                r["server"] == by or by >= members.expected and by in members.members)):
+                r["server"] == by or by >= members.expected and by in members.members
+                or _heir(members, r["server"], by))):
             raise Refused(f"server {by} reports in `adopted` a route of alive server "
                           f"{r['server']}'s keys: only server {r['server']} itself or a server "
                           "that joined this job serves them (a join's routes)")
