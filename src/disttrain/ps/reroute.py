@@ -145,7 +145,8 @@ class Routes:
 
     # ---- a silent server ----------------------------------------------------------------
     def silent(self, s: int, quiet: float, beat: float) -> str | None:
-        """Server (or route) s has been silent `quiet` s while the worker waits on it: ask
+        """Server (or route) s has been silent `quiet` s (the worker waits on it, or beats it
+        idle: a route counts a worker it never heard from lost after its grace): ask
         the manager whether it is dead and re-route if its keys were taken over. Returns
         an error text when the job cannot go on, else None. Blocks for at most one
         lookup (about a second)."""
