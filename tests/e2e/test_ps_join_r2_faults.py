@@ -68,14 +68,14 @@ def test_an_old_owner_killed_after_the_tails_cut_is_taken_over_and_the_joiner_dr
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("servers,victim,goes_on", [(3, 2, 1)])
+@pytest.mark.parametrize("servers,victim,goes_on", [(2, 0, None), (3, 2, 1)])
 def test_async_pushes_are_each_applied_once_across_an_old_owner_killed_after_the_cut(
         servers, victim, goes_on):
     """Async, one-hot pushes (its pairs at 3 servers: (1, 0), (2, 1)): every push counts
     once although X died, the joiner dropped X's copies and server 1 handed its keys over
-    to the joiner. (At 2 servers, X = 0, worker 1 failed in 3 of 3 runs: its final pull
-    waited on dead server 0 after it had re-routed, `server 0 ... silent for 16.0s`; not
-    diagnosed, see the design page.)"""
+    to the joiner. At 2 servers, X = 0, worker 1 ends its 30 steps before the kill and
+    waits at the barrier with nothing sent: it must re-route idle, or the route counts it
+    lost after its grace and ends with worker 0's done, and its final pull met silence."""
     code, out = launch("count", "3", str(victim), servers=servers)
     assert code == 0, out
     assert re.search(rf"server \d kills server {victim} after its cut", out), out
@@ -83,5 +83,8 @@ def test_async_pushes_are_each_applied_once_across_an_old_owner_killed_after_the
                      r"over: the copies of its \d+ keys here are dropped", out), out
     if goes_on is not None:
         assert re.search(rf"\[ps server{servers}\] serves \d+ keys of server {goes_on}\b", out), out
+    for w in (0, 1):
+        assert re.search(rf"\[ps worker{w}\] server {victim} died; its keys are served by "
+                         r"server \d", out), out
     assert "worker 0: the added server ended with 0" in out, out
     assert_each_push_once(out)

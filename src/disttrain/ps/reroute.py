@@ -145,7 +145,8 @@ class Routes:
 
     # ---- a silent server ----------------------------------------------------------------
     def silent(self, s: int, quiet: float, beat: float) -> str | None:
-        """Server (or route) s has been silent `quiet` s while the worker waits on it: ask
+        """Server (or route) s has been silent `quiet` s (the worker waits on it, or beats it
+        idle: a route counts a worker it never heard from lost after its grace): ask
         the manager whether it is dead and re-route if its keys were taken over. Returns
         an error text when the job cannot go on, else None. Blocks for at most one
         lookup (about a second)."""
@@ -194,7 +195,8 @@ class Routes:
             self._first_death(ring, states)
             keys = [c.key for c in self.plan[s]] if s == d else [
                 k for k, a in self.routes[d].items() if a == s]
-            owner = {k: first_live(self._chain(k), set(states)) for k in keys}
+            joined = s != d or self._handed(s, new, ring)
+            owner = {k: first_live(self._chain(k, joined), set(states)) for k in keys}
         orphan = [k for k, o in owner.items() if o is None]
         if orphan:
             return (f"{name} at {where} died and every copy of {len(orphan)} of its keys "
@@ -253,11 +255,21 @@ class Routes:
         if len(fits) == 1:
             self.first = fits[0]
 
-    def _chain(self, key: str) -> list[int]:
+    def _handed(self, s: int, new: int | None, ring: dict) -> bool:
+        """Dead server s handed keys to joining server `new` before it died: it answered
+        moved, or the ring lists the joiner's route of them. Else the join abandoned them
+        and they keep their launch chains (join_faults.py), though this worker may know
+        the join's chains already (another owner handed over)."""
+        return s in self._told or any(t["server"] == s and t["by"] == new
+                                      for t in ring.get("takeovers", ()))
+
+    def _chain(self, key: str, joined: bool = True) -> list[int]:
         """`key`'s servers as they hold it: its chain, then the server it was copied to
         again after the first death (recopy.py computes the same on every server); after a
-        join (replicas >= 2) the chain it made (join_chains.py), and no copy made again."""
-        if self.after:
+        join (replicas >= 2) the chain it made (join_chains.py), and no copy made again,
+        unless not `joined` (its owner died before it handed its keys over: the join
+        abandoned them, join_faults.py)."""
+        if self.after and joined:
             return self.after.get(key, self.plan.indices(key, self.r))
         if self._again is None and self.first is not None:
             self._again = {m.key: m.target for m in moves(self.plan, self.r, {self.first},

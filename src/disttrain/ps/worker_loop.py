@@ -184,7 +184,9 @@ class WorkerLoop:
                     ep.release()  # NOTE: after the params are copied into the model
         now = time.monotonic()
         for s, w in enumerate(waiting):
-            if any(w.values()) and self._error is None:  # NOTE: a dead server's keys move on
+            # NOTE: a dead server's keys move on; a link it beats is looked up idle too: a
+            # route counts a worker silent past its grace lost (Server.grace)
+            if self._error is None and (any(w.values()) or eps[s].session is not None):
                 text = self.routes.silent(s, now - heard[s], self._beat_every)
                 if text:
                     self._fail(text)
@@ -196,12 +198,22 @@ class WorkerLoop:
             if any(w.values()) and now - heard[s] > self.timeout * patience and not self._error:
                 # NOTE: a bad MAC before any session: the answer to our hello (same secret)
                 unread = eps[s].session is None and eps[s].rejected.get("bad MAC")
-                self._error = PSError(f"server {s} at {self.addresses[s]} silent for "
-                                      f"{now - heard[s]:.1f}s (timeout {self.timeout}s)" + (
+                self._error = PSError(self._silence(s, now - heard[s], unread))
+        return True
+
+    def _silence(self, s: int, quiet: float, unread: bool) -> str:
+        """The error of a worker that waited `quiet` s on server (or route) s and heard
+        nothing: a route names whose keys it serves and why a live host's route is silent."""
+        d, host = self.routes.hosts.get(s, (s, s))
+        name = f"server {s}" if s == d else f"the route of server {d}'s keys on server {host}"
+        return (f"{name} at {self.addresses[s]} silent for {quiet:.1f}s (timeout "
+                f"{self.timeout}s)" + (
                     f"; its answer to the hello does not verify: it speaks another wire "
                     f"protocol (this worker {PROTOCOL}; older than 3 if it does not say)"
-                    if unread else ""))
-        return True
+                    if unread else "") + (
+                    "; a route ends once every worker is done or lost (silent past its "
+                    "timeout; one timeout more before a worker's first frame): it may have "
+                    "ended before this worker reached it" if s != d else ""))
 
     def _unanswered(self, s: int, waiting: dict[str, list[Handle]], quiet: float) -> str:
         """The error of a worker whose server s keeps answering beats but has sent none of
