@@ -92,7 +92,8 @@ def _heir(members: Membership, x: int, by: int) -> bool:
 def check_rows(members: Membership, by: int, adopted: list[dict], copied: list[dict]) -> None:
     """Raise Refused, before anything is recorded, for a report's `adopted` route of an
     alive server that no join makes (only the old owner's own route X@X, a joiner's X@Y
-    of an old owner, or, once that joiner is dead, an old server's, `_heir`) or a new `copied` row naming an owner or copier that is not a member,
+    of an old owner, or, once that joiner is dead, an old server's, `_heir`) or a new
+    `copied` row naming an owner or copier that is not a member,
     or, a joiner's install, a range the old owner's registered chains do not give the
     joiner through that tail ([X, ..., T], at least that many keys)."""
     for r in adopted:
