@@ -359,6 +359,8 @@ class Replicas:
         for nexts in [*self.origin_hops.values(), *self.paths.values()]:
             nexts.discard(dead)
         self.feeds = {(o, j) for o, j in self.feeds if j != dead and o != dead}
+        # NOTE: a drained head's final came on this link; a route of its keys speaks as it
+        self.finals = {(o, j) for o, j in self.finals if j != dead and o != dead}
         self._seen.pop(self.base + dead, None)
         self._pending = [({j: n for j, n in need.items() if j != dead}, a)
                          for need, a in self._pending]
